@@ -1,0 +1,260 @@
+"""Device setup: real GPUs or simulated CPU devices, fixed before JAX starts.
+
+Every notebook calls :func:`setup_devices` in the cell right after its parameters cell. On the CPU
+backend it *simulates* ``n_devices`` devices with ``jax.config.update("jax_num_cpu_devices", n)``,
+which only works before the first JAX operation (see design/jax-0.12.md, "Simulated devices"). On a GPU
+host it uses the first ``n_devices`` GPUs.
+
+The module imports JAX lazily, inside :func:`setup_devices`, so importing ``course_lib`` never starts a
+backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform as _platform
+import re
+from typing import Any, Sequence
+
+PLATFORMS = ("auto", "cpu", "gpu")
+
+# One XLA flag: "--name" or "--name=value", ASCII only (an en dash or a missing "--" aborts XLA later).
+_XLA_FLAG = re.compile(r"^--[A-Za-z0-9_]+(=[\x21-\x7e]*)?$")
+
+
+class DeviceSetupError(RuntimeError):
+    """The devices asked for cannot be provided; the message names the value and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceReport:
+    """What :func:`setup_devices` set up.
+
+    Attributes:
+      platform: ``"cpu"`` or ``"gpu"``: the backend the devices belong to.
+      device_kind: ``jax.Device.device_kind`` of the first device, e.g. ``"cpu"`` or ``"NVIDIA H100 80GB HBM3"``.
+      n_devices: number of devices the course uses (``len(devices)``).
+      simulated: True when the devices are simulated CPU devices sharing this machine's cores.
+      devices: the ``jax.Device`` objects to use, in order; meshes and ``pmap`` take them from here.
+      n_available: devices of this platform that JAX sees (may exceed ``n_devices`` on a GPU host).
+      jax_version, jaxlib_version, python_version: versions, for results metadata.
+      host_cpus: ``os.cpu_count()`` of this machine.
+    """
+
+    platform: str
+    device_kind: str
+    n_devices: int
+    simulated: bool
+    devices: tuple[Any, ...]
+    n_available: int
+    jax_version: str
+    jaxlib_version: str
+    python_version: str
+    host_cpus: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report without the device objects: plain values for a table or a CSV row."""
+        d = dataclasses.asdict(self)
+        d["devices"] = ", ".join(str(x) for x in self.devices)
+        return d
+
+    def __str__(self) -> str:
+        kind = "simulated on the CPU" if self.simulated else "real"
+        lines = [
+            f"platform     : {self.platform} ({kind})",
+            f"devices      : {self.n_devices} of {self.n_available} available ({self.device_kind})",
+            f"device list  : {', '.join(str(d) for d in self.devices)}",
+            f"jax / jaxlib : {self.jax_version} / {self.jaxlib_version}",
+            f"python       : {self.python_version} on {self.host_cpus} host CPU cores",
+        ]
+        if self.simulated and self.n_devices > 1:
+            lines.append(
+                "note         : simulated devices share this machine's cores; timings are relative, not speedups"
+            )
+        return "\n".join(lines)
+
+
+def parse_n_devices(n_devices: Any) -> int:
+    """Validate a device count given as an int or a decimal string (papermill ``-r`` passes strings).
+
+    Returns:
+      The count as a positive ``int``.
+
+    Raises:
+      ValueError: for a non-integer (``"eight"``, ``2.5``, ``True``) or a count ≤ 0.
+    """
+    value = n_devices
+    if isinstance(value, bool):
+        raise ValueError(f"n_devices={n_devices!r} is a bool; give a positive integer such as 8")
+    if isinstance(value, str):
+        text = value.strip()
+        if not re.fullmatch(r"[+-]?\d+", text):
+            raise ValueError(
+                f"n_devices={n_devices!r} is not an integer; give a whole number such as 8 "
+                f"(with papermill: -p n_devices 8)"
+            )
+        value = int(text)
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"n_devices={n_devices!r} is not a whole number; give an integer such as 8")
+        value = int(value)
+    elif not isinstance(value, int):
+        try:
+            import operator
+
+            value = operator.index(value)  # numpy integers
+        except TypeError:
+            raise ValueError(
+                f"n_devices={n_devices!r} ({type(n_devices).__name__}) is not an integer; give one such as 8"
+            ) from None
+    if value <= 0:
+        raise ValueError(f"n_devices={n_devices!r} must be at least 1; give a positive integer such as 8")
+    return int(value)
+
+
+def check_xla_flags(flags: str | None = None) -> list[str]:
+    """Check an ``XLA_FLAGS`` string before XLA parses it (a malformed one aborts the process later).
+
+    Args:
+      flags: the string to check; ``None`` reads ``os.environ["XLA_FLAGS"]``.
+
+    Returns:
+      The individual flags, e.g. ``["--xla_force_host_platform_device_count=8"]``.
+
+    Raises:
+      DeviceSetupError: naming the first malformed token (missing ``--``, a non-ASCII dash, spaces
+        around ``=``) and how to fix or unset the variable.
+    """
+    if flags is None:
+        flags = os.environ.get("XLA_FLAGS", "")
+    tokens = flags.split()
+    for tok in tokens:
+        if not _XLA_FLAG.match(tok):
+            hint = ""
+            if any(ch in tok for ch in "\u2013\u2014\u2212"):
+                hint = " (it contains a typographic dash; type two ASCII hyphens '--')"
+            elif not tok.startswith("--"):
+                hint = " (every flag starts with '--')"
+            raise DeviceSetupError(
+                f"XLA_FLAGS contains a malformed flag {tok!r}{hint}. XLA would abort the process on first "
+                f"use. Fix it, or remove it: `unset XLA_FLAGS` in the shell that starts Jupyter, or "
+                f"os.environ.pop('XLA_FLAGS') before JAX starts, then restart the kernel."
+            )
+    return tokens
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except Exception:  # private API moved: fall back to the public behaviour below
+        return False
+
+
+def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
+    """Make ``n_devices`` JAX devices available and verify the count; call before any JAX operation.
+
+    Args:
+      n_devices: how many devices to use: an int, or a decimal string such as ``"8"``.
+      platform: ``"auto"`` (GPUs if JAX has a GPU backend, else simulated CPU devices), ``"cpu"``
+        (simulated CPU devices even on a GPU host) or ``"gpu"`` (GPUs only; an error without them).
+
+    Returns:
+      A :class:`DeviceReport`; ``report.devices`` are the devices the rest of the notebook uses.
+
+    Raises:
+      ValueError: ``n_devices`` is not a positive integer, or ``platform`` is not one of ``PLATFORMS``.
+      DeviceSetupError: ``XLA_FLAGS`` is malformed; JAX already started with another device count
+        (restart the kernel); more GPUs asked for than exist; ``platform="gpu"`` without a GPU backend.
+    """
+    n = parse_n_devices(n_devices)
+    if not isinstance(platform, str) or platform.strip().lower() not in PLATFORMS:
+        raise ValueError(f"platform={platform!r} is not one of {PLATFORMS}; use 'auto' unless you need to force one")
+    platform = platform.strip().lower()
+    check_xla_flags()
+
+    import jax
+
+    started = _backends_started()
+    if not started:
+        if platform == "cpu":
+            jax.config.update("jax_platforms", "cpu")
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:
+            started = True  # a JAX operation ran before this call
+    if started:
+        if platform == "cpu" and jax.default_backend() != "cpu":
+            raise DeviceSetupError(
+                f"platform='cpu' was asked for, but JAX already started on {jax.default_backend()!r}. Restart the "
+                f"kernel and run the device setup cell before any other JAX code."
+            )
+        if jax.default_backend() == "cpu" and len(jax.devices()) != n:
+            raise DeviceSetupError(
+                f"JAX already started with {len(jax.devices())} CPU device(s), and the count cannot change in a "
+                f"running process (asked for n_devices={n}). Restart the kernel and run the notebook from the "
+                f"top: the device setup cell must run before any other JAX code."
+            )
+
+    try:
+        backend = jax.default_backend()
+    except RuntimeError as e:  # e.g. jax_platforms names a backend that is not installed
+        raise DeviceSetupError(f"JAX could not start a backend ({e}). Use platform='cpu' to simulate devices.") from e
+
+    if platform == "gpu" and backend != "gpu":
+        raise DeviceSetupError(
+            f"platform='gpu' but JAX's backend is {backend!r}: no GPU is visible to JAX. Install the CUDA build "
+            f"of the same JAX (pip install 'jax[cuda12]==0.12.0.1'), check nvidia-smi and CUDA_VISIBLE_DEVICES, "
+            f"or use platform='auto' / 'cpu' to run on simulated CPU devices."
+        )
+
+    available = jax.devices()
+    if len(available) < n:
+        if backend == "cpu":
+            raise DeviceSetupError(
+                f"asked for n_devices={n} but JAX reports {len(available)} CPU device(s). Something set the count "
+                f"before this call (JAX_NUM_CPU_DEVICES or an earlier jax.config.update). Restart the kernel."
+            )
+        raise DeviceSetupError(
+            f"asked for n_devices={n} but only {len(available)} {backend.upper()} device(s) exist "
+            f"({available[0].device_kind}). Use n_devices <= {len(available)}, or platform='cpu' to simulate {n}."
+        )
+    devices = tuple(available[:n])
+    if len(devices) != n:  # pragma: no cover - defensive: the count JAX reports is the contract
+        raise DeviceSetupError(f"expected {n} devices, JAX gave {len(devices)}")
+
+    import jaxlib
+
+    return DeviceReport(
+        platform=backend,
+        device_kind=devices[0].device_kind,
+        n_devices=n,
+        simulated=backend == "cpu",
+        devices=devices,
+        n_available=len(available),
+        jax_version=jax.__version__,
+        jaxlib_version=getattr(jaxlib, "__version__", "unknown"),
+        python_version=_platform.python_version(),
+        host_cpus=os.cpu_count() or 1,
+    )
+
+
+def device_subsets(devices: Sequence[Any], max_n: int | None = None) -> list[int]:
+    """Device counts 1, 2, 4, … up to ``len(devices)`` (and ``len(devices)`` itself), for scaling views.
+
+    Args:
+      devices: the devices available (``report.devices``).
+      max_n: optional cap.
+
+    Returns:
+      Sorted counts, e.g. ``[1, 2, 4, 8]`` for 8 devices, ``[1, 2, 3]`` for 3.
+    """
+    total = len(devices) if max_n is None else min(len(devices), max_n)
+    counts = {1, total}
+    k = 2
+    while k < total:
+        counts.add(k)
+        k *= 2
+    return sorted(c for c in counts if c >= 1)

@@ -1,0 +1,115 @@
+"""Mesh builders: a 1-D ``data`` mesh and a 2-D ``data × model`` mesh, axis types stated explicitly.
+
+``jax.make_mesh`` defaults to *Explicit* axis types in JAX 0.12 while ``jax.sharding.Mesh`` defaults to
+*Auto* (design/jax-0.12.md): the builders here always pass ``axis_types`` so the reader sees which one is used.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+DATA = "data"
+"""Name of the data-parallel mesh axis (the batch is split over it)."""
+MODEL = "model"
+"""Name of the tensor-parallel mesh axis (layer features are split over it)."""
+
+AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
+
+
+def _axis_type(axis_type: str | AxisType) -> AxisType:
+    if isinstance(axis_type, AxisType):
+        return axis_type
+    try:
+        return AXIS_TYPES[str(axis_type).lower()]
+    except KeyError:
+        raise ValueError(f"axis_type={axis_type!r} must be one of {sorted(AXIS_TYPES)}") from None
+
+
+def _devices(devices: Sequence[Any] | None, n: int | None = None) -> list[Any]:
+    if devices is None:
+        import jax
+
+        devices = jax.devices()
+    devices = list(devices)
+    if n is not None:
+        if n > len(devices):
+            raise ValueError(f"asked for {n} devices but only {len(devices)} were given; use n <= {len(devices)}")
+        devices = devices[:n]
+    if not devices:
+        raise ValueError("no devices given; pass report.devices from setup_devices()")
+    return devices
+
+
+def data_mesh(devices: Sequence[Any] | None = None, axis_type: str | AxisType = "explicit") -> Mesh:
+    """A 1-D mesh ``{data: len(devices)}`` for data parallelism.
+
+    Args:
+      devices: the devices, in order (default: all of ``jax.devices()``).
+      axis_type: ``"explicit"`` or ``"auto"`` (``jax.sharding.AxisType``).
+    """
+    devs = _devices(devices)
+    return Mesh(np.array(devs), (DATA,), axis_types=(_axis_type(axis_type),))
+
+
+def choose_mesh_shape(n_devices: int, model: int | None = None) -> tuple[int, int]:
+    """A valid ``(n_data, n_model)`` split of ``n_devices``.
+
+    Args:
+      n_devices: total devices (≥ 1).
+      model: the model-axis size wanted; default 2 when ``n_devices`` is even (the source article's
+        4 × 2 on 8 devices), else 1. ``n_devices = 1`` gives ``(1, 1)``.
+
+    Raises:
+      ValueError: ``n_devices`` < 1, or ``model`` < 1 or not a divisor of ``n_devices``.
+    """
+    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
+        raise ValueError(f"n_devices={n_devices!r} must be a positive integer")
+    if model is None:
+        model = 2 if n_devices % 2 == 0 else 1
+    if isinstance(model, bool) or not isinstance(model, int) or model < 1:
+        raise ValueError(f"model={model!r} must be a positive integer")
+    if n_devices % model:
+        divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
+        raise ValueError(
+            f"a model axis of {model} does not divide {n_devices} devices; choose one of {divisors}"
+        )
+    return n_devices // model, model
+
+
+def data_model_mesh(
+    devices: Sequence[Any] | None = None,
+    shape: tuple[int, int] | None = None,
+    axis_type: str | AxisType = "explicit",
+) -> Mesh:
+    """A 2-D mesh ``{data: n_data, model: n_model}``.
+
+    Devices are laid out row-major: the ``model`` axis varies fastest, so a model group holds neighbouring
+    devices (on a GPU server, the ones with the fastest links).
+
+    Args:
+      devices: the devices (default: all of ``jax.devices()``).
+      shape: ``(n_data, n_model)``; default :func:`choose_mesh_shape` of the device count.
+      axis_type: ``"explicit"`` or ``"auto"``, for both axes.
+
+    Raises:
+      ValueError: ``n_data * n_model`` differs from the number of devices.
+    """
+    devs = _devices(devices)
+    if shape is None:
+        shape = choose_mesh_shape(len(devs))
+    n_data, n_model = shape
+    if n_data < 1 or n_model < 1 or n_data * n_model != len(devs):
+        raise ValueError(
+            f"mesh shape (data={n_data}, model={n_model}) needs {n_data * n_model} devices but "
+            f"{len(devs)} were given; use data * model == {len(devs)}, e.g. {choose_mesh_shape(len(devs))}"
+        )
+    t = _axis_type(axis_type)
+    return Mesh(np.array(devs).reshape(n_data, n_model), (DATA, MODEL), axis_types=(t, t))
+
+
+def describe(mesh: Mesh) -> str:
+    """``"data=4 x model=2"`` style description of a mesh's axes."""
+    return " x ".join(f"{name}={size}" for name, size in mesh.shape.items())

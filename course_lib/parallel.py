@@ -1,0 +1,150 @@
+"""Tensor parallelism for the CNN inside ``shard_map``: the parameter layout and the per-shard forward.
+
+Megatron-style pairs on the ``model`` axis, so the model axis *splits* work instead of duplicating it:
+
+=========  ==========================  ==================================  =========================
+layer      kernel spec                 per-shard kernel                    after the layer
+=========  ==========================  ==================================  =========================
+conv1      ``P(None,None,None,model)``  [3, 3, 3, c1/m]  (output-split)     channels split, no comm.
+conv2      ``P(None,None,model,None)``  [3, 3, c1/m, c2] (input-split)      partial sums → ``psum``
+conv3      ``P(None,None,None,model)``  [3, 3, c2, c3/m] (output-split)     channels split, no comm.
+dense1     ``P(model, None)``           [c3/m·h·w, hidden] (input-split)    partial sums → ``psum``
+dense2     ``P()``                      [hidden, classes] (replicated)      —
+=========  ==========================  ==================================  =========================
+
+Two ``psum``\\ s over ``model`` per forward pass (and their transposes in the backward pass). dense1's rows
+split cleanly because the CNN flattens channel-major (:func:`course_lib.model.flatten_channel_major`).
+The source article split only conv1; :func:`article_param_specs` / :func:`article_apply` reproduce that
+variant, in which everything after conv1 is computed on every model shard (an ``all_gather`` and duplicated work).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from .meshes import MODEL
+from .model import flatten_channel_major, max_pool
+
+
+def conv(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """3×3 'SAME' convolution as ``nnx.Conv`` computes it: x [B, H, W, Cin], kernel [3, 3, Cin, Cout] → [B, H, W, Cout]."""
+    y = lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return y if bias is None else y + bias
+
+
+def tp_param_specs(params: Any, model_axis: str = MODEL) -> dict:
+    """PartitionSpecs of the tensor-parallel layout (table in the module docstring), same tree as ``params``."""
+    m = model_axis
+    return {
+        "conv1": {"kernel": P(None, None, None, m), "bias": P(m)},
+        "conv2": {"kernel": P(None, None, m, None), "bias": P()},
+        "conv3": {"kernel": P(None, None, None, m), "bias": P(m)},
+        "dense1": {"kernel": P(m, None), "bias": P()},
+        "dense2": {"kernel": P(), "bias": P()},
+    }
+
+
+def tp_apply(params: Any, images: jax.Array, model_axis: str = MODEL) -> jax.Array:
+    """Per-shard forward of the tensor-parallel CNN; call inside ``shard_map`` over a mesh with ``model_axis``.
+
+    Args:
+      params: this shard's parameters, laid out by :func:`tp_param_specs`.
+      images: float32 [b, H, W, 3], this data shard's images (replicated over the model axis).
+      model_axis: the mesh axis the features are split over.
+
+    Returns:
+      float32 logits [b, num_classes], identical on every model shard (after the last ``psum``).
+    """
+    p = params
+    x = jax.nn.relu(conv(images, p["conv1"]["kernel"], p["conv1"]["bias"]))  # [b, H, W, c1/m]
+    x = max_pool(x)
+    x = lax.psum(conv(x, p["conv2"]["kernel"]), model_axis) + p["conv2"]["bias"]  # [b, H/2, W/2, c2]
+    x = max_pool(jax.nn.relu(x))
+    x = jax.nn.relu(conv(x, p["conv3"]["kernel"], p["conv3"]["bias"]))  # [b, H/4, W/4, c3/m]
+    x = flatten_channel_major(max_pool(x))  # [b, c3/m · H/8 · W/8]
+    x = lax.psum(x @ p["dense1"]["kernel"], model_axis) + p["dense1"]["bias"]  # [b, hidden]
+    x = jax.nn.relu(x)
+    return x @ p["dense2"]["kernel"] + p["dense2"]["bias"]  # [b, num_classes]
+
+
+def article_param_specs(params: Any, model_axis: str = MODEL) -> dict:
+    """The source article's layout: only conv1's kernel (and bias) split over output features; the rest replicated."""
+    specs = jax.tree.map(lambda _: P(), params)
+    specs["conv1"] = {"kernel": P(None, None, None, model_axis), "bias": P(model_axis)}
+    return specs
+
+
+def article_apply(params: Any, images: jax.Array, model_axis: str = MODEL) -> jax.Array:
+    """Per-shard forward of the article's variant: conv1 output-split, then ``all_gather`` and full replicated work."""
+    p = params
+    x = jax.nn.relu(conv(images, p["conv1"]["kernel"], p["conv1"]["bias"]))  # [b, H, W, c1/m]
+    x = lax.all_gather(x, model_axis, axis=3, tiled=True, to="invarying")  # [b, H, W, c1]: every model shard gets all channels
+    x = max_pool(x)
+    for name in ("conv2", "conv3"):
+        x = max_pool(jax.nn.relu(conv(x, p[name]["kernel"], p[name]["bias"])))
+    x = flatten_channel_major(x)
+    x = jax.nn.relu(x @ p["dense1"]["kernel"] + p["dense1"]["bias"])
+    return x @ p["dense2"]["kernel"] + p["dense2"]["bias"]
+
+
+def specs_like(tree: Any, params: Any, param_specs: Any) -> Any:
+    """PartitionSpecs for any pytree that holds parameter-shaped leaves (e.g. an optax state).
+
+    A leaf whose path ends in a parameter's path (``…/conv1/kernel``) and has that parameter's shape gets
+    that parameter's spec; every other leaf (counts, empty states) is replicated, ``P()``.
+    """
+    flat_params = {
+        tuple(str(k) for k in path): (leaf.shape, spec)
+        for (path, leaf), spec in zip(
+            jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_specs, is_leaf=_is_spec)
+        )
+    }
+
+    def pick(path, leaf):
+        keys = tuple(str(k) for k in path)
+        for ppath, (shape, spec) in flat_params.items():
+            if keys[-len(ppath):] == ppath and getattr(leaf, "shape", None) == shape:
+                return spec
+        return P()
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def check_model_split(params: Any, param_specs: Any, n_model: int) -> None:
+    """Raise a ValueError naming the layer when a split dimension is not divisible by ``n_model``."""
+    for (path, leaf), spec in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_specs, is_leaf=_is_spec)
+    ):
+        for dim, axis in zip(leaf.shape, tuple(spec)):
+            if axis is not None and dim % n_model:
+                name = "/".join(str(getattr(k, "key", k)) for k in path)
+                raise ValueError(
+                    f"{name} has {dim} features along the split dimension, not divisible by a model axis of "
+                    f"{n_model}; use a model axis that divides it, or channels that are multiples of {n_model}"
+                )
+
+
+def shard_shapes(tree: Any) -> Any:
+    """The per-device shard shape of every array leaf (first addressable shard), e.g. for a notebook table."""
+    return jax.tree.map(lambda x: x.addressable_shards[0].data.shape, tree)
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes that one device (the first) holds of a placed pytree: the sum of its shards' sizes."""
+    first = None
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shards = x.addressable_shards
+        if first is None:
+            first = shards[0].device
+        total += sum(s.data.nbytes for s in shards if s.device == first)
+    return total
