@@ -1,6 +1,7 @@
 """Synthetic image-classification data, generated on the device from a PRNG key.
 
-Each class has a fixed random prototype image; an example is ``signal * prototype[label] + noise``. A CNN
+Each class has a fixed prototype image (a random 4 × 4 grid of colours, resized to the image size); an
+example is ``signal * prototype[label] + noise`` with unit Gaussian noise per pixel. A CNN
 learns this (the loss falls within a few steps), at any image size, with no download. Batches are made by
 a jitted function whose output can be placed straight into a sharding, so the data is generated on the
 devices that consume it (the source article: "generating data on the device doubled its throughput").
@@ -103,7 +104,9 @@ def check_divisible(size: int, parts: int, what: str = "global batch", axis: str
 def _generate(ds: SyntheticImages, batch_size: int, key: jax.Array):
     proto_key = jax.random.key(ds.seed)
     shape = (ds.num_classes, ds.image_size, ds.image_size, ds.channels)
-    prototypes = jax.random.normal(proto_key, shape, jnp.float32)
+    # Low-frequency prototypes (a 4x4 grid of random colours, resized): class structure survives pooling.
+    coarse = jax.random.normal(proto_key, (ds.num_classes, 4, 4, ds.channels), jnp.float32)
+    prototypes = jax.image.resize(coarse, shape, method="linear")
     k_label, k_noise = jax.random.split(key)
     labels = jax.random.randint(k_label, (batch_size,), 0, ds.num_classes, dtype=jnp.int32)
     noise = jax.random.normal(k_noise, (batch_size,) + shape[1:], jnp.float32)

@@ -220,6 +220,15 @@ def _put(tree: Any, sharding: Any) -> Any:
     return jax.device_put(jax.device_get(tree), sharding)
 
 
+def data_shards(key: str, n_devices: int) -> int:
+    """How many pieces strategy ``key`` splits the global batch into on ``n_devices`` devices."""
+    if key == "jit":
+        return 1
+    if key in ("shard_map", "shard_map_article"):
+        return choose_mesh_shape(n_devices)[0]
+    return n_devices
+
+
 def max_param_diff(a: Any, b: Any) -> float:
     """Largest absolute difference between two parameter pytrees of the same structure (float)."""
     return float(max(np.max(np.abs(np.asarray(x) - np.asarray(y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))

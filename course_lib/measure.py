@@ -1,0 +1,161 @@
+"""Measurement: compile time apart from run time, synchronised step timing, memory, FLOPs, collectives.
+
+Methodology (design/style.md, "Measurement"): inputs are placed on their devices first; the step is
+lowered and compiled explicitly, so compile time is measured on its own; every timed call ends with
+``jax.block_until_ready`` (JAX dispatches asynchronously: without it a call "takes" microseconds); the
+first calls are warm-up; the median and the spread of the rest are reported.
+
+Memory and FLOPs come from the compiled program (``Compiled.memory_analysis()`` / ``cost_analysis()``),
+which work on every backend; on GPUs the allocator's ``Device.memory_stats()`` is reported beside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+"""HLO collective ops counted in compiled programs (async ``-start`` forms are counted once)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Summary of repeated wall-clock measurements, in seconds.
+
+    Attributes:
+      median_s: median seconds per call (warm-up calls excluded).
+      min_s, max_s: fastest and slowest call, seconds.
+      iqr_s: interquartile range (75th - 25th percentile), seconds; 0 with fewer than 4 samples.
+      n: number of timed calls.
+    """
+
+    median_s: float
+    min_s: float
+    max_s: float
+    iqr_s: float
+    n: int
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[float]) -> "Timing":
+        """Summarise samples in seconds. Raises ValueError on an empty sequence."""
+        xs = sorted(float(x) for x in samples)
+        if not xs:
+            raise ValueError("no timing samples: run at least one timed call (steps must exceed warmup)")
+        iqr = 0.0
+        if len(xs) >= 4:
+            q = statistics.quantiles(xs, n=4)
+            iqr = q[2] - q[0]
+        return cls(statistics.median(xs), xs[0], xs[-1], iqr, len(xs))
+
+
+def time_calls(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> Timing:
+    """Time ``fn()`` ``repeats`` times after ``warmup`` untimed calls, synchronising on its result.
+
+    Raises:
+      ValueError: ``repeats`` < 1 or ``warmup`` < 0.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - t0)
+    return Timing.from_samples(samples)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStats:
+    """What the compiled step says about itself (all per device unless named otherwise).
+
+    Attributes:
+      compile_s: seconds to lower and compile (tracing included).
+      argument_bytes, output_bytes, temp_bytes, alias_bytes: ``memory_analysis()`` fields, bytes per device.
+      bytes_per_device: argument + output − alias (donated buffers reused) + temp: the program's footprint.
+      flops_per_device: ``cost_analysis()["flops"]`` of the per-device (SPMD-partitioned) program.
+      collectives: count of each op in ``COLLECTIVES`` in the compiled HLO text.
+    """
+
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    bytes_per_device: int
+    flops_per_device: float
+    collectives: dict
+
+    def collectives_str(self) -> str:
+        """``"all-reduce:2 all-gather:1"`` (only ops that occur), or ``"none"``."""
+        parts = [f"{k}:{v}" for k, v in self.collectives.items() if v]
+        return " ".join(parts) if parts else "none"
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """Count collective ops in compiled HLO text (``Compiled.as_text()``), one per instruction."""
+    return {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo_text)) for op in COLLECTIVES}
+
+
+def compile_and_analyse(lower: Callable[[], Any]) -> tuple[Any, CompiledStats]:
+    """Lower and compile (timed), then read memory, FLOPs and collectives from the compiled program.
+
+    Args:
+      lower: a zero-argument callable returning ``jax.stages.Lowered``, e.g. ``lambda: step.lower(state, batch)``.
+
+    Returns:
+      ``(compiled, stats)``; call ``compiled(state, batch)`` to run without re-tracing.
+    """
+    t0 = time.perf_counter()
+    compiled = lower().compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older APIs returned one dict per device program
+        cost = cost[0] if cost else {}
+    arg = int(getattr(mem, "argument_size_in_bytes", 0))
+    out = int(getattr(mem, "output_size_in_bytes", 0))
+    tmp = int(getattr(mem, "temp_size_in_bytes", 0))
+    alias = int(getattr(mem, "alias_size_in_bytes", 0))
+    stats = CompiledStats(
+        compile_s=compile_s,
+        argument_bytes=arg,
+        output_bytes=out,
+        temp_bytes=tmp,
+        alias_bytes=alias,
+        bytes_per_device=arg + out - alias + tmp,
+        flops_per_device=float((cost or {}).get("flops", float("nan"))),
+        collectives=count_collectives(compiled.as_text()),
+    )
+    return compiled, stats
+
+
+def peak_device_memory(devices: Sequence[Any]) -> int | None:
+    """Largest ``peak_bytes_in_use`` over ``devices`` from the allocator, or None where the backend has no
+    ``memory_stats()`` (the CPU backend returns None)."""
+    peaks = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
+def human_bytes(n: float | None) -> str:
+    """``1536 → "1.5 KiB"``; None → ``"n/a"``."""
+    if n is None or n != n:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover

@@ -1,0 +1,127 @@
+"""Plots of lab results. Each function takes data and an optional ``ax``/figure, returns what it drew,
+never calls ``plt.show()`` and never changes global matplotlib style."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+_MARKERS = {"jit": "o", "pmap": "s", "shard_map": "^", "sharded_jit": "D", "shard_map_article": "v"}
+
+
+def _label(df: pd.DataFrame, key: str) -> str:
+    if "label" in df.columns:
+        labels = df.loc[df["strategy"] == key, "label"]
+        if len(labels):
+            return str(labels.iloc[0])
+    return key
+
+
+def loss_curves(curves: pd.DataFrame, ax=None, title: str = "Training loss per step (same data, same init)"):
+    """Overlay the loss curves of ``loss_curves.csv`` (columns ``strategy, step, loss``).
+
+    Parity shows as curves that lie on top of each other. Returns the Axes.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.5))
+    styles = ["-", "--", ":", "-."]
+    for i, (key, g) in enumerate(curves.groupby("strategy", sort=False)):
+        ax.plot(g["step"], g["loss"], styles[i % len(styles)], marker=_MARKERS.get(key, "."), markersize=3, label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss (nats)")
+    ax.set_title(title)
+    ax.legend()
+    return ax
+
+
+def comparison(results: pd.DataFrame, reference: pd.DataFrame | None = None, simulated: bool | None = None):
+    """Four panels, one bar per strategy: samples/s, median step time, bytes per device, achieved FLOP/s.
+
+    Args:
+      results: rows of ``lab_results.csv``.
+      reference: optional rows of a reference run (same columns), drawn as hatched bars beside.
+      simulated: label the timing panels as relative (simulated CPU devices); default read from the rows.
+
+    Returns:
+      The Figure.
+    """
+    if simulated is None:
+        simulated = bool(results.get("simulated", pd.Series([False])).astype(str).str.lower().eq("true").any())
+    panels = [
+        ("samples_per_s", "samples / s"),
+        ("step_time_s", "median step time (s)"),
+        ("bytes_per_device", "compiled bytes per device (MiB)"),
+        ("achieved_flops_per_s", "achieved GFLOP/s (all devices)"),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.4))
+    keys = list(results["strategy"])
+    x = np.arange(len(keys))
+    width = 0.38 if reference is not None else 0.7
+    for ax, (col, name) in zip(axes, panels):
+        scale = 1 / 2**20 if col == "bytes_per_device" else 1e-9 if col == "achieved_flops_per_s" else 1
+        vals = results[col].astype(float).to_numpy() * scale
+        ax.bar(x - (width / 2 if reference is not None else 0), vals, width, label="this run")
+        if reference is not None and col in reference.columns:
+            ref = reference.set_index("strategy")
+            rvals = [float(ref.loc[k, col]) * scale if k in ref.index else np.nan for k in keys]
+            ax.bar(x + width / 2, rvals, width, hatch="//", alpha=0.6, label="reference")
+        ax.set_xticks(x, keys, rotation=20)
+        rel = " (relative: simulated devices)" if simulated and col in ("samples_per_s", "step_time_s", "achieved_flops_per_s") else ""
+        ax.set_title(name + rel, fontsize=9)
+    if reference is not None:
+        axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def scaling(rows: pd.DataFrame, ax=None, simulated: bool | None = None):
+    """Throughput against device count per strategy, with the ideal line (linear from 1 device).
+
+    Args:
+      rows: scaling rows (``strategy, n_devices, samples_per_s``).
+      simulated: label the axis as relative when the devices are simulated; default read from the rows.
+
+    Returns:
+      The Axes.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.8))
+    if simulated is None:
+        simulated = bool(rows.get("simulated", pd.Series([False])).astype(str).str.lower().eq("true").any())
+    ns = sorted(rows["n_devices"].unique())
+    for key, g in rows.groupby("strategy", sort=False):
+        g = g.sort_values("n_devices")
+        ax.plot(g["n_devices"], g["samples_per_s"], marker=_MARKERS.get(key, "."), label=key)
+        base = g.loc[g["n_devices"] == g["n_devices"].min(), "samples_per_s"]
+        if len(base) and key == rows["strategy"].iloc[0]:
+            b = float(base.iloc[0]) / float(g["n_devices"].min())
+            ax.plot(ns, [b * n for n in ns], "k:", label=f"ideal (linear from {key} at 1 device)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_xlabel("devices")
+    ax.set_ylabel("samples / s" + (" (relative, simulated devices)" if simulated else ""))
+    ax.set_title("Strong scaling at a fixed global batch")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def scaling_efficiency(rows: pd.DataFrame) -> pd.DataFrame:
+    """Table of efficiency = throughput(n) / (n × throughput(1)) per strategy; NaN where no 1-device run."""
+    out = []
+    for key, g in rows.groupby("strategy", sort=False):
+        base = g.loc[g["n_devices"] == 1, "samples_per_s"]
+        b = float(base.iloc[0]) if len(base) else np.nan
+        for _, r in g.sort_values("n_devices").iterrows():
+            out.append({"strategy": key, "n_devices": int(r["n_devices"]), "samples_per_s": float(r["samples_per_s"]),
+                        "efficiency": float(r["samples_per_s"]) / (r["n_devices"] * b) if b == b else np.nan})
+    return pd.DataFrame(out)
+
+
+def save(fig, path) -> str:
+    """Save a Figure (or the Figure of an Axes) as PNG at 110 dpi; returns the path as a string."""
+    fig = getattr(fig, "figure", fig)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return str(path)
