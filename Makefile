@@ -1,0 +1,48 @@
+# The course's commands. `make help` lists them.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+N_DEVICES ?= 8
+PLATFORM ?= auto
+PROFILE ?= auto
+BUILD ?= build
+PYTEST_ARGS ?=
+
+.PHONY: help setup lab test jupyter student bench clean-venv
+
+help:
+	@echo "make lab       set up, then run the capstone lab (08_lab) into a new folder under $(BUILD)/"
+	@echo "               (N_DEVICES=8 PLATFORM=auto|cpu|gpu PROFILE=auto|cpu|gpu|tiny)"
+	@echo "make test      set up, then run the whole test suite (what CI runs)"
+	@echo "make jupyter   set up, then open JupyterLab on notebooks/ (localhost only, token auth)"
+	@echo "make student   write the student notebooks (solutions removed) to $(BUILD)/student"
+	@echo "make bench     print the strategies' step-time ratios and memory on this machine"
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	@$(PYTHON) tools/check_python.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	@$(PY) -c "import jax, course_lib; print('jax', jax.__version__, '- course_lib ready')"
+	@touch $@
+
+lab: setup
+	$(PY) -m course_lib.run lab --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+jupyter: setup
+	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False --ServerApp.root_dir=notebooks
+
+student: setup
+	$(PY) -m course_lib.student notebooks $(BUILD)/student
+
+bench: setup
+	$(PY) tools/bench_strategies.py
+
+clean-venv:
+	rm -rf $(VENV)
