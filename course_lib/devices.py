@@ -55,7 +55,7 @@ class DeviceReport:
 
     def as_dict(self) -> dict[str, Any]:
         """The report without the device objects: plain values for a table or a CSV row."""
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["devices"] = ", ".join(str(x) for x in self.devices)
         return d
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import os
+import platform as _platform
 import time
 from typing import Any, Sequence
 
@@ -96,6 +98,22 @@ def resolve_profile(profile: str, platform: str, steps: Any = None, global_batch
     return cfg
 
 
+def parse_bool(value: Any, name: str) -> bool:
+    """A yes/no parameter: True/False, 1/0, or the strings "true"/"false"/"yes"/"no"/"1"/"0" (papermill ``-r``
+    passes strings, and ``bool("False")`` is True).
+
+    Raises:
+      ValueError: anything else, naming the parameter and the value.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.strip().lower() in ("true", "yes", "1")
+    raise ValueError(f"{name}={value!r} is not a yes/no value; use True or False")
+
+
 def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -108,6 +126,20 @@ def _positive_int(value: Any, name: str) -> int:
     if not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive integer")
     return int(value)
+
+
+def check_divisibility(config: LabConfig, n_devices: int, keys: Sequence[str] = strategies_lib.STRATEGIES) -> None:
+    """Fail fast, before anything runs, when a strategy cannot split ``config.global_batch`` on ``n_devices``.
+
+    Raises:
+      ValueError: naming the strategy, the batch, the shard count and a valid batch.
+    """
+    for key in keys:
+        shards = strategies_lib.data_shards(key, n_devices)
+        try:
+            data_lib.check_divisible(config.global_batch, shards, "global batch")
+        except ValueError as e:
+            raise ValueError(f"strategy {key!r} on {n_devices} devices: {e} (set the global_batch parameter)") from None
 
 
 @dataclasses.dataclass
@@ -213,12 +245,25 @@ def run_strategy(
 def _metadata(report: Any, devices: Sequence[Any]) -> dict:
     d0 = list(devices)[0]
     return {
+        "host_cpus": os.cpu_count(),
+        "cpu_model": _cpu_model(),
         "platform": d0.platform if report is None else report.platform,
         "device_kind": d0.device_kind,
         "simulated": (d0.platform == "cpu") if report is None else report.simulated,
         "jax_version": jax.__version__,
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _platform.processor() or "unknown"
 
 
 def scaling_sweep(

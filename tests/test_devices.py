@@ -1,0 +1,120 @@
+"""Device setup: parsing, XLA_FLAGS checks, and the errors that name their fix."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from course_lib import devices
+from course_lib.devices import DeviceSetupError, check_xla_flags, parse_n_devices, setup_devices
+
+
+@pytest.mark.parametrize("value, expected", [(8, 8), ("8", 8), (" 4 ", 4), (2.0, 2), (1, 1)])
+def test_parse_n_devices_accepts_integers_and_decimal_strings(value, expected):
+    assert parse_n_devices(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [("eight", "not an integer"), (0, "at least 1"), (-2, "at least 1"), ("0", "at least 1"), (2.5, "whole number"),
+     (True, "bool"), (None, "not an integer"), ("8.0", "not an integer")],
+)
+def test_parse_n_devices_rejects_bad_values_naming_them(value, fragment):
+    with pytest.raises(ValueError, match=fragment) as e:
+        parse_n_devices(value)
+    assert repr(value) in str(e.value)
+
+
+def test_check_xla_flags_accepts_valid_flags():
+    flags = "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x"
+    assert check_xla_flags(flags) == flags.split()
+    assert check_xla_flags("") == []
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [("xla_force_host_platform_device_count=8", "starts with '--'"),
+     ("\u2013xla_force_host_platform_device_count=8", "typographic dash"),
+     ("--xla_force_host_platform_device_count = 8", "malformed flag '='")],
+)
+def test_check_xla_flags_rejects_malformed_flags(flags, fragment):
+    with pytest.raises(DeviceSetupError, match=fragment) as e:
+        check_xla_flags(flags)
+    assert "unset XLA_FLAGS" in str(e.value)
+
+
+def test_session_has_eight_simulated_devices(report):
+    assert report.n_devices == 8 and report.platform == "cpu" and report.simulated
+    assert [d.id for d in report.devices] == list(range(8))
+    assert "simulated" in str(report) and report.as_dict()["n_devices"] == 8
+
+
+def test_same_count_again_is_fine(report):
+    again = setup_devices("8", platform="cpu")
+    assert again.devices == report.devices
+
+
+def test_other_count_after_start_says_restart_the_kernel():
+    with pytest.raises(DeviceSetupError, match="Restart the kernel"):
+        setup_devices(4)
+
+
+def test_gpu_platform_without_gpu_names_the_fix():
+    with pytest.raises(DeviceSetupError, match="jax\\[cuda12\\]"):
+        setup_devices(8, platform="gpu")
+
+
+def test_unknown_platform():
+    with pytest.raises(ValueError, match="platform='tpu'"):
+        setup_devices(8, platform="tpu")
+
+
+def test_device_subsets():
+    assert devices.device_subsets(list(range(8))) == [1, 2, 4, 8]
+    assert devices.device_subsets(list(range(3))) == [1, 2, 3]
+    assert devices.device_subsets([0]) == [1]
+
+
+def _run(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_fresh_process_gets_the_count_asked_for():
+    r = _run("""
+        from course_lib.devices import setup_devices
+        rep = setup_devices("3", platform="cpu")
+        import jax
+        print(rep.n_devices, len(jax.devices()), rep.simulated)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["3", "3", "True"]
+
+
+def test_malformed_xla_flags_is_caught_before_xla_aborts():
+    r = _run("""
+        from course_lib.devices import setup_devices, DeviceSetupError
+        try:
+            setup_devices(2, platform="cpu")
+        except DeviceSetupError as e:
+            print("caught:", e)
+    """, {"XLA_FLAGS": "xla_force_host_platform_device_count=8"})
+    assert r.returncode == 0, r.stderr
+    assert "caught:" in r.stdout and "malformed flag" in r.stdout
+
+
+def test_jax_used_before_setup_with_another_count():
+    r = _run("""
+        import jax.numpy as jnp
+        jnp.zeros(3).block_until_ready()
+        from course_lib.devices import setup_devices, DeviceSetupError
+        try:
+            setup_devices(4, platform="cpu")
+        except DeviceSetupError as e:
+            print("caught:", e)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "caught:" in r.stdout and "1 CPU device" in r.stdout and "Restart the kernel" in r.stdout

@@ -1,0 +1,61 @@
+"""Notebook hygiene: the conventions every notebook follows (design/course.md)."""
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_notebooks():
+    assert any(p.name == "08_lab.ipynb" for p in NOTEBOOKS)
+
+
+@pytest.fixture(params=NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def nb(request):
+    return request.param, json.loads(request.param.read_text())
+
+
+def code_cells(d):
+    return [c for c in d["cells"] if c["cell_type"] == "code"]
+
+
+def src(cell):
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def test_first_code_cell_is_parameters_with_plain_assignments(nb):
+    path, d = nb
+    first = code_cells(d)[0]
+    assert "parameters" in first["metadata"].get("tags", []), f"{path.name}: first code cell not tagged 'parameters'"
+    tree = ast.parse(src(first))
+    assert tree.body and all(isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant) for s in tree.body), (
+        f"{path.name}: the parameters cell must hold only plain assignments of constants")
+    names = {t.id for s in tree.body for t in s.targets}
+    assert "n_devices" in names
+
+
+def test_device_setup_comes_before_anything_touches_jax(nb):
+    path, d = nb
+    cells = code_cells(d)
+    assert "setup_devices(" in src(cells[1]), f"{path.name}: the second code cell must set up devices"
+    for c in cells[:2]:
+        assert "import jax" not in src(c) and "from jax" not in src(c), f"{path.name}: JAX imported before device setup"
+
+
+def test_no_outputs_committed(nb):
+    path, d = nb
+    for c in code_cells(d):
+        assert not c.get("outputs") and c.get("execution_count") is None, f"{path.name}: committed outputs"
+
+
+def test_generic_kernelspec(nb):
+    path, d = nb
+    assert d["metadata"]["kernelspec"]["name"] == "python3", f"{path.name}: kernelspec is not python3"
+
+
+def test_notebook_names_follow_the_map(nb):
+    path, _ = nb
+    assert path.name[:2].isdigit() and path.name[2] == "_"
