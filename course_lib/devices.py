@@ -211,19 +211,7 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
         )
 
     available = jax.devices()
-    if len(available) < n:
-        if backend == "cpu":
-            raise DeviceSetupError(
-                f"asked for n_devices={n} but JAX reports {len(available)} CPU device(s). Something set the count "
-                f"before this call (JAX_NUM_CPU_DEVICES or an earlier jax.config.update). Restart the kernel."
-            )
-        raise DeviceSetupError(
-            f"asked for n_devices={n} but only {len(available)} {backend.upper()} device(s) exist "
-            f"({available[0].device_kind}). Use n_devices <= {len(available)}, or platform='cpu' to simulate {n}."
-        )
-    devices = tuple(available[:n])
-    if len(devices) != n:  # pragma: no cover - defensive: the count JAX reports is the contract
-        raise DeviceSetupError(f"expected {n} devices, JAX gave {len(devices)}")
+    devices = select_devices(n, available, backend)
 
     import jaxlib
 
@@ -239,6 +227,27 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
         python_version=_platform.python_version(),
         host_cpus=os.cpu_count() or 1,
     )
+
+
+def select_devices(n: int, available: Sequence[Any], backend: str) -> tuple[Any, ...]:
+    """The first ``n`` of the ``available`` devices of ``backend``, or an error naming the fix.
+
+    Raises:
+      DeviceSetupError: fewer devices than ``n`` (on GPU: use fewer, or simulate with platform='cpu';
+        on CPU: the count was fixed earlier, restart the kernel).
+    """
+    if len(available) < n:
+        if backend == "cpu":
+            raise DeviceSetupError(
+                f"asked for n_devices={n} but JAX reports {len(available)} CPU device(s). Something set the count "
+                f"before this call (JAX_NUM_CPU_DEVICES or an earlier jax.config.update). Restart the kernel."
+            )
+        kind = available[0].device_kind if available else backend
+        raise DeviceSetupError(
+            f"asked for n_devices={n} but only {len(available)} {backend.upper()} device(s) exist ({kind}). "
+            f"Use n_devices <= {len(available)}, or platform='cpu' to simulate {n} devices."
+        )
+    return tuple(available[:n])
 
 
 def device_subsets(devices: Sequence[Any], max_n: int | None = None) -> list[int]:

@@ -118,3 +118,15 @@ def test_jax_used_before_setup_with_another_count():
     """)
     assert r.returncode == 0, r.stderr
     assert "caught:" in r.stdout and "1 CPU device" in r.stdout and "Restart the kernel" in r.stdout
+
+
+class FakeGPU:
+    device_kind = "NVIDIA H100 80GB HBM3"
+
+
+def test_more_gpus_than_exist_names_the_count_and_the_fix():
+    gpus = [FakeGPU()] * 4
+    assert devices.select_devices(2, gpus, "gpu") == (gpus[0], gpus[1])
+    with pytest.raises(DeviceSetupError, match=r"n_devices=8 but only 4 GPU device\(s\) exist \(NVIDIA H100 80GB HBM3\). "
+                                               r"Use n_devices <= 4, or platform='cpu' to simulate 8"):
+        devices.select_devices(8, gpus, "gpu")
