@@ -135,6 +135,11 @@ def batches(ds: SyntheticImages, key: jax.Array, steps: int, batch_size: int, sh
     return [ds.batch(jax.random.fold_in(key, i), batch_size, sharding) for i in range(steps)]
 
 
+def split_leading(x: jax.Array, n: int) -> jax.Array:
+    """``[B, ...]`` → ``[n, B // n, ...]`` (B divisible by n): the layout ``pmap`` maps over."""
+    return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+
+
 def to_pmap_layout(batch, n_devices: int, devices=None):
     """Reshape a global batch ``[B, ...]`` to pmap's layout ``[n_devices, B // n_devices, ...]``.
 
@@ -152,10 +157,7 @@ def to_pmap_layout(batch, n_devices: int, devices=None):
     size = leaves[0].shape[0]
     check_divisible(size, n_devices, "global batch")
 
-    def reshape(x):
-        return x.reshape((n_devices, x.shape[0] // n_devices) + x.shape[1:])
-
-    out = jax.tree.map(reshape, batch)
+    out = jax.tree.map(lambda x: split_leading(x, n_devices), batch)
     if devices is not None:
         from jax.sharding import Mesh
 

@@ -148,7 +148,7 @@ def _build_pmap(apply_fn, optimizer, devices) -> Strategy:
         return _put(jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), state), stacked)
 
     to_pmap = jax.jit(
-        lambda b: jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), b),
+        lambda b: jax.tree.map(lambda x: data_lib.split_leading(x, n), b),
         out_shardings=stacked,
     )
     return Strategy(
