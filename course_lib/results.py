@@ -56,9 +56,9 @@ def prepare_results_dir(results_dir: str | os.PathLike, overwrite: bool = False)
 
     ``results_dir`` goes through :func:`resolve_results_dir` first (``"auto"``, relative paths).
 
-    If ``results_dir`` does not exist, or holds no results file, it is used (created). If it holds an
-    earlier run's ``lab_results.csv``: with ``overwrite=True`` it is used and its results files are
-    replaced; otherwise a new sibling folder ``<results_dir>-2`` (``-3``, …) is created and returned.
+    If ``results_dir`` does not exist or is empty, it is used (created). If it holds anything (an earlier
+    run, or files of the reader's): with ``overwrite=True`` it is used and the results files written
+    later replace theirs; otherwise a new sibling folder ``<results_dir>-2`` (``-3``, …) is created and returned.
 
     Raises:
       ValueError: ``results_dir`` is empty or names an existing file, not a folder.
@@ -68,7 +68,7 @@ def prepare_results_dir(results_dir: str | os.PathLike, overwrite: bool = False)
     path = resolve_results_dir(results_dir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"results_dir={str(path)!r} is a file, not a folder; give a folder path")
-    if overwrite or not (path / RESULTS_FILE).exists():
+    if overwrite or not path.exists() or not any(path.iterdir()):
         path.mkdir(parents=True, exist_ok=True)
         return path
     k = 2
@@ -125,14 +125,16 @@ def load_reference(name: str = "cpu") -> pd.DataFrame:
     """A committed reference table from ``data/``.
 
     Args:
-      name: ``"cpu"`` (this project's reference lab run on 8 simulated CPU devices), ``"article"`` (the source
+      name: ``"cpu"`` (this project's reference lab run on 8 simulated CPU devices), ``"cpu_scaling"`` (its
+        scaling sweep), ``"article"`` (the source
         article's figures, *reported, not measured*), ``"gpu"`` (a GPU reference run, when one is committed),
         or a CSV file name in ``data/``.
 
     Raises:
       FileNotFoundError: no such reference file (the message lists the ones present).
     """
-    files = {"cpu": "reference_cpu_8sim.csv", "article": "article_reported.csv", "gpu": "reference_gpu.csv"}
+    files = {"cpu": "reference_cpu_8sim.csv", "cpu_scaling": "reference_cpu_8sim_scaling.csv",
+             "article": "article_reported.csv", "gpu": "reference_gpu.csv"}
     fname = files.get(name, name)
     path = DATA_DIR / fname
     if not path.exists():

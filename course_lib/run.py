@@ -11,8 +11,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 from .devices import PLATFORMS, parse_n_devices
+from . import results
 from .results import PROJECT_ROOT, prepare_results_dir, resolve_results_dir
 
 NOTEBOOKS = PROJECT_ROOT / "notebooks"
@@ -67,6 +69,93 @@ def run_lab(n_devices, platform: str = "auto", profile: str = "auto", build: str
     return run_dir
 
 
+def course_notebooks() -> list[Path]:
+    """The course's notebooks in order (``NN_name.ipynb``)."""
+    return sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+
+
+def run_course(n_devices, platform: str = "auto", build: str = "build", only: Sequence[str] | None = None,
+               progress: bool = True) -> Path:
+    """Execute every notebook in order into a fresh folder ``<build>/course[-k]``; print a time table.
+
+    Stops at the first failing notebook (:class:`NotebookFailed` names it and the cell). Writes
+    ``timings.csv`` (notebook, seconds, status) beside the executed notebooks.
+    """
+    n = parse_n_devices(n_devices)
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r} must be one of {PLATFORMS}")
+    notebooks = course_notebooks()
+    if only:
+        notebooks = [p for p in notebooks if any(p.name.startswith(o) for o in only)]
+        if not notebooks:
+            raise ValueError(f"no notebook matches {list(only)}; names start with 00 … 09")
+    out = prepare_results_dir(resolve_results_dir(Path(build) / "course"))
+    rows = []
+    try:
+        for nb in notebooks:
+            params = {"n_devices": n, "platform": platform}
+            if nb.name == "08_lab.ipynb":
+                params.update(results_dir=str(out / "lab"), overwrite=False)
+            print(f"[{len(rows) + 1}/{len(notebooks)}] {nb.name} (n_devices={n}, platform={platform})", flush=True)
+            try:
+                seconds = execute(nb, out / nb.name, params, progress)
+            except NotebookFailed:
+                rows.append({"notebook": nb.name, "seconds": float("nan"), "status": "FAILED"})
+                raise
+            rows.append({"notebook": nb.name, "seconds": round(seconds, 1), "status": "ok"})
+    finally:
+        import pandas as pd
+
+        if rows:
+            table = pd.DataFrame(rows)
+            table.to_csv(out / "timings.csv", index=False)
+            print("\n" + table.to_string(index=False))
+            print(f"total {table['seconds'].sum():.0f} s; executed notebooks in {out}")
+    return out
+
+
+def run_scaling(counts: Sequence, platform: str = "auto", profile: str = "auto", build: str = "build",
+                progress: bool = True) -> Path:
+    """Run the lab once per device count (a separate kernel each) and aggregate into ``<build>/scaling[-k]``.
+
+    Writes ``study.csv`` (per strategy and count: samples/s, step time, bytes per device, efficiency) and
+    ``study.png``, with the committed reference study from ``data/`` beside it when profile and platform match.
+
+    Raises:
+      ValueError: an invalid count; :class:`course_lib.study.IncomparableRuns` when runs do not compare.
+    """
+    from . import study
+
+    ns = sorted({parse_n_devices(c) for c in counts})
+    out = prepare_results_dir(resolve_results_dir(Path(build) / "scaling"))
+    run_dirs = []
+    for n in ns:
+        run_dir = out / f"n{n}"
+        run_dir.mkdir()
+        params = {"n_devices": n, "platform": platform, "profile": profile, "results_dir": str(run_dir),
+                  "overwrite": True, "scaling": False}
+        print(f"lab at n_devices={n} ...", flush=True)
+        execute(NOTEBOOKS / "08_lab.ipynb", run_dir / "08_lab.ipynb", params, progress)
+        run_dirs.append(run_dir)
+    rows = study.aggregate(run_dirs)
+    table = study.efficiency(rows)
+    table.to_csv(out / "study.csv", index=False)
+    simulated = bool(rows["platform"].eq("cpu").all())
+    ref = None
+    try:
+        ref_rows = results.load_reference("cpu_scaling")
+        same = set(ref_rows["profile"]) == set(rows["profile"]) and set(ref_rows["platform"]) == set(rows["platform"])
+        ref = study.efficiency(ref_rows.assign(run="reference")) if same else None
+    except FileNotFoundError:
+        pass
+    from . import plots
+
+    plots.save(study.plot_study(table, ref, simulated=simulated), out / "study.png")
+    print(table.to_string(index=False))
+    print(f"scaling study in {out}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib.run", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -75,9 +164,24 @@ def main(argv: list[str] | None = None) -> int:
     lab.add_argument("--platform", default="auto", choices=PLATFORMS)
     lab.add_argument("--profile", default="auto", choices=("auto", "cpu", "gpu", "tiny"))
     lab.add_argument("--build", default="build", help="build folder (relative paths start at the project root)")
+    course = sub.add_parser("course", help="run every notebook in order into a new folder, with a time table")
+    course.add_argument("--n-devices", default="8")
+    course.add_argument("--platform", default="auto", choices=PLATFORMS)
+    course.add_argument("--build", default="build")
+    course.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 00 08")
+    scaling = sub.add_parser("scaling", help="run the lab at several device counts and aggregate")
+    scaling.add_argument("--counts", nargs="+", default=["1", "2", "4", "8"])
+    scaling.add_argument("--platform", default="auto", choices=PLATFORMS)
+    scaling.add_argument("--profile", default="auto", choices=("auto", "cpu", "gpu", "tiny"))
+    scaling.add_argument("--build", default="build")
     args = parser.parse_args(argv)
     try:
-        run_lab(args.n_devices, args.platform, args.profile, args.build)
+        if args.what == "lab":
+            run_lab(args.n_devices, args.platform, args.profile, args.build)
+        elif args.what == "course":
+            run_course(args.n_devices, args.platform, args.build, args.only)
+        else:
+            run_scaling(args.counts, args.platform, args.profile, args.build)
     except (ValueError, NotebookFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

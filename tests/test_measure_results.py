@@ -188,3 +188,11 @@ def test_check_divisibility_names_strategy_and_numbers():
     with pytest.raises(ValueError, match="strategy 'pmap' on 2 devices: global batch 9 is not divisible by 2"):
         lab.check_divisibility(cfg, 2)
     lab.check_divisibility(lab.resolve_profile("tiny", "cpu"), 8)
+
+
+def test_a_folder_with_the_readers_files_is_not_written_into(tmp_path):
+    (tmp_path / "lab").mkdir()
+    (tmp_path / "lab" / "notes.txt").write_text("mine")
+    assert results.prepare_results_dir(tmp_path / "lab") == tmp_path / "lab-2"
+    (tmp_path / "empty").mkdir()
+    assert results.prepare_results_dir(tmp_path / "empty") == tmp_path / "empty"  # an interrupted run left nothing
