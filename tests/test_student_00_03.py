@@ -1,0 +1,78 @@
+"""Lessons 00-03: notebook conventions, exercise markup, and the student version.
+
+- Hygiene (fast): parameters cell first, device setup second, no outputs, generic kernelspec, no
+  ``raises-exception`` cells (papermill would stop at them), at least three exercises, each solution cell
+  followed by a cell tagged ``exercise-check``.
+- Student version (slow, marked ``notebook``): generated with ``course_lib.student``, executed top to
+  bottom; the only cells that fail are the exercise checks, and every one of them fails.
+"""
+
+import ast
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from course_lib.student import student_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+LESSONS = ["00_setup", "01_grad", "02_jit", "03_vmap"]
+
+
+def _read(name):
+    return nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+
+
+def _code_cells(nb):
+    return [c for c in nb.cells if c.cell_type == "code"]
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_conventions(name):
+    nb = _read(name)
+    assert nb.metadata["kernelspec"] == {"name": "python3", "display_name": "Python 3", "language": "python"}
+    cells = _code_cells(nb)
+    first, second = cells[0], cells[1]
+    assert "parameters" in first.metadata.get("tags", [])
+    tree = ast.parse(first.source)
+    assert all(isinstance(s, ast.Assign) and isinstance(s.targets[0], ast.Name) for s in tree.body)
+    assigned = {s.targets[0].id: ast.literal_eval(s.value) for s in tree.body}
+    assert assigned["n_devices"] == 8 and assigned["platform"] == "auto"
+    assert "setup_devices(n_devices, platform)" in second.source and "import jax" not in second.source
+    for c in cells:
+        assert c.outputs == [] and c.execution_count is None
+        assert "raises-exception" not in c.metadata.get("tags", [])  # papermill fails on any error output
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_exercises_are_marked(name):
+    nb = _read(name)
+    cells = _code_cells(nb)
+    solution_cells = [i for i, c in enumerate(cells) if "# BEGIN SOLUTION" in c.source]
+    assert len(solution_cells) >= 3
+    for i in solution_cells:
+        check = cells[i + 1]
+        assert "exercise-check" in check.metadata.get("tags", []), check.source
+        assert f"lesson{name[:2]}.check_" in check.source
+    student, replaced = student_notebook(nb, name)
+    assert replaced == len(solution_cells)
+    assert "BEGIN SOLUTION" not in "".join(c.source for c in student.cells)
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("name", LESSONS)
+def test_student_version_fails_only_at_checks(name, tmp_path):
+    from nbclient import NotebookClient
+
+    student, _ = student_notebook(_read(name), name)
+    NotebookClient(student, timeout=300, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(ROOT)}}).execute()
+    failed = [c for c in _code_cells(student) if any(o.output_type == "error" for o in c.outputs)]
+    checks = [c for c in _code_cells(student) if "exercise-check" in c.metadata.get("tags", [])]
+    assert failed, "the student version ran without a failing exercise check"
+    for c in failed:
+        assert "exercise-check" in c.metadata.get("tags", []), c.source
+    assert len(failed) == len(checks)
+    for c in failed:
+        error = next(o for o in c.outputs if o.output_type == "error")
+        assert error.ename in ("NotImplementedError", "ExerciseError"), (error.ename, error.evalue)
