@@ -8,11 +8,13 @@ PROFILE ?= auto
 BUILD ?= build
 PYTEST_ARGS ?=
 
-.PHONY: help setup lab test jupyter student bench clean-venv
+.PHONY: help setup lab course scaling test jupyter student bench reference clean-venv
 
 help:
 	@echo "make lab       set up, then run the capstone lab (08_lab) into a new folder under $(BUILD)/"
 	@echo "               (N_DEVICES=8 PLATFORM=auto|cpu|gpu PROFILE=auto|cpu|gpu|tiny)"
+	@echo "make course    run every notebook in order into a new folder under $(BUILD)/course, with a time table"
+	@echo "make scaling   run the lab at 1, 2, 4, 8 devices (COUNTS=...) and draw the scaling study"
 	@echo "make test      set up, then run the whole test suite (what CI runs)"
 	@echo "make jupyter   set up, then open JupyterLab on notebooks/ (localhost only, token auth)"
 	@echo "make student   write the student notebooks (solutions removed) to $(BUILD)/student"
@@ -31,6 +33,16 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 lab: setup
 	$(PY) -m course_lib.run lab --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
+
+course: setup
+	$(PY) -m course_lib.run course --n-devices $(N_DEVICES) --platform $(PLATFORM) --build $(BUILD)
+
+COUNTS ?= 1 2 4 8
+scaling: setup
+	$(PY) -m course_lib.run scaling --counts $(COUNTS) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
+
+reference: setup
+	$(PY) tools/make_reference.py
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
