@@ -48,7 +48,7 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 jupyter: setup
-	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False --ServerApp.root_dir=notebooks
+	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 student: setup
 	$(PY) -m course_lib.student notebooks $(BUILD)/student
