@@ -1,4 +1,4 @@
-"""Lessons 00-03: notebook conventions, exercise markup, and the student version.
+"""Lessons (every notebook but the lab): notebook conventions, exercise markup, and the student version.
 
 - Hygiene (fast): parameters cell first, device setup second, no outputs, generic kernelspec, no
   ``raises-exception`` cells (papermill would stop at them), at least three exercises, each solution cell
@@ -16,7 +16,12 @@ import pytest
 from course_lib.student import student_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSONS = ["00_setup", "01_grad", "02_jit", "03_vmap"]
+LESSONS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb") if p.stem != "08_lab")
+
+
+def test_the_lessons_of_the_map_exist():
+    assert LESSONS[:8] == ["00_setup", "01_grad", "02_jit", "03_vmap", "04_pmap", "05_sharding", "06_shard_map",
+                           "07_debugging"]
 
 
 def _read(name):
