@@ -17,7 +17,7 @@ help:
 	@echo "make scaling   run the lab at 1, 2, 4, 8 devices (COUNTS=...) and draw the scaling study"
 	@echo "make test      set up, then run the whole test suite (what CI runs)"
 	@echo "make jupyter   set up, then open JupyterLab on notebooks/ (localhost only, token auth)"
-	@echo "make student   write the student notebooks (solutions removed) to $(BUILD)/student"
+	@echo "make student   write the student notebooks (solutions removed) to $(BUILD)/student and a zip to hand out"
 	@echo "make bench     print the strategies' step-time ratios and memory on this machine"
 
 setup: $(VENV)/.installed
@@ -51,7 +51,7 @@ jupyter: setup
 	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 student: setup
-	$(PY) -m course_lib.student notebooks $(BUILD)/student
+	$(PY) -m course_lib.student notebooks $(BUILD)/student --zip $(BUILD)/jax-course-student.zip
 
 bench: setup
 	$(PY) tools/bench_strategies.py

@@ -97,15 +97,66 @@ def generate(src: Path, dst: Path, overwrite: bool = False) -> list[tuple[Path, 
     return done
 
 
+def solution_lines(source: str) -> list[str]:
+    """The non-trivial lines inside the solution blocks of ``source`` (stripped, at least 12 characters)."""
+    lines, inside = [], False
+    for line in source.splitlines():
+        if BEGIN.match(line):
+            inside = True
+        elif END.match(line):
+            inside = False
+        elif inside and len(line.strip()) >= 12:
+            lines.append(line.strip())
+    return lines
+
+
+PACKAGE_FILES = ("README.md", "requirements.txt", "pyproject.toml", "Makefile", ".python-version", "environment.yml")
+PACKAGE_DIRS = ("course_lib", "data", "tools")
+
+
+def package(root: Path, zip_path: Path, overwrite: bool = False) -> Path:
+    """A zip to hand out: the student notebooks (as ``notebooks/``) plus what they need to run.
+
+    Raises:
+      FileExistsError: ``zip_path`` exists and ``overwrite`` is False.
+    """
+    import tempfile
+    import zipfile
+
+    root, zip_path = Path(root), Path(zip_path)
+    if zip_path.exists() and not overwrite:
+        raise FileExistsError(f"{zip_path} exists; pass --overwrite to replace it")
+    zip_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(root / "notebooks", Path(tmp), overwrite=True)
+        tmp_zip = zip_path.with_suffix(".zip.tmp")
+        with zipfile.ZipFile(tmp_zip, "w", zipfile.ZIP_DEFLATED) as z:
+            for nb in sorted(Path(tmp).glob("*.ipynb")):
+                z.write(nb, f"jax-course/notebooks/{nb.name}")
+            for name in PACKAGE_FILES:
+                if (root / name).exists():
+                    z.write(root / name, f"jax-course/{name}")
+            for d in PACKAGE_DIRS:
+                for f in sorted((root / d).rglob("*")):
+                    if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
+                        z.write(f, f"jax-course/{f.relative_to(root)}")
+        tmp_zip.replace(zip_path)
+    return zip_path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", nargs="?", default="notebooks")
     parser.add_argument("dst", nargs="?", default="build/student")
     parser.add_argument("--overwrite", action="store_true", help="replace existing student notebooks")
+    parser.add_argument("--zip", help="also write a zip to hand out (student notebooks + course_lib + setup files)")
     args = parser.parse_args(argv)
     try:
         for path, n in generate(Path(args.src), Path(args.dst), args.overwrite):
             print(f"{path}: {n} solution(s) replaced")
+        if args.zip:
+            root = Path(args.src).resolve().parent
+            print(f"wrote {package(root, Path(args.zip), args.overwrite)}")
     except (FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

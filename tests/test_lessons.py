@@ -81,3 +81,22 @@ def test_student_version_fails_only_at_checks(name, tmp_path):
     for c in failed:
         error = next(o for o in c.outputs if o.output_type == "error")
         assert error.ename in ("NotImplementedError", "ExerciseError"), (error.ename, error.evalue)
+
+
+def test_student_package_has_no_solution_text(tmp_path):
+    import zipfile
+
+    from course_lib.student import package, solution_lines
+
+    zip_path = package(ROOT, tmp_path / "student.zip")
+    with zipfile.ZipFile(zip_path) as z:
+        names = z.namelist()
+        assert "jax-course/course_lib/checks/_common.py" in names and "jax-course/requirements.txt" in names
+        for name in LESSONS:
+            text = z.read(f"jax-course/notebooks/{name}.ipynb").decode()
+            solved = "\n".join(c.source for c in _code_cells(_read(name)))
+            leaked = [line for line in solution_lines(solved) if line in text]
+            assert not leaked, (name, leaked[:3])
+            assert "BEGIN SOLUTION" not in text
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        package(ROOT, zip_path)
