@@ -8,4 +8,3 @@ import os
 import tempfile
 
 os.environ.setdefault("COURSE_BUILD_DIR", tempfile.mkdtemp(prefix="course-test-build-"))
-os.environ.setdefault("MPLBACKEND", "Agg")

@@ -75,11 +75,12 @@ def course_notebooks() -> list[Path]:
 
 
 def run_course(n_devices, platform: str = "auto", build: str = "build", only: Sequence[str] | None = None,
-               progress: bool = True) -> Path:
+               progress: bool = True, lab_params: dict | None = None) -> Path:
     """Execute every notebook in order into a fresh folder ``<build>/course[-k]``; print a time table.
 
     Stops at the first failing notebook (:class:`NotebookFailed` names it and the cell). Writes
-    ``timings.csv`` (notebook, seconds, status) beside the executed notebooks.
+    ``timings.csv`` (notebook, seconds, status) beside the executed notebooks. ``lab_params`` adds
+    parameters for the lab only (e.g. ``{"profile": "tiny"}``); its results go to ``<folder>/lab``.
     """
     n = parse_n_devices(n_devices)
     if platform not in PLATFORMS:
@@ -95,7 +96,7 @@ def run_course(n_devices, platform: str = "auto", build: str = "build", only: Se
         for nb in notebooks:
             params = {"n_devices": n, "platform": platform}
             if nb.name == "08_lab.ipynb":
-                params.update(results_dir=str(out / "lab"), overwrite=False)
+                params.update(results_dir=str(out / "lab"), overwrite=False, **(lab_params or {}))
             print(f"[{len(rows) + 1}/{len(notebooks)}] {nb.name} (n_devices={n}, platform={platform})", flush=True)
             try:
                 seconds = execute(nb, out / nb.name, params, progress)
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     course.add_argument("--platform", default="auto", choices=PLATFORMS)
     course.add_argument("--build", default="build")
     course.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 00 08")
+    course.add_argument("--profile", default="auto", choices=("auto", "cpu", "gpu", "tiny"), help="the lab's profile")
     scaling = sub.add_parser("scaling", help="run the lab at several device counts and aggregate")
     scaling.add_argument("--counts", nargs="+", default=["1", "2", "4", "8"])
     scaling.add_argument("--platform", default="auto", choices=PLATFORMS)
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "lab":
             run_lab(args.n_devices, args.platform, args.profile, args.build)
         elif args.what == "course":
-            run_course(args.n_devices, args.platform, args.build, args.only)
+            run_course(args.n_devices, args.platform, args.build, args.only, lab_params={"profile": args.profile})
         else:
             run_scaling(args.counts, args.platform, args.profile, args.build)
     except (ValueError, NotebookFailed) as e:
