@@ -8,7 +8,7 @@ PROFILE ?= auto
 BUILD ?= build
 PYTEST_ARGS ?=
 
-.PHONY: help setup lab course scaling test jupyter student bench reference clean-venv
+.PHONY: help setup lab course scaling site test jupyter student bench reference clean-venv
 
 help:
 	@echo "make lab       set up, then run the capstone lab (08_lab) into a new folder under $(BUILD)/"
@@ -18,6 +18,7 @@ help:
 	@echo "make test      set up, then run the whole test suite (what CI runs)"
 	@echo "make jupyter   set up, then open JupyterLab on notebooks/ (localhost only, token auth)"
 	@echo "make student   write the student notebooks (solutions removed) to $(BUILD)/student and a zip to hand out"
+	@echo "make site      render the executed notebooks of $(BUILD)/course as HTML in $(BUILD)/site"
 	@echo "make bench     print the strategies' step-time ratios and memory on this machine"
 
 setup: $(VENV)/.installed
@@ -40,6 +41,9 @@ course: setup
 COUNTS ?= 1 2 4 8
 scaling: setup
 	$(PY) -m course_lib.run scaling --counts $(COUNTS) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
+
+site: setup
+	$(PY) -m course_lib.site $(BUILD)/course $(BUILD)/site
 
 reference: setup
 	$(PY) tools/make_reference.py
