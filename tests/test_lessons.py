@@ -100,3 +100,12 @@ def test_student_package_has_no_solution_text(tmp_path):
             assert "BEGIN SOLUTION" not in text
     with pytest.raises(FileExistsError, match="--overwrite"):
         package(ROOT, zip_path)
+
+
+def test_show_error_returns_the_error_and_refuses_success(capsys):
+    from course_lib.checks import show_error
+
+    err = show_error(int, "eight")
+    assert isinstance(err, ValueError) and "ValueError: invalid literal" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="expected an error"):
+        show_error(int, "8")

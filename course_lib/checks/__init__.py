@@ -5,6 +5,6 @@ prints a one-line confirmation or raises :class:`ExerciseError` (an ``AssertionE
 *what* is wrong and gives a hint (wrong shape, wrong value, recompiles every call, not pure, …).
 """
 
-from ._common import ExerciseError, fail, passed
+from ._common import ExerciseError, fail, passed, show_error
 
-__all__ = ["ExerciseError", "fail", "passed"]
+__all__ = ["ExerciseError", "fail", "passed", "show_error"]

@@ -21,3 +21,22 @@ def passed(message: str) -> bool:
 def is_stub(fn) -> bool:
     """True when ``fn`` is the student stub (returns None / raises NotImplementedError) rather than an answer."""
     return getattr(fn, "__course_stub__", False)
+
+
+def show_error(fn, *args, **kwargs) -> BaseException:
+    """Call ``fn(*args, **kwargs)``, print the error it raises (type and first line, at most 400 characters)
+    and return it, so a notebook can show a failure and ``assert isinstance(err, SomeError)`` on it.
+
+    Notebooks show errors this way rather than with cells that raise: papermill stops a run at any error
+    output, even in a cell tagged ``raises-exception``.
+
+    Raises:
+      AssertionError: the call succeeded although an error was expected.
+    """
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever JAX raises is what the lesson shows
+        lines = str(e).strip().splitlines()
+        print(f"{type(e).__name__}: {lines[0][:400] if lines else repr(e)}")
+        return e
+    raise AssertionError("expected an error, but the call succeeded")
