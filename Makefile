@@ -7,6 +7,7 @@ PLATFORM ?= auto
 PROFILE ?= auto
 BUILD ?= build
 PYTEST_ARGS ?=
+JUPYTER_DIR ?= notebooks
 
 .PHONY: help setup lab course scaling site test jupyter student bench reference clean-venv
 
@@ -16,9 +17,11 @@ help:
 	@echo "make course    run every notebook in order into a new folder under $(BUILD)/course, with a time table"
 	@echo "make scaling   run the lab at 1, 2, 4, 8 devices (COUNTS=...) and draw the scaling study"
 	@echo "make test      set up, then run the whole test suite (what CI runs)"
-	@echo "make jupyter   set up, then open JupyterLab on notebooks/ (localhost only, token auth)"
+	@echo "make jupyter   set up, then open JupyterLab on notebooks/ (localhost only, token auth);"
+	@echo "               JUPYTER_DIR=build/student opens the student notebooks (after make student)"
 	@echo "make student   write the student notebooks (solutions removed) to $(BUILD)/student and a zip to hand out"
-	@echo "make site      render the executed notebooks of $(BUILD)/course as HTML in $(BUILD)/site"
+	@echo "               (ONLY='00 08' runs a subset; PROFILE applies to the lab)"
+	@echo "make site      render the executed notebooks of COURSE=$(BUILD)/course as HTML in $(BUILD)/site[-k]"
 	@echo "make bench     print the strategies' step-time ratios and memory on this machine"
 
 setup: $(VENV)/.installed
@@ -36,14 +39,15 @@ lab: setup
 	$(PY) -m course_lib.run lab --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
 
 course: setup
-	$(PY) -m course_lib.run course --n-devices $(N_DEVICES) --platform $(PLATFORM) --build $(BUILD)
+	$(PY) -m course_lib.run course --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD) $(if $(ONLY),--only $(ONLY),)
 
 COUNTS ?= 1 2 4 8
 scaling: setup
 	$(PY) -m course_lib.run scaling --counts $(COUNTS) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
 
+COURSE ?= $(BUILD)/course
 site: setup
-	$(PY) -m course_lib.site $(BUILD)/course $(BUILD)/site
+	$(PY) -m course_lib.site $(COURSE) $(BUILD)/site
 
 reference: setup
 	$(PY) tools/make_reference.py
@@ -52,7 +56,7 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 jupyter: setup
-	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root,)
+	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False --ServerApp.root_dir=$(JUPYTER_DIR) $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 student: setup
 	$(PY) -m course_lib.student notebooks $(BUILD)/student --zip $(BUILD)/jax-course-student.zip

@@ -92,7 +92,7 @@ def parse_n_devices(n_devices: Any) -> int:
         if not re.fullmatch(r"[+-]?\d+", text):
             raise ValueError(
                 f"n_devices={n_devices!r} is not an integer; give a whole number such as 8 "
-                f"(with papermill: -p n_devices 8)"
+                f"(papermill: -p n_devices 8; make: N_DEVICES=8)"
             )
         value = int(text)
     elif isinstance(value, float):
@@ -134,6 +134,8 @@ def check_xla_flags(flags: str | None = None) -> list[str]:
             hint = ""
             if any(ch in tok for ch in "\u2013\u2014\u2212"):
                 hint = " (it contains a typographic dash; type two ASCII hyphens '--')"
+            elif tok == "=" or tok.startswith("="):
+                hint = " (no spaces around '=': write --name=value)"
             elif not tok.startswith("--"):
                 hint = " (every flag starts with '--')"
             raise DeviceSetupError(
@@ -142,6 +144,28 @@ def check_xla_flags(flags: str | None = None) -> list[str]:
                 f"os.environ.pop('XLA_FLAGS') before JAX starts, then restart the kernel."
             )
     return tokens
+
+
+def probe_xla_flags(timeout_s: float = 120) -> None:
+    """Start XLA once in a subprocess with this environment's ``XLA_FLAGS``: XLA aborts the whole process
+    on a flag it does not know (e.g. a misspelt name), which in a notebook kills the kernel.
+
+    Raises:
+      DeviceSetupError: the probe died; the message quotes XLA's complaint and names the fix.
+    """
+    import subprocess
+    import sys
+
+    code = "import jax; jax.devices()"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    if r.returncode != 0:
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        hint = next((line for line in lines if "flag" in line.lower()), lines[-1] if lines else f"exit {r.returncode}")
+        raise DeviceSetupError(
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} makes XLA abort the process: {hint.strip()[:300]}. "
+            f"Fix the flag (check its spelling) or remove it: `unset XLA_FLAGS` in the shell that starts Jupyter, "
+            f"or os.environ.pop('XLA_FLAGS') before JAX starts, then restart the kernel."
+        )
 
 
 def _backends_started() -> bool:
@@ -173,11 +197,13 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
     if not isinstance(platform, str) or platform.strip().lower() not in PLATFORMS:
         raise ValueError(f"platform={platform!r} is not one of {PLATFORMS}; use 'auto' unless you need to force one")
     platform = platform.strip().lower()
-    check_xla_flags()
+    flags = check_xla_flags()
 
     import jax
 
     started = _backends_started()
+    if flags and not started:
+        probe_xla_flags()
     if not started:
         if platform == "cpu":
             jax.config.update("jax_platforms", "cpu")
@@ -200,8 +226,14 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
 
     try:
         backend = jax.default_backend()
-    except RuntimeError as e:  # e.g. jax_platforms names a backend that is not installed
-        raise DeviceSetupError(f"JAX could not start a backend ({e}). Use platform='cpu' to simulate devices.") from e
+    except Exception as e:  # e.g. JAX_PLATFORMS names a backend that is not installed
+        env = {k: os.environ[k] for k in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME", "CUDA_VISIBLE_DEVICES") if k in os.environ}
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DeviceSetupError(
+            f"JAX could not start a backend ({type(e).__name__}: {first}); environment: {env or 'no JAX_PLATFORMS set'}. "
+            f"Unset JAX_PLATFORMS / JAX_PLATFORM_NAME (or set JAX_PLATFORMS=cpu) and restart the kernel, or install "
+            f"the backend you asked for."
+        ) from e
 
     if platform == "gpu" and backend != "gpu":
         raise DeviceSetupError(

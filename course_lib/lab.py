@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import math
 import os
 import platform as _platform
 import time
@@ -48,7 +49,7 @@ class LabConfig:
     learning_rate: float = 0.01
     channels: tuple[int, int, int] = (32, 64, 64)
     hidden: int = 128
-    scaling_steps: int = 6
+    scaling_steps: int = 8
     signal: float = 1.0
 
     def model_config(self) -> model_lib.CNNConfig:
@@ -66,14 +67,20 @@ PROFILES = {
 }
 
 
-def resolve_profile(profile: str, platform: str, steps: Any = None, global_batch: Any = None) -> LabConfig:
+def resolve_profile(profile: str, platform: str, steps: Any = None, global_batch: Any = None,
+                    n_devices: int | None = None) -> LabConfig:
     """Pick a :class:`LabConfig`: ``"auto"`` → ``"gpu"`` on a GPU backend, else ``"cpu"``.
+
+    With ``n_devices`` and no ``global_batch`` of the reader's, the profile's batch is rounded up to a
+    multiple of every device count the lab uses (1, 2, 4, …, n), so that 3, 5, 6 or 7 devices work too:
+    e.g. 64 → 66 on 3 devices, 72 on 6 (a printed note says so). A batch the reader gave is never changed.
 
     Args:
       profile: ``"auto"``, ``"cpu"``, ``"gpu"`` or ``"tiny"``.
       platform: ``report.platform`` (``"cpu"`` or ``"gpu"``).
       steps: overrides the profile's steps when given (None or 0 keeps it); ints or decimal strings.
       global_batch: overrides the profile's global batch likewise.
+      n_devices: the device count, to fit the default batch to it.
 
     Raises:
       ValueError: unknown profile, or steps / global_batch that are not positive integers, or steps not
@@ -91,6 +98,15 @@ def resolve_profile(profile: str, platform: str, steps: Any = None, global_batch
             continue
         changes[name] = _positive_int(value, name)
     cfg = dataclasses.replace(cfg, **changes)
+    if n_devices is not None and "global_batch" not in changes:
+        from .devices import device_subsets
+
+        multiple = math.lcm(*device_subsets(range(n_devices)))
+        fitted = -(-cfg.global_batch // multiple) * multiple
+        if fitted != cfg.global_batch:
+            print(f"note: global batch {cfg.global_batch} -> {fitted}, a multiple of {multiple}, so that "
+                  f"{n_devices} devices (and the scaling sweep's {device_subsets(range(n_devices))}) split it evenly")
+            cfg = dataclasses.replace(cfg, global_batch=fitted)
     if cfg.steps <= cfg.warmup:
         raise ValueError(
             f"steps={cfg.steps} must exceed the {cfg.warmup} warm-up steps of profile {key!r}; use steps >= {cfg.warmup + 1}"
@@ -112,6 +128,19 @@ def parse_bool(value: Any, name: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "1", "0"):
         return value.strip().lower() in ("true", "yes", "1")
     raise ValueError(f"{name}={value!r} is not a yes/no value; use True or False")
+
+
+def parse_seed(seed: Any) -> int:
+    """A PRNG seed: a non-negative integer, or its decimal string (papermill ``-r``).
+
+    Raises:
+      ValueError: anything else, naming the value.
+    """
+    if isinstance(seed, str) and seed.strip().isdigit():
+        return int(seed)
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and seed >= 0:
+        return int(seed)
+    raise ValueError(f"seed={seed!r} must be a non-negative integer, e.g. 0")
 
 
 def _positive_int(value: Any, name: str) -> int:

@@ -8,6 +8,7 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
 _MARKERS = {"jit": "o", "pmap": "s", "shard_map": "^", "sharded_jit": "D", "shard_map_article": "v"}
 
@@ -31,18 +32,22 @@ def loss_curves(curves: pd.DataFrame, ax=None, title: str = "Training loss per s
     for i, (key, g) in enumerate(curves.groupby("strategy", sort=False)):
         ax.plot(g["step"], g["loss"], styles[i % len(styles)], marker=_MARKERS.get(key, "."), markersize=3, label=key)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("cross-entropy loss (nats)")
     ax.set_title(title)
     ax.legend()
     return ax
 
 
-def comparison(results: pd.DataFrame, reference: pd.DataFrame | None = None, simulated: bool | None = None):
+def comparison(results: pd.DataFrame, reference: pd.DataFrame | None = None, simulated: bool | None = None,
+               reference_label: str = "reference"):
     """Four panels, one bar per strategy: samples/s, median step time, bytes per device, achieved FLOP/s.
 
     Args:
       results: rows of ``lab_results.csv``.
-      reference: optional rows of a reference run (same columns), drawn as hatched bars beside.
+      reference: optional rows of a reference run (same columns), drawn as hatched bars beside; pass only a
+        comparable one (same profile and platform).
+      reference_label: legend text for the reference bars, e.g. its device kind and profile.
       simulated: label the timing panels as relative (simulated CPU devices); default read from the rows.
 
     Returns:
@@ -67,13 +72,14 @@ def comparison(results: pd.DataFrame, reference: pd.DataFrame | None = None, sim
         if reference is not None and col in reference.columns:
             ref = reference.set_index("strategy")
             rvals = [float(ref.loc[k, col]) * scale if k in ref.index else np.nan for k in keys]
-            ax.bar(x + width / 2, rvals, width, hatch="//", alpha=0.6, label="reference")
+            ax.bar(x + width / 2, rvals, width, hatch="//", alpha=0.6, label=reference_label)
         ax.set_xticks(x, keys, rotation=20)
         rel = " (relative: simulated devices)" if simulated and col in ("samples_per_s", "step_time_s", "achieved_flops_per_s") else ""
         ax.set_title(name + rel, fontsize=9)
-    if reference is not None:
-        axes[0].legend(fontsize=8)
     fig.tight_layout()
+    if reference is not None:
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="upper center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, 1.08))
     return fig
 
 

@@ -61,7 +61,8 @@ def run_lab(n_devices, platform: str = "auto", profile: str = "auto", build: str
     run_dir = prepare_results_dir(resolve_results_dir(Path(build) / "lab"))
     params = {"n_devices": n, "platform": platform, "profile": profile, "results_dir": str(run_dir), "overwrite": True}
     params.update(extra or {})
-    print(f"running 08_lab.ipynb with {params}")
+    shown = ", ".join(f"{k}={v!r}" for k, v in params.items() if k not in ("results_dir", "overwrite"))
+    print(f"running 08_lab.ipynb ({shown}) into the new folder {run_dir}")
     seconds = execute(NOTEBOOKS / "08_lab.ipynb", run_dir / "08_lab.ipynb", params, progress)
     print(f"lab done in {seconds:.0f} s; executed notebook, results and plots in {run_dir}:")
     for p in sorted(run_dir.iterdir()):

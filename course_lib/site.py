@@ -107,14 +107,17 @@ def _devices_line(notebooks: list[Path]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("executed", help="folder of executed notebooks (make course)")
-    ap.add_argument("out", help="new folder for the site")
+    ap.add_argument("out", help="folder for the site (if it is already used, a new sibling such as site-2 is made)")
     args = ap.parse_args(argv)
+    from .results import prepare_results_dir
+
     try:
-        pages = build_site(args.executed, args.out)
-    except (FileNotFoundError, FileExistsError) as e:
+        out = prepare_results_dir(args.out)  # a new sibling (site-2, ...) when the folder is already used
+        pages = build_site(args.executed, out)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{len(pages)} pages in {args.out}; open {Path(args.out) / 'index.html'}")
+    print(f"{len(pages)} pages in {out}; open {out / 'index.html'}")
     return 0
 
 

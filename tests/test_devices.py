@@ -37,7 +37,7 @@ def test_check_xla_flags_accepts_valid_flags():
     "flags, fragment",
     [("xla_force_host_platform_device_count=8", "starts with '--'"),
      ("\u2013xla_force_host_platform_device_count=8", "typographic dash"),
-     ("--xla_force_host_platform_device_count = 8", "malformed flag '='")],
+     ("--xla_force_host_platform_device_count = 8", "no spaces around '='")],
 )
 def test_check_xla_flags_rejects_malformed_flags(flags, fragment):
     with pytest.raises(DeviceSetupError, match=fragment) as e:
@@ -130,3 +130,27 @@ def test_more_gpus_than_exist_names_the_count_and_the_fix():
     with pytest.raises(DeviceSetupError, match=r"n_devices=8 but only 4 GPU device\(s\) exist \(NVIDIA H100 80GB HBM3\). "
                                                r"Use n_devices <= 4, or platform='cpu' to simulate 8"):
         devices.select_devices(8, gpus, "gpu")
+
+
+def test_misspelt_xla_flag_is_caught_before_it_kills_the_process():
+    r = _run("""
+        from course_lib.devices import setup_devices, DeviceSetupError
+        try:
+            setup_devices(2, platform="cpu")
+        except DeviceSetupError as e:
+            print("caught:", e)
+    """, {"XLA_FLAGS": "--xla_force_host_platform_devices_count=8"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "caught:" in r.stdout and "makes XLA abort" in r.stdout and "devices_count" in r.stdout
+
+
+def test_unavailable_backend_in_the_environment_names_the_variable():
+    r = _run("""
+        from course_lib.devices import setup_devices, DeviceSetupError
+        try:
+            setup_devices(2)
+        except DeviceSetupError as e:
+            print("caught:", e)
+    """, {"JAX_PLATFORMS": "cuda"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "caught:" in r.stdout and "JAX_PLATFORMS" in r.stdout

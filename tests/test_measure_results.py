@@ -196,3 +196,19 @@ def test_a_folder_with_the_readers_files_is_not_written_into(tmp_path):
     assert results.prepare_results_dir(tmp_path / "lab") == tmp_path / "lab-2"
     (tmp_path / "empty").mkdir()
     assert results.prepare_results_dir(tmp_path / "empty") == tmp_path / "empty"  # an interrupted run left nothing
+
+
+@pytest.mark.parametrize("n, batch", [(1, 64), (2, 64), (3, 66), (4, 64), (5, 80), (6, 72), (7, 84), (8, 64)])
+def test_default_batch_fits_any_device_count(n, batch, capsys):
+    cfg = lab.resolve_profile("cpu", "cpu", n_devices=n)
+    assert cfg.global_batch == batch
+    assert ("note: global batch 64 ->" in capsys.readouterr().out) == (batch != 64)
+    with pytest.raises(ValueError, match="global batch 64 is not divisible by 3"):
+        lab.check_divisibility(lab.resolve_profile("cpu", "cpu", global_batch=64, n_devices=3), 3)
+
+
+@pytest.mark.parametrize("bad", ["three", -1, 1.5, True])
+def test_seed_is_checked(bad):
+    with pytest.raises(ValueError, match="seed="):
+        lab.parse_seed(bad)
+    assert lab.parse_seed("3") == 3 and lab.parse_seed(0) == 0
