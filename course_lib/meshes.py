@@ -100,8 +100,10 @@ def data_model_mesh(
     devs = _devices(devices)
     if shape is None:
         shape = choose_mesh_shape(len(devs))
+    if (len(tuple(shape)) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in shape)):
+        raise ValueError(f"mesh shape {shape!r} must be two positive integers (n_data, n_model), e.g. {choose_mesh_shape(len(devs))}")
     n_data, n_model = shape
-    if n_data < 1 or n_model < 1 or n_data * n_model != len(devs):
+    if n_data * n_model != len(devs):
         raise ValueError(
             f"mesh shape (data={n_data}, model={n_model}) needs {n_data * n_model} devices but "
             f"{len(devs)} were given; use data * model == {len(devs)}, e.g. {choose_mesh_shape(len(devs))}"

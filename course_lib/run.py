@@ -185,9 +185,13 @@ def main(argv: list[str] | None = None) -> int:
             run_course(args.n_devices, args.platform, args.build, args.only, lab_params={"profile": args.profile})
         else:
             run_scaling(args.counts, args.platform, args.profile, args.build)
-    except (ValueError, NotebookFailed) as e:
+    except (ValueError, NotebookFailed, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: the partly executed notebook is in the run folder printed above; a new run uses a "
+              "new folder", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -27,6 +27,9 @@ import nbformat
 
 BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION(?:\s*#\s*STUB:\s*(?P<stub>.*))?\s*$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
+# Anything that looks like a marker but is not one exactly ("#BEGIN SOLUTION", "# begin solution") would
+# leave a solution in the student version: it is an error, not silently passed through.
+NEAR_MARKER = re.compile(r"^\s*#\s*(BEGIN|END)\s+SOLUTION", re.IGNORECASE)
 DEFAULT_STUB = 'raise NotImplementedError("Exercise: write this part")'
 
 
@@ -38,6 +41,8 @@ def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
     """
     out, count, inside = [], 0, False
     for line in source.splitlines():
+        if NEAR_MARKER.match(line) and not (BEGIN.match(line) or END.match(line)):
+            raise ValueError(f"{where}: {line.strip()!r} is not a marker; write '# BEGIN SOLUTION' / '# END SOLUTION' exactly")
         m = BEGIN.match(line)
         if m:
             if inside:
@@ -79,19 +84,23 @@ def generate(src: Path, dst: Path, overwrite: bool = False) -> list[tuple[Path, 
     Raises:
       FileExistsError: an output file exists and ``overwrite`` is False (nothing is written then).
       FileNotFoundError: ``src`` has no notebooks.
+      ValueError: ``dst`` is ``src``, or a notebook's markers are wrong (nothing is written then).
     """
     src, dst = Path(src), Path(dst)
     notebooks = sorted(src.glob("*.ipynb"))
     if not notebooks:
         raise FileNotFoundError(f"no notebooks in {src}")
+    if dst.resolve() == src.resolve():
+        raise ValueError(f"the student version would replace the solution notebooks in {src}; give another folder")
     if not overwrite:
         clash = [str(dst / p.name) for p in notebooks if (dst / p.name).exists()]
         if clash:
             raise FileExistsError(f"{len(clash)} student notebook(s) exist already, e.g. {clash[0]}; pass --overwrite to replace them")
+    # Convert everything first: a marker error in any notebook leaves nothing half-written.
+    converted = [(p, *student_notebook(nbformat.read(p, as_version=4), p.name)) for p in notebooks]
     dst.mkdir(parents=True, exist_ok=True)
     done = []
-    for p in notebooks:
-        nb, n = student_notebook(nbformat.read(p, as_version=4), p.name)
+    for p, nb, n in converted:
         nbformat.write(nb, dst / p.name)
         done.append((dst / p.name, n))
     return done
@@ -152,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zip", help="also write a zip to hand out (student notebooks + course_lib + setup files)")
     args = parser.parse_args(argv)
     try:
+        if args.zip and Path(args.zip).exists() and not args.overwrite:
+            raise FileExistsError(f"{args.zip} exists; pass --overwrite to replace it")
         for path, n in generate(Path(args.src), Path(args.dst), args.overwrite):
             print(f"{path}: {n} solution(s) replaced")
         if args.zip:

@@ -161,3 +161,9 @@ def test_meshes():
     with pytest.raises(ValueError, match="axis_type='manual'"):
         meshes.data_mesh(devs, axis_type="manual")
     assert meshes.describe(m) == "data=4 x model=2"
+
+
+@pytest.mark.parametrize("shape", [(2.0, 2), (-2, -2), (0, 8), (8,)])
+def test_bad_mesh_shapes_are_named(shape):
+    with pytest.raises(ValueError, match="must be two positive integers"):
+        meshes.data_model_mesh(jax.devices()[:4], shape)

@@ -46,3 +46,22 @@ def test_generate_never_overwrites_without_asking(tmp_path):
         student.generate(src, tmp_path / "out")
     assert student.main([str(src), str(tmp_path / "out")]) == 2
     assert student.main([str(src), str(tmp_path / "out"), "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize("line", ["#BEGIN SOLUTION", "# begin solution", "#  END SOLUTION"])
+def test_near_markers_are_errors_not_leaks(line):
+    with pytest.raises(ValueError, match="is not a marker"):
+        student.strip_solutions(f"x = 1\n{line}\ny = 2", "nb cell 1")
+
+
+def test_generate_refuses_to_replace_the_solutions_and_writes_nothing_on_errors(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SOLVED)]), src / "a.ipynb")
+    with pytest.raises(ValueError, match="would replace the solution notebooks"):
+        student.generate(src, src, overwrite=True)
+    assert "2 * x" in nbformat.read(src / "a.ipynb", 4).cells[0].source
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("# BEGIN SOLUTION\nx = 1")]), src / "b.ipynb")
+    with pytest.raises(ValueError, match="b.ipynb cell 0"):
+        student.generate(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
