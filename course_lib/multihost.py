@@ -693,7 +693,8 @@ def launch(
       timeout_s: wall-clock seconds for the whole run, startup and compiles included.
       fail_process: make this process raise on purpose (to demonstrate failure handling); None for a normal run.
       fail_stage: where it raises: ``"init"`` (before joining) or ``"train"`` (after joining, before step 0).
-      out_dir: folder for logs and outputs; default a new temporary folder.
+      out_dir: folder for logs and outputs (if it already holds files, a new sibling ``<out_dir>-2`` is
+        used); default a new temporary folder.
       check_only: join the group and report devices without training.
       tail_lines: output lines quoted in an error.
 
@@ -729,8 +730,9 @@ def launch(
         import tempfile
 
         out_dir = tempfile.mkdtemp(prefix="course-multihost-")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    from .results import prepare_results_dir
+
+    out = prepare_results_dir(out_dir)  # an earlier launch's logs and outputs are kept: a used folder gets a sibling
     if not check_only:
         if inputs is None:
             inputs = prepare_inputs(out / "inputs", profile, steps, seed)

@@ -127,3 +127,11 @@ def test_local_rows_in_one_process(report):
 
     assert multihost.local_rows(NamedSharding(data_mesh(report.devices), P(DATA)), (32, 3)) == (0, 32)
     assert multihost.process_rows(32, 2, 1) == (16, 32)
+
+
+def test_a_used_output_folder_is_kept(inputs, tmp_path):
+    (tmp_path / "process_0.log").write_text("an earlier launch")
+    with pytest.raises(multihost.WorkerTimeout) as info:
+        multihost.launch(2, 4, inputs=inputs, steps=STEPS, timeout_s=0.5, out_dir=tmp_path)
+    assert (tmp_path / "process_0.log").read_text() == "an earlier launch"
+    assert _no_survivors(set(info.value.pids))
