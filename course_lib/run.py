@@ -113,6 +113,8 @@ def run_course(n_devices, platform: str = "auto", build: str = "build", only: Se
             table.to_csv(out / "timings.csv", index=False)
             print("\n" + table.to_string(index=False))
             print(f"total {table['seconds'].sum():.0f} s; executed notebooks in {out}")
+            if (out / "lab").is_dir():
+                print(f"the lab's results files and plots: {out / 'lab'}")
     return out
 
 
