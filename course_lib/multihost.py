@@ -311,7 +311,8 @@ def to_global_batch(local_batch: Any, sharding: Any, global_batch: int) -> Any:
     )
 
 
-def prepare_inputs(folder: str | Path, profile: str = "tiny", steps: int = 3, seed: int = 0, batches: bool = True) -> Path:
+def prepare_inputs(folder: str | Path, profile: str = "tiny", steps: int = 3, seed: int = 0, batches: bool = True,
+                   global_batch: int | None = None) -> Path:
     """Write the run's initial parameters and global batches to ``folder``, once, for every process to read.
 
     The values are exactly those :func:`course_lib.lab.run_strategy` uses for the same profile and seed:
@@ -321,7 +322,8 @@ def prepare_inputs(folder: str | Path, profile: str = "tiny", steps: int = 3, se
 
     Files: ``params.npz`` (one array per leaf, named ``"conv1/kernel"`` …), ``images.npy`` float32
     [steps, global_batch, H, W, 3], ``labels.npy`` int32 [steps, global_batch], ``inputs.json`` (profile,
-    steps, seed, batches). With ``batches=False`` only the parameters are written (the workers then generate
+    steps, seed, batches, global_batch). ``global_batch`` overrides the profile's (e.g. a multiple of 3 for
+    3 devices); :func:`train_strategies` reads it back from ``inputs.json``. With ``batches=False`` only the parameters are written (the workers then generate
     the batches on their devices, ``data="device"`` in :func:`train_strategies`: for large profiles).
 
     Returns:
@@ -341,6 +343,8 @@ def prepare_inputs(folder: str | Path, profile: str = "tiny", steps: int = 3, se
         raise ValueError(f"profile={profile!r} is not one of {list(PROFILES)}")
     steps = _positive_int(steps, "steps")
     config = PROFILES[profile]
+    if global_batch is not None:
+        config = dataclasses.replace(config, global_batch=_positive_int(global_batch, "global_batch"))
     mcfg = config.model_config()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -351,7 +355,7 @@ def prepare_inputs(folder: str | Path, profile: str = "tiny", steps: int = 3, se
         host = jax.device_get(data_lib.batches(ds, jax.random.key(seed + 1), steps, config.global_batch))
         np.save(folder / "images.npy", np.stack([b[0] for b in host]))
         np.save(folder / "labels.npy", np.stack([b[1] for b in host]))
-    meta = {"profile": profile, "steps": steps, "seed": seed, "batches": bool(batches)}
+    meta = {"profile": profile, "steps": steps, "seed": seed, "batches": bool(batches), "global_batch": config.global_batch}
     (folder / "inputs.json").write_text(json.dumps(meta))
     return folder
 
@@ -426,6 +430,8 @@ def train_strategies(
     inputs = Path(inputs)
     meta = json.loads((inputs / "inputs.json").read_text())
     config = PROFILES[meta["profile"]]
+    if "global_batch" in meta:  # the batch prepare_inputs wrote (may differ from the profile's)
+        config = dataclasses.replace(config, global_batch=meta["global_batch"])
     steps = meta["steps"] if steps is None else _positive_int(steps, "steps")
     if data not in ("file", "device"):
         raise ValueError(f"data={data!r} must be 'file' or 'device'")
@@ -724,7 +730,12 @@ def launch(
 
     if profile not in PROFILES:
         raise ValueError(f"profile={profile!r} is not one of {list(PROFILES)}")
-    check_divisibility(PROFILES[profile], n_processes * local_devices, strategies)
+    config = PROFILES[profile]
+    if inputs is not None:  # prepared inputs may carry their own global batch (prepare_inputs(global_batch=...))
+        batch = json.loads((Path(inputs) / "inputs.json").read_text()).get("global_batch")
+        if batch is not None:
+            config = dataclasses.replace(config, global_batch=batch)
+    check_divisibility(config, n_processes * local_devices, strategies)
 
     if out_dir is None:
         import tempfile

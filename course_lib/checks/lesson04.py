@@ -43,7 +43,7 @@ def check_replicate(fn: Callable[[Any, int], Any], devices: Sequence[Any]) -> bo
                 f"pmap maps over axis 0, so every leaf needs a new leading axis of size n={n}: "
                 "jnp.broadcast_to(x, (n,) + x.shape)",
             )
-        if shape == x.shape + (n,) and n > 1:
+        if shape == x.shape + (n,) and shape != (n,) + x.shape and n > 1:   # e.g. (3,) + (3,): both orders agree
             fail(
                 f"leaf {name!r} has shape {shape}: the device axis was added last",
                 "pmap maps over the leading axis (axis 0), not the last one: the copies go first, (n,) + x.shape",

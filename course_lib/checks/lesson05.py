@@ -31,7 +31,8 @@ def _spec_of(x) -> Any:
 def check_place_batch(fn: Callable, devices: Sequence[Any]) -> bool:
     """``fn(x, mesh)`` must put ``x``'s rows over ``data``, replicated over ``model``, on a 2-D mesh."""
     mesh = data_model_mesh(devices, axis_type="explicit")
-    x = jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6)
+    rows = 2 * mesh.shape[DATA]   # a multiple of the data-axis size, so the rows divide evenly (8 on 4 x 2)
+    x = jnp.arange(rows * 6, dtype=jnp.float32).reshape(rows, 6)
     out = _call("place_batch(x, mesh)", fn, x, mesh)
     if not isinstance(out, jax.Array) or not np.array_equal(np.asarray(out), np.asarray(x)):
         fail("the values changed (or the result is not a jax.Array)", "only move the data: jax.device_put(x, sharding)")
@@ -104,8 +105,8 @@ def check_no_comm_placement(fn: Callable, devices: Sequence[Any]) -> bool:
     communication)."""
     mesh = data_model_mesh(devices, axis_type="auto")
     kx, kw = jax.random.split(jax.random.key(0))
-    x = jax.random.normal(kx, (8, 6))
-    w = jax.random.normal(kw, (6, 4))
+    x = jax.random.normal(kx, (2 * mesh.shape[DATA], 6))   # rows: a multiple of the data-axis size
+    w = jax.random.normal(kw, (6, 2 * mesh.shape[MODEL]))  # columns: a multiple of the model-axis size
     placed = _call("place(x, w, mesh)", fn, x, w, mesh)
     try:
         xp, wp = placed

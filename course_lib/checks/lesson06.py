@@ -121,8 +121,9 @@ def check_row_parallel(fn: Callable, devices: Sequence[Any]) -> bool:
     must return the full ``x @ w`` rows [b, h], the same on every model shard."""
     mesh = data_model_mesh(devices, axis_type="auto")
     kx, kw = jax.random.split(jax.random.key(2))
-    x = jax.random.normal(kx, (8, 8))
-    w = jax.random.normal(kw, (8, 4))
+    rows, d = 2 * mesh.shape[DATA], 4 * mesh.shape[MODEL]   # multiples of the axis sizes (8 x 8 on 4 x 2)
+    x = jax.random.normal(kx, (rows, d))
+    w = jax.random.normal(kw, (d, 4))
     mapped = jax.shard_map(
         partial(fn, axis_name=MODEL),
         mesh=mesh, in_specs=(P(DATA, MODEL), P(MODEL, None)), out_specs=P(DATA, None), check_vma=True,
