@@ -40,3 +40,18 @@ def show_error(fn, *args, **kwargs) -> BaseException:
         print(f"{type(e).__name__}: {lines[0][:400] if lines else repr(e)}")
         return e
     raise AssertionError("expected an error, but the call succeeded")
+
+
+def call_answer(what: str, fn, *args, **kwargs):
+    """Run the learner's ``fn(*args, **kwargs)``; turn the student stub and any error into a hint.
+
+    Raises:
+      ExerciseError: ``fn`` raised (``NotImplementedError``: "not written yet"; anything else: its type and
+        message, and advice to try it on a small input).
+    """
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError:
+        fail(f"{what} is not written yet", "replace the `raise NotImplementedError` line with your answer")
+    except Exception as e:  # noqa: BLE001 - the learner's code may raise anything
+        fail(f"{what} raised {type(e).__name__}: {str(e)[:300]}", "run it on a small input in a cell and read the error")
