@@ -83,6 +83,17 @@ def _run(code: str, env_extra: dict | None = None) -> subprocess.CompletedProces
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120)
 
 
+def _setup_in_fresh_process(platform: str, env_extra: dict) -> subprocess.CompletedProcess:
+    """setup_devices(2, platform) in a new interpreter with ``env_extra``; prints "caught: <message>" on a DeviceSetupError."""
+    return _run(f"""
+        from course_lib.devices import setup_devices, DeviceSetupError
+        try:
+            setup_devices(2, platform={platform!r})
+        except DeviceSetupError as e:
+            print("caught:", e)
+    """, env_extra)
+
+
 def test_fresh_process_gets_the_count_asked_for():
     r = _run("""
         from course_lib.devices import setup_devices
@@ -95,13 +106,7 @@ def test_fresh_process_gets_the_count_asked_for():
 
 
 def test_malformed_xla_flags_is_caught_before_xla_aborts():
-    r = _run("""
-        from course_lib.devices import setup_devices, DeviceSetupError
-        try:
-            setup_devices(2, platform="cpu")
-        except DeviceSetupError as e:
-            print("caught:", e)
-    """, {"XLA_FLAGS": "xla_force_host_platform_device_count=8"})
+    r = _setup_in_fresh_process("cpu", {"XLA_FLAGS": "xla_force_host_platform_device_count=8"})
     assert r.returncode == 0, r.stderr
     assert "caught:" in r.stdout and "malformed flag" in r.stdout
 
@@ -133,24 +138,12 @@ def test_more_gpus_than_exist_names_the_count_and_the_fix():
 
 
 def test_misspelt_xla_flag_is_caught_before_it_kills_the_process():
-    r = _run("""
-        from course_lib.devices import setup_devices, DeviceSetupError
-        try:
-            setup_devices(2, platform="cpu")
-        except DeviceSetupError as e:
-            print("caught:", e)
-    """, {"XLA_FLAGS": "--xla_force_host_platform_devices_count=8"})
+    r = _setup_in_fresh_process("cpu", {"XLA_FLAGS": "--xla_force_host_platform_devices_count=8"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "caught:" in r.stdout and "makes XLA abort" in r.stdout and "devices_count" in r.stdout
 
 
 def test_unavailable_backend_in_the_environment_names_the_variable():
-    r = _run("""
-        from course_lib.devices import setup_devices, DeviceSetupError
-        try:
-            setup_devices(2)
-        except DeviceSetupError as e:
-            print("caught:", e)
-    """, {"JAX_PLATFORMS": "cuda"})
+    r = _setup_in_fresh_process("auto", {"JAX_PLATFORMS": "cuda"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "caught:" in r.stdout and "JAX_PLATFORMS" in r.stdout
