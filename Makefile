@@ -36,18 +36,18 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	@touch $@
 
 lab: setup
-	$(PY) -m course_lib.run lab --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
+	$(PY) -m course_tools.run lab --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
 
 course: setup
-	$(PY) -m course_lib.run course --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD) $(if $(ONLY),--only $(ONLY),)
+	$(PY) -m course_tools.run course --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD) $(if $(ONLY),--only $(ONLY),)
 
 COUNTS ?= 1 2 4 8
 scaling: setup
-	$(PY) -m course_lib.run scaling --counts $(COUNTS) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
+	$(PY) -m course_tools.run scaling --counts $(COUNTS) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
 
 COURSE ?= $(BUILD)/course
 site: setup
-	$(PY) -m course_lib.site $(COURSE) $(BUILD)/site
+	$(PY) -m course_tools.site $(COURSE) $(BUILD)/site
 
 reference: setup
 	$(PY) tools/make_reference.py
@@ -59,7 +59,7 @@ jupyter: setup
 	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False --ServerApp.root_dir=$(JUPYTER_DIR) $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 student: setup
-	$(PY) -m course_lib.student notebooks $(BUILD)/student --zip $(BUILD)/jax-course-student.zip
+	$(PY) -m course_tools.student notebooks $(BUILD)/student --zip $(BUILD)/jax-course-student.zip
 
 bench: setup
 	$(PY) tools/bench_strategies.py

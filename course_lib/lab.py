@@ -1,7 +1,7 @@
 """The capstone lab: profiles, one training run per strategy, and a scaling sweep.
 
 ``notebooks/08_lab.ipynb`` drives these functions; each returns plain rows (dicts) that
-:mod:`course_lib.results` writes and :mod:`course_lib.plots` draws.
+:mod:`course_tools.results` writes and :mod:`course_lib.plots` draws.
 """
 
 from __future__ import annotations

@@ -741,7 +741,7 @@ def launch(
         import tempfile
 
         out_dir = tempfile.mkdtemp(prefix="course-multihost-")
-    from .results import prepare_results_dir
+    from course_tools.results import prepare_results_dir
 
     out = prepare_results_dir(out_dir)  # an earlier launch's logs and outputs are kept: a used folder gets a sibling
     if not check_only:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from course_lib.checks import ExerciseError, lesson00, lesson01, lesson02, lesson03
+from course_tools.checks import ExerciseError, lesson00, lesson01, lesson02, lesson03
 
 
 def rejects(check, answer, *args, match: str):

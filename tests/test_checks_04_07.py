@@ -10,7 +10,7 @@ import pytest
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from course_lib.checks import ExerciseError, lesson04, lesson05, lesson06, lesson07
+from course_tools.checks import ExerciseError, lesson04, lesson05, lesson06, lesson07
 from course_lib.meshes import DATA, MODEL
 
 

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from course_lib import multihost
-from course_lib.checks import ExerciseError, lesson09
+from course_tools.checks import ExerciseError, lesson09
 
 
 def rejects(check, *args, match):

@@ -10,7 +10,7 @@ import matplotlib.image as mpimg
 import pandas as pd
 import pytest
 
-from course_lib import results, run, site
+from course_tools import results, run, site
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 - Hygiene (fast): parameters cell first, device setup second, no outputs, generic kernelspec, no
   ``raises-exception`` cells (papermill would stop at them), at least three exercises, each solution cell
   followed by a cell tagged ``exercise-check``.
-- Student version (slow, marked ``notebook``): generated with ``course_lib.student``, executed top to
+- Student version (slow, marked ``notebook``): generated with ``course_tools.student``, executed top to
   bottom; the only cells that fail are the exercise checks, and every one of them fails.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.student import student_notebook
+from course_tools.student import student_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb") if p.stem != "08_lab")
@@ -86,12 +86,12 @@ def test_student_version_fails_only_at_checks(name, tmp_path):
 def test_student_package_has_no_solution_text(tmp_path):
     import zipfile
 
-    from course_lib.student import package, solution_lines
+    from course_tools.student import package, solution_lines
 
     zip_path = package(ROOT, tmp_path / "student.zip")
     with zipfile.ZipFile(zip_path) as z:
         names = z.namelist()
-        assert "jax-course/course_lib/checks/_common.py" in names and "jax-course/requirements.txt" in names
+        assert "jax-course/course_tools/checks/_common.py" in names and "jax-course/requirements.txt" in names
         for name in LESSONS:
             text = z.read(f"jax-course/notebooks/{name}.ipynb").decode()
             solved = "\n".join(c.source for c in _code_cells(_read(name)))
@@ -103,7 +103,7 @@ def test_student_package_has_no_solution_text(tmp_path):
 
 
 def test_show_error_returns_the_error_and_refuses_success(capsys):
-    from course_lib.checks import show_error
+    from course_tools.checks import show_error
 
     err = show_error(int, "eight")
     assert isinstance(err, ValueError) and "ValueError: invalid literal" in capsys.readouterr().out

@@ -11,7 +11,8 @@ import pytest
 
 matplotlib.use("Agg")
 
-from course_lib import lab, measure, plots, results  # noqa: E402
+from course_lib import lab, measure, plots  # noqa: E402
+from course_tools import results  # noqa: E402
 
 
 def test_timing_summary():

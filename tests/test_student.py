@@ -3,7 +3,7 @@
 import nbformat
 import pytest
 
-from course_lib import student
+from course_tools import student
 
 SOLVED = """def f(x):
     # BEGIN SOLUTION

@@ -3,7 +3,7 @@
 import pandas as pd
 import pytest
 
-from course_lib import results, study
+from course_tools import results, study
 
 
 def fake_run(folder, n, **over):

@@ -13,7 +13,7 @@ import datetime as dt
 import sys
 from pathlib import Path
 
-from course_lib import results, run
+from course_tools import results, run
 
 
 def main() -> int:

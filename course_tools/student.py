@@ -11,7 +11,7 @@ The student version keeps everything else and replaces the lines between the mar
 by ``raise NotImplementedError("Exercise: write this part")`` at the same indentation (or by the text after
 ``# STUB:`` on the BEGIN line, e.g. ``# BEGIN SOLUTION  # STUB: result = None``). Run::
 
-    python -m course_lib.student notebooks build/student
+    python -m course_tools.student notebooks build/student
 
 Outputs are cleared; an existing output file is replaced only with ``--overwrite``.
 """
@@ -120,7 +120,7 @@ def solution_lines(source: str) -> list[str]:
 
 
 PACKAGE_FILES = ("README.md", "requirements.txt", "pyproject.toml", "Makefile", ".python-version", "environment.yml")
-PACKAGE_DIRS = ("course_lib", "data", "tools")
+PACKAGE_DIRS = ("course_lib", "course_tools", "data", "tools")
 
 
 def package(root: Path, zip_path: Path, overwrite: bool = False) -> Path:
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", nargs="?", default="notebooks")
     parser.add_argument("dst", nargs="?", default="build/student")
     parser.add_argument("--overwrite", action="store_true", help="replace existing student notebooks")
-    parser.add_argument("--zip", help="also write a zip to hand out (student notebooks + course_lib + setup files)")
+    parser.add_argument("--zip", help="also write a zip to hand out (student notebooks + course_lib + course_tools + setup files)")
     args = parser.parse_args(argv)
     try:
         if args.zip and Path(args.zip).exists() and not args.overwrite:

@@ -1,6 +1,6 @@
 """Scaling study: aggregate lab runs made at different device counts, refusing runs that do not compare.
 
-``python -m course_lib.run scaling --counts 1 2 4 8`` runs the lab once per device count (separate
+``python -m course_tools.run scaling --counts 1 2 4 8`` runs the lab once per device count (separate
 processes: the count is fixed per process) and then calls :func:`aggregate` and :func:`plot_study` here.
 """
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ..measure import count_collectives
-from ..meshes import DATA, MODEL, data_model_mesh
+from course_lib.measure import count_collectives
+from course_lib.meshes import DATA, MODEL, data_model_mesh
 from ._common import call_answer as _call, fail, passed
 
 

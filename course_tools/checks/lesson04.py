@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..meshes import DATA
+from course_lib.meshes import DATA
 from ._common import ExerciseError, call_answer, fail, passed
 
 

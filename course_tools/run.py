@@ -1,6 +1,6 @@
 """Command-line runs of the course's notebooks with papermill.
 
-``python -m course_lib.run lab --n-devices 8`` executes ``notebooks/08_lab.ipynb`` into a new run folder
+``python -m course_tools.run lab --n-devices 8`` executes ``notebooks/08_lab.ipynb`` into a new run folder
 under the build folder (``build/lab``, or ``build/lab-2``, … when an earlier run is there: nothing is
 overwritten) and leaves in it the executed notebook, the results CSVs and the plots.
 """
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from .devices import PLATFORMS, parse_n_devices
+from course_lib.devices import PLATFORMS, parse_n_devices
 from . import results
 from .results import PROJECT_ROOT, prepare_results_dir, resolve_results_dir
 
@@ -126,7 +126,7 @@ def run_scaling(counts: Sequence, platform: str = "auto", profile: str = "auto",
     ``study.png``, with the committed reference study from ``data/`` beside it when profile and platform match.
 
     Raises:
-      ValueError: an invalid count; :class:`course_lib.study.IncomparableRuns` when runs do not compare.
+      ValueError: an invalid count; :class:`course_tools.study.IncomparableRuns` when runs do not compare.
     """
     from . import study
 
@@ -152,7 +152,7 @@ def run_scaling(counts: Sequence, platform: str = "auto", profile: str = "auto",
         ref = study.efficiency(ref_rows.assign(run="reference")) if same else None
     except FileNotFoundError:
         pass
-    from . import plots
+    from course_lib import plots
 
     plots.save(study.plot_study(table, ref, simulated=simulated), out / "study.png")
     print(table.to_string(index=False))
@@ -161,7 +161,7 @@ def run_scaling(counts: Sequence, platform: str = "auto", profile: str = "auto",
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.run", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m course_tools.run", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
     lab = sub.add_parser("lab", help="run notebooks/08_lab.ipynb into a new run folder")
     lab.add_argument("--n-devices", default="8", help="devices to use (default 8)")

@@ -1,6 +1,6 @@
 """The rendered course: executed notebooks as a static HTML site, with an index page of the course map.
 
-    python -m course_lib.site build/course build/site
+    python -m course_tools.site build/course build/site
 
 takes a folder of executed notebooks (``make course`` writes one), converts each with nbconvert's HTML
 exporter (the JupyterLab template; plots are embedded in the pages) and writes ``index.html`` with the

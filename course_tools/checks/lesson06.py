@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..meshes import DATA, MODEL, data_mesh, data_model_mesh
+from course_lib.meshes import DATA, MODEL, data_mesh, data_model_mesh
 from ._common import fail, passed
 
 _VMA_WORDS = ("out_specs", "replicat", "vma", "varying")
