@@ -16,7 +16,7 @@ help:
 	@echo "               (N_DEVICES=8 PLATFORM=auto|cpu|gpu PROFILE=auto|cpu|gpu|tiny)"
 	@echo "make course    run every notebook in order into a new folder under $(BUILD)/course, with a time table"
 	@echo "make scaling   run the lab at 1, 2, 4, 8 devices (COUNTS=...) and draw the scaling study"
-	@echo "make test      set up, then run the whole test suite (what CI runs)"
+	@echo "make test      set up, then lint (ruff) and run the whole test suite (what CI runs)"
 	@echo "make jupyter   set up, then open JupyterLab on notebooks/ (localhost only, token auth);"
 	@echo "               JUPYTER_DIR=build/student opens the student notebooks (after make student)"
 	@echo "make student   write the student notebooks (solutions removed) to $(BUILD)/student and a zip to hand out"
@@ -53,6 +53,8 @@ reference: setup
 	$(PY) tools/make_reference.py
 
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 jupyter: setup

@@ -1,7 +1,8 @@
 """Mesh builders: a 1-D ``data`` mesh and a 2-D ``data × model`` mesh, axis types stated explicitly.
 
 ``jax.make_mesh`` defaults to *Explicit* axis types in JAX 0.12 while ``jax.sharding.Mesh`` defaults to
-*Auto* (design/jax-0.12.md): the builders here always pass ``axis_types`` so the reader sees which one is used.
+*Auto* (``notebooks/05_sharding.ipynb`` shows both): the builders here always pass ``axis_types`` so the reader
+sees which one is used.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def data_mesh(devices: Sequence[Any] | None = None, axis_type: str | AxisType = 
     return Mesh(np.array(devs), (DATA,), axis_types=(_axis_type(axis_type),))
 
 
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` in increasing order: the sizes an axis of ``n`` devices can take."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def choose_mesh_shape(n_devices: int, model: int | None = None) -> tuple[int, int]:
     """A valid ``(n_data, n_model)`` split of ``n_devices``.
 
@@ -72,9 +78,8 @@ def choose_mesh_shape(n_devices: int, model: int | None = None) -> tuple[int, in
     if isinstance(model, bool) or not isinstance(model, int) or model < 1:
         raise ValueError(f"model={model!r} must be a positive integer")
     if n_devices % model:
-        divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
         raise ValueError(
-            f"a model axis of {model} does not divide {n_devices} devices; choose one of {divisors}"
+            f"a model axis of {model} does not divide {n_devices} devices; choose one of {divisors(n_devices)}"
         )
     return n_devices // model, model
 

@@ -10,15 +10,13 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
-_MARKERS = {"jit": "o", "pmap": "s", "shard_map": "^", "sharded_jit": "D", "shard_map_article": "v"}
 
+def _marker(key: str) -> str:
+    """The strategy's marker from the registry (imported here, so that importing plots stays light)."""
+    from .strategies import REGISTRY
 
-def _label(df: pd.DataFrame, key: str) -> str:
-    if "label" in df.columns:
-        labels = df.loc[df["strategy"] == key, "label"]
-        if len(labels):
-            return str(labels.iloc[0])
-    return key
+    entry = REGISTRY.get(key)
+    return entry.marker if entry else "."
 
 
 def loss_curves(curves: pd.DataFrame, ax=None, title: str = "Training loss per step (same data, same init)"):
@@ -30,7 +28,7 @@ def loss_curves(curves: pd.DataFrame, ax=None, title: str = "Training loss per s
         _, ax = plt.subplots(figsize=(6, 3.5))
     styles = ["-", "--", ":", "-."]
     for i, (key, g) in enumerate(curves.groupby("strategy", sort=False)):
-        ax.plot(g["step"], g["loss"], styles[i % len(styles)], marker=_MARKERS.get(key, "."), markersize=3, label=key)
+        ax.plot(g["step"], g["loss"], styles[i % len(styles)], marker=_marker(key), markersize=3, label=key)
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("cross-entropy loss (nats)")
@@ -100,7 +98,7 @@ def scaling(rows: pd.DataFrame, ax=None, simulated: bool | None = None):
     ns = sorted(rows["n_devices"].unique())
     for key, g in rows.groupby("strategy", sort=False):
         g = g.sort_values("n_devices")
-        ax.plot(g["n_devices"], g["samples_per_s"], marker=_MARKERS.get(key, "."), label=key)
+        ax.plot(g["n_devices"], g["samples_per_s"], marker=_marker(key), label=key)
         base = g.loc[g["n_devices"] == g["n_devices"].min(), "samples_per_s"]
         if len(base) and key == rows["strategy"].iloc[0]:
             b = float(base.iloc[0]) / float(g["n_devices"].min())
@@ -112,18 +110,6 @@ def scaling(rows: pd.DataFrame, ax=None, simulated: bool | None = None):
     ax.set_title("Strong scaling at a fixed global batch")
     ax.legend(fontsize=8)
     return ax
-
-
-def scaling_efficiency(rows: pd.DataFrame) -> pd.DataFrame:
-    """Table of efficiency = throughput(n) / (n × throughput(1)) per strategy; NaN where no 1-device run."""
-    out = []
-    for key, g in rows.groupby("strategy", sort=False):
-        base = g.loc[g["n_devices"] == 1, "samples_per_s"]
-        b = float(base.iloc[0]) if len(base) else np.nan
-        for _, r in g.sort_values("n_devices").iterrows():
-            out.append({"strategy": key, "n_devices": int(r["n_devices"]), "samples_per_s": float(r["samples_per_s"]),
-                        "efficiency": float(r["samples_per_s"]) / (r["n_devices"] * b) if b == b else np.nan})
-    return pd.DataFrame(out)
 
 
 def save(fig, path) -> str:

@@ -1,6 +1,6 @@
 """Results files of the lab: CSVs with metadata, never silently overwritten.
 
-Files in a results folder (the contract in design/course.md):
+Files in a results folder (the contract the lab, notebooks/08_lab.ipynb, writes and the tests check):
 
 - ``lab_results.csv`` — one row per strategy: ``strategy, n_devices, mesh, global_batch, image_size, steps,
   step_time_s, samples_per_s, compile_s, bytes_per_device, flops_per_step, collectives, final_loss,

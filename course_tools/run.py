@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from course_lib.devices import PLATFORMS, parse_n_devices
+from course_lib.config import LAB_PARAMS, N_DEVICES, PLATFORM, arg_type, coerce
+
 from . import results
 from .results import PROJECT_ROOT, prepare_results_dir, resolve_results_dir
 
@@ -52,12 +53,11 @@ def run_lab(n_devices, platform: str = "auto", profile: str = "auto", build: str
     """Run the lab into a fresh folder ``<build>/lab[-k]``; return that folder.
 
     Raises:
-      ValueError: a bad ``n_devices`` or ``platform`` (checked before anything starts).
+      ValueError: a bad ``n_devices``, ``platform`` or ``profile`` (checked before anything starts).
       NotebookFailed: the lab raised.
     """
-    n = parse_n_devices(n_devices)
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform={platform!r} must be one of {PLATFORMS}")
+    n, platform = coerce(N_DEVICES, n_devices), coerce(PLATFORM, platform)
+    profile = coerce(LAB_PARAMS["profile"], profile)
     run_dir = prepare_results_dir(resolve_results_dir(Path(build) / "lab"))
     params = {"n_devices": n, "platform": platform, "profile": profile, "results_dir": str(run_dir), "overwrite": True}
     params.update(extra or {})
@@ -83,9 +83,7 @@ def run_course(n_devices, platform: str = "auto", build: str = "build", only: Se
     ``timings.csv`` (notebook, seconds, status) beside the executed notebooks. ``lab_params`` adds
     parameters for the lab only (e.g. ``{"profile": "tiny"}``); its results go to ``<folder>/lab``.
     """
-    n = parse_n_devices(n_devices)
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform={platform!r} must be one of {PLATFORMS}")
+    n, platform = coerce(N_DEVICES, n_devices), coerce(PLATFORM, platform)
     notebooks = course_notebooks()
     if only:
         notebooks = [p for p in notebooks if any(p.name.startswith(o) for o in only)]
@@ -126,11 +124,13 @@ def run_scaling(counts: Sequence, platform: str = "auto", profile: str = "auto",
     ``study.png``, with the committed reference study from ``data/`` beside it when profile and platform match.
 
     Raises:
-      ValueError: an invalid count; :class:`course_tools.study.IncomparableRuns` when runs do not compare.
+      ValueError: an invalid count, platform or profile; :class:`course_tools.study.IncomparableRuns` when
+        runs do not compare.
     """
     from . import study
 
-    ns = sorted({parse_n_devices(c) for c in counts})
+    ns = sorted({coerce(N_DEVICES, c) for c in counts})
+    platform, profile = coerce(PLATFORM, platform), coerce(LAB_PARAMS["profile"], profile)
     out = prepare_results_dir(resolve_results_dir(Path(build) / "scaling"))
     run_dirs = []
     for n in ns:
@@ -160,39 +160,56 @@ def run_scaling(counts: Sequence, platform: str = "auto", profile: str = "auto",
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_tools.run", description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    """The command line; values are typed by the notebooks' own rule (:func:`course_lib.config.coerce`)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m course_tools.run", description=__doc__.splitlines()[0], exit_on_error=False
+    )
     sub = parser.add_subparsers(dest="what", required=True)
-    lab = sub.add_parser("lab", help="run notebooks/08_lab.ipynb into a new run folder")
-    lab.add_argument("--n-devices", default="8", help="devices to use (default 8)")
-    lab.add_argument("--platform", default="auto", choices=PLATFORMS)
-    lab.add_argument("--profile", default="auto", choices=("auto", "cpu", "gpu", "tiny"))
-    lab.add_argument("--build", default="build", help="build folder (relative paths start at the project root)")
-    course = sub.add_parser("course", help="run every notebook in order into a new folder, with a time table")
-    course.add_argument("--n-devices", default="8")
-    course.add_argument("--platform", default="auto", choices=PLATFORMS)
-    course.add_argument("--build", default="build")
+    n_devices, platform = arg_type(N_DEVICES), arg_type(PLATFORM)
+    profile = arg_type(LAB_PARAMS["profile"])
+    root = "build folder (relative paths start at the project root)"
+    lab = sub.add_parser("lab", help="run notebooks/08_lab.ipynb into a new run folder", exit_on_error=False)
+    lab.add_argument("--n-devices", type=n_devices, default=8, help="devices to use (default 8)")
+    lab.add_argument("--platform", type=platform, default="auto", help="auto | cpu | gpu")
+    lab.add_argument("--profile", type=profile, default="auto", help="auto | cpu | gpu | tiny")
+    lab.add_argument("--build", default="build", help=root)
+    course = sub.add_parser(
+        "course", help="run every notebook in order into a new folder, with a time table", exit_on_error=False
+    )
+    course.add_argument("--n-devices", type=n_devices, default=8)
+    course.add_argument("--platform", type=platform, default="auto")
+    course.add_argument("--build", default="build", help=root)
     course.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 00 08")
-    course.add_argument("--profile", default="auto", choices=("auto", "cpu", "gpu", "tiny"), help="the lab's profile")
-    scaling = sub.add_parser("scaling", help="run the lab at several device counts and aggregate")
-    scaling.add_argument("--counts", nargs="+", default=["1", "2", "4", "8"])
-    scaling.add_argument("--platform", default="auto", choices=PLATFORMS)
-    scaling.add_argument("--profile", default="auto", choices=("auto", "cpu", "gpu", "tiny"))
-    scaling.add_argument("--build", default="build")
-    args = parser.parse_args(argv)
+    course.add_argument("--profile", type=profile, default="auto", help="the lab's profile")
+    scaling = sub.add_parser(
+        "scaling", help="run the lab at several device counts and aggregate", exit_on_error=False
+    )
+    scaling.add_argument("--counts", nargs="+", type=n_devices, default=[1, 2, 4, 8])
+    scaling.add_argument("--platform", type=platform, default="auto")
+    scaling.add_argument("--profile", type=profile, default="auto")
+    scaling.add_argument("--build", default="build", help=root)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
+        args = _parser().parse_args(argv)
         if args.what == "lab":
             run_lab(args.n_devices, args.platform, args.profile, args.build)
         elif args.what == "course":
             run_course(args.n_devices, args.platform, args.build, args.only, lab_params={"profile": args.profile})
         else:
             run_scaling(args.counts, args.platform, args.profile, args.build)
-    except (ValueError, NotebookFailed, OSError) as e:
+    except (argparse.ArgumentError, ValueError, NotebookFailed, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: the partly executed notebook is in the run folder printed above; a new run uses a "
-              "new folder", file=sys.stderr)
+        print(
+            "interrupted: the partly executed notebook is in the run folder printed above; a new run uses a "
+            "new folder",
+            file=sys.stderr,
+        )
         return 130
     return 0
 

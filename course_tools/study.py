@@ -13,6 +13,8 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from course_lib.measure import scaling_efficiency
+
 from . import results
 
 COMPARABLE = ("profile", "platform", "device_kind", "jax_version", "global_batch", "image_size")
@@ -53,21 +55,17 @@ def check_comparable(rows: pd.DataFrame) -> None:
             )
 
 
+STUDY_COLUMNS = ("step_time_s", "bytes_per_device")
+"""Columns the study keeps beside throughput and efficiency."""
+
+
 def efficiency(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per strategy and device count: samples/s, step time, bytes per device and scaling efficiency
-    ``samples_per_s(n) / (n × samples_per_s(1))`` (1.0 is ideal linear scaling; NaN without a 1-device run)."""
-    parallel = rows[rows["strategy"] != "jit"]
-    out = []
-    for key, g in parallel.groupby("strategy", sort=False):
-        base = g.loc[g["n_devices"] == 1, "samples_per_s"]
-        b = float(base.iloc[0]) if len(base) else float("nan")
-        for _, r in g.sort_values("n_devices").iterrows():
-            out.append({
-                "strategy": key, "n_devices": int(r["n_devices"]), "samples_per_s": float(r["samples_per_s"]),
-                "step_time_s": float(r["step_time_s"]), "bytes_per_device": int(r["bytes_per_device"]),
-                "efficiency": float(r["samples_per_s"]) / (int(r["n_devices"]) * b),
-            })
-    return pd.DataFrame(out)
+    """The study's table: :func:`course_lib.measure.scaling_efficiency` of the parallel strategies (a
+    single-device one, A, does not scale), with step time and bytes per device; 1.0 is ideal scaling."""
+    from course_lib.strategies import REGISTRY
+
+    single = [k for k, info in REGISTRY.items() if info.mesh_kind == "single"]
+    return scaling_efficiency(rows[~rows["strategy"].isin(single)], STUDY_COLUMNS)
 
 
 def plot_study(table: pd.DataFrame, reference: pd.DataFrame | None = None, simulated: bool = False):

@@ -1,4 +1,4 @@
-"""Notebook hygiene: the conventions every notebook follows (design/course.md)."""
+"""Notebook hygiene: the conventions every notebook follows."""
 
 import ast
 import json

@@ -29,8 +29,9 @@ def main() -> None:
     print(report, flush=True)
 
     from course_lib import lab, strategies
+    from course_lib.config import resolve_profile
 
-    config = lab.resolve_profile(args.profile, report.platform, steps=args.steps)
+    config = resolve_profile(args.profile, report.platform, steps=args.steps)
     print(f"profile {config.name}: images {config.image_size}x{config.image_size}x3, global batch {config.global_batch}, "
           f"{config.steps} steps ({config.warmup} warm-up), {args.rounds} rounds", flush=True)
     medians: dict[str, list[float]] = {k: [] for k in strategies.STRATEGIES}

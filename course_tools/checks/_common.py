@@ -18,11 +18,6 @@ def passed(message: str) -> bool:
     return True
 
 
-def is_stub(fn) -> bool:
-    """True when ``fn`` is the student stub (returns None / raises NotImplementedError) rather than an answer."""
-    return getattr(fn, "__course_stub__", False)
-
-
 def show_error(fn, *args, **kwargs) -> BaseException:
     """Call ``fn(*args, **kwargs)``, print the error it raises (type and first line, at most 400 characters)
     and return it, so a notebook can show a failure and ``assert isinstance(err, SomeError)`` on it.
@@ -42,16 +37,25 @@ def show_error(fn, *args, **kwargs) -> BaseException:
     raise AssertionError("expected an error, but the call succeeded")
 
 
-def call_answer(what: str, fn, *args, **kwargs):
+def call_answer(what: str, fn, *args, explain=None, **kwargs):
     """Run the learner's ``fn(*args, **kwargs)``; turn the student stub and any error into a hint.
 
+    Args:
+      what: how to name the call in a message, e.g. ``"process_rows(32, 2, 0)"``.
+      fn: the learner's function (or a transform of it, e.g. its ``shard_map``).
+      explain: optional ``explain(error) -> (what, hint) | None``: a checker's own message for an error it
+        recognises (a wrong axis name, a traced static argument, …); None falls back to the generic one.
+
     Raises:
-      ExerciseError: ``fn`` raised (``NotImplementedError``: "not written yet"; anything else: its type and
-        message, and advice to try it on a small input).
+      ExerciseError: ``fn`` raised (``NotImplementedError``: "not written yet"; an error ``explain``
+        recognises: its message; anything else: its type and message, and advice to try it on a small input).
     """
     try:
         return fn(*args, **kwargs)
     except NotImplementedError:
         fail(f"{what} is not written yet", "replace the `raise NotImplementedError` line with your answer")
     except Exception as e:  # noqa: BLE001 - the learner's code may raise anything
+        specific = explain(e) if explain is not None else None
+        if specific:
+            fail(*specific)
         fail(f"{what} raised {type(e).__name__}: {str(e)[:300]}", "run it on a small input in a cell and read the error")

@@ -2,7 +2,7 @@
 for the mesh, and assembling a global batch from process-local data.
 
 They run in one process (the notebook's kernel); the multi-process behaviour they stand for is exercised by
-:mod:`course_lib.multihost` and ``tests/test_multihost.py``.
+:mod:`course_lib.distributed` and ``tests/test_launcher.py``.
 """
 
 from __future__ import annotations
@@ -16,31 +16,41 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from course_lib.distributed import local_rows
 from course_lib.meshes import DATA, data_mesh
-from ._common import call_answer as _call, fail, passed
 
-
-
+from ._common import call_answer as _call
+from ._common import fail, passed
 
 # ---- exercise 1: which rows does a process load? ---------------------------------------------------------
 
 _ROW_CASES = [(32, 2, 0), (32, 2, 1), (24, 3, 2), (8, 1, 0), (12, 4, 3), (64, 8, 5)]
 
 
-def reference_process_rows(global_batch: int, n_processes: int, process_index: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` process ``process_index`` loads (contiguous blocks, process-major order)."""
-    if global_batch % n_processes:
-        raise ValueError(f"global batch {global_batch} is not divisible by {n_processes} processes")
-    per = global_batch // n_processes
-    return process_index * per, (process_index + 1) * per
+def rows_held(global_batch: int, n_processes: int, process_index: int, devices: Sequence[Any]):
+    """The rows the devices of process ``process_index`` hold when ``n_processes`` processes of k devices
+    each split a batch over a ``data`` mesh, k as large as ``devices`` and the batch allow; None when
+    ``devices`` are fewer than the processes. Read from the sharding itself (its ``devices_indices_map``)."""
+    fits = [k for k in range(1, len(devices) // n_processes + 1) if global_batch % (n_processes * k) == 0]
+    if not fits:
+        return None
+    k = max(fits)
+    group = list(devices)[: n_processes * k]
+    sharding = NamedSharding(data_mesh(group), P(DATA))
+    mine = group[process_index * k : (process_index + 1) * k]
+    return local_rows(sharding, (global_batch,), devices=mine)
 
 
 def check_process_rows(fn: Callable) -> bool:
     """``fn(global_batch, n_processes, process_index)`` must return ``(start, stop)``, stop exclusive, and raise
-    ``ValueError`` when the batch does not split evenly over the processes."""
-    for case in _ROW_CASES:
+    ``ValueError`` when the batch does not split evenly over the processes.
+
+    The expected rows are those a process's devices really hold under a data-parallel sharding
+    (:func:`rows_held`), on this kernel's devices: a case needs at least as many devices as processes."""
+    cases = [(case, rows_held(*case, jax.devices())) for case in _ROW_CASES]
+    cases = [(case, want) for case, want in cases if want is not None]
+    for case, want in cases:
         got = _call(f"process_rows{case}", fn, *case)
-        want = reference_process_rows(*case)
         try:
             got = tuple(int(v) for v in got)
         except TypeError:
@@ -63,7 +73,7 @@ def check_process_rows(fn: Callable) -> bool:
     else:
         fail(f"process_rows(30, 4, 0) returned {bad!r}: 30 rows do not split over 4 processes",
              "raise ValueError when global_batch % n_processes != 0; every process must load the same number of rows")
-    return passed(f"all {len(_ROW_CASES)} cases right, and an uneven split raises ValueError")
+    return passed(f"all {len(cases)} cases right, and an uneven split raises ValueError")
 
 
 # ---- exercise 2: a device order for the mesh that respects processes ---------------------------------------
