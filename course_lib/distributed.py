@@ -9,16 +9,15 @@ collectives (gloo on CPU, NCCL on GPU).
 What changes is the data: each process loads only its rows of the global batch (:func:`process_rows`,
 :func:`local_rows`) and declares them as its part of one global array (:func:`to_global_batch`).
 :func:`train_strategies` is the lab's training loop written that way: the notebook runs it in its own
-kernel (1 process × 8 devices) as the reference, and every process of a group runs it through
-:func:`run_worker`. Starting, watching and stopping the processes on one machine is plumbing, kept apart in
-``course_tools/launcher.py``.
+kernel (1 process × 8 devices) as the reference, and every process of a group runs it after
+:func:`join_group`. The worker program that strings these together (its command line, a deliberate failure
+for the demonstration, the files it writes) and the launcher that starts, watches and stops the processes
+on one machine are plumbing, kept apart in ``course_tools/worker.py`` and ``course_tools/launcher.py``.
 """
 
 from __future__ import annotations
 
 import json
-import socket
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,10 @@ from .strategies import REGISTRY
 MULTIHOST_STRATEGIES = tuple(k for k, info in REGISTRY.items() if info.multihost)
 """The lab strategies run on a group: C (data × model, shard_map) and D (data parallel, sharded jit)."""
 
-FAIL_STAGES = ("init", "train")
-"""Where a worker told to fail raises: before ``jax.distributed.initialize`` or after it, before the first
-step (the other processes are then waiting for it in a collective)."""
 
-
-def plan(n_devices: int, n_processes: int | None = None, fallback: bool = False) -> tuple[int, int, str]:
+def plan(
+    n_devices: int, n_processes: int | None = None, fallback: bool = False
+) -> tuple[int, int, str]:
     """Split ``n_devices`` global devices into processes × local devices for a local multi-process run.
 
     Args:
@@ -109,7 +106,9 @@ def process_rows(global_batch: int, n_processes: int, process_index: int) -> tup
     return process_index * per, (process_index + 1) * per
 
 
-def local_rows(sharding: Any, global_shape: Sequence[int], devices: Sequence[Any] | None = None) -> tuple[int, int]:
+def local_rows(
+    sharding: Any, global_shape: Sequence[int], devices: Sequence[Any] | None = None
+) -> tuple[int, int]:
     """Rows ``[start, stop)`` along axis 0 that this process's devices hold under ``sharding``.
 
     Args:
@@ -204,11 +203,15 @@ def prepare_inputs(
 
     config, steps = _profile(profile), positive_int(steps, "steps")
     if global_batch is not None:
-        config = dataclasses.replace(config, global_batch=positive_int(global_batch, "global_batch"))
+        config = dataclasses.replace(
+            config, global_batch=positive_int(global_batch, "global_batch")
+        )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     start = init_run(config, seed)
-    np.savez(folder / "params.npz", **traverse_util.flatten_dict(jax.device_get(start.params), sep="/"))
+    np.savez(
+        folder / "params.npz", **traverse_util.flatten_dict(jax.device_get(start.params), sep="/")
+    )
     if batches:
         made = data_lib.batches(start.dataset, start.data_key, steps, config.global_batch)
         host = jax.device_get(made)
@@ -237,7 +240,9 @@ def _read_inputs(inputs: Path, steps: Any, data: str) -> tuple[Any, dict, int]:
     if data not in ("file", "device"):
         raise ValueError(f"data={data!r} must be 'file' or 'device'")
     if data == "file" and not meta.get("batches", True):
-        raise ValueError(f"{inputs} holds no batches (prepare_inputs(batches=False)); use data='device'")
+        raise ValueError(
+            f"{inputs} holds no batches (prepare_inputs(batches=False)); use data='device'"
+        )
     if data == "file" and steps > meta["steps"]:
         raise ValueError(
             f"steps={steps} but {inputs} holds {meta['steps']} batches; prepare_inputs(steps={steps})"
@@ -286,7 +291,9 @@ def train_strategies(
 
     unknown = [k for k in keys if k not in MULTIHOST_STRATEGIES]
     if unknown:
-        raise ValueError(f"strategies {unknown} are not run multi-process; choose from {MULTIHOST_STRATEGIES}")
+        raise ValueError(
+            f"strategies {unknown} are not run multi-process; choose from {MULTIHOST_STRATEGIES}"
+        )
     inputs = Path(inputs)
     config, meta, steps = _read_inputs(inputs, steps, data)
     devices = list(devices)
@@ -315,8 +322,8 @@ def _train_one(key, devices, start, params, optimizer, B, steps, batches) -> dic
     from flax import traverse_util
     from jax.experimental import multihost_utils
 
-    from .strategies import build
     from .steps import init_state
+    from .strategies import build
 
     strat = build(key, start.graphdef, params, optimizer, devices)
     # Every process holds the same host copy; device_put onto a global sharding keeps, on each process,
@@ -331,9 +338,13 @@ def _train_one(key, devices, start, params, optimizer, B, steps, batches) -> dic
             # ... and declare them as its part of one global array (no data moves between processes).
             batch = to_global_batch(local, strat.batch_sharding, B)
         else:
-            batch = start.dataset.batch(jax.random.fold_in(start.data_key, i), B, strat.batch_sharding)
+            batch = start.dataset.batch(
+                jax.random.fold_in(start.data_key, i), B, strat.batch_sharding
+            )
         state, metrics = strat.step(state, batch)  # the lab's step, unchanged
-        losses.append(float(metrics["loss"]))  # a replicated scalar: each process reads its own copy
+        losses.append(
+            float(metrics["loss"])
+        )  # a replicated scalar: each process reads its own copy
     gathered = multihost_utils.process_allgather(state.params, tiled=True)
     flat = traverse_util.flatten_dict(jax.tree.map(np.asarray, gathered), sep="/")
     return {"losses": losses, "mesh": strat.mesh, "rows": [first, stop], "params": flat}
@@ -375,7 +386,9 @@ def join_group(
         jax.config.update("jax_num_cpu_devices", local_devices)
     timeout = max(10, int(timeout_s))
     if coordinator == "auto":
-        jax.distributed.initialize(local_device_ids=local_device_ids, initialization_timeout=timeout)
+        jax.distributed.initialize(
+            local_device_ids=local_device_ids, initialization_timeout=timeout
+        )
     else:
         jax.distributed.initialize(
             coordinator,
@@ -390,109 +403,3 @@ def join_group(
         f"{jax.device_count()} global devices",
         flush=True,
     )
-
-
-def run_worker(args: Any) -> dict:
-    """One process of the group: join it, train, save (parameters from process 0 only).
-
-    ``args`` (the worker's command line, ``python -m course_tools.launcher worker --help``) holds:
-    ``coordinator``, ``num_processes``, ``process_id``, ``local_devices``, ``local_device_ids`` (see
-    :func:`join_group`), ``strategies``, ``steps``, ``inputs`` (a :func:`prepare_inputs` folder; empty: this
-    process prepares its own parameters from ``profile`` and ``seed``), ``data`` (see
-    :func:`train_strategies`; default "file" with ``inputs``, else "device"), ``out`` (folder), ``fail`` (a
-    stage in :data:`FAIL_STAGES` to raise at, to show what a failure does), ``check_only`` and
-    ``expect_local_devices`` (see :func:`device_check`), ``init_timeout_s``.
-
-    Returns:
-      The JSON-able dict the worker writes to ``out/process_<i>.json``: ``process_id``, ``process_count``,
-      ``local_devices``, ``global_devices`` (``"id@process"`` strings, global order), ``wall_s``, and per
-      strategy ``losses``, ``mesh``, ``rows``; process 0 adds ``params_summary`` and writes
-      ``params_<strategy>.npz``.
-
-    Raises:
-      RuntimeError: ``fail`` was given (on purpose); JAX errors from initialisation or training.
-    """
-    t0 = time.perf_counter()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    if args.fail == "init":
-        raise RuntimeError(
-            f"process {args.process_id}: failing on purpose before jax.distributed.initialize (--fail init)"
-        )
-    ids = [int(x) for x in args.local_device_ids.split(",")] if args.local_device_ids else None
-    join_group(args.coordinator, args.num_processes, args.process_id, args.local_devices, ids, args.init_timeout_s)
-
-    import jax
-
-    me = jax.process_index()
-    result = {
-        "process_id": me,
-        "process_count": jax.process_count(),
-        "platform": jax.default_backend(),
-        "local_devices": [str(d) for d in jax.local_devices()],
-        "global_devices": [f"{d.id}@{d.process_index}" for d in jax.devices()],
-    }
-    if args.check_only:
-        print(device_check(args.expect_local_devices), flush=True)
-    else:
-        if args.fail == "train":
-            raise RuntimeError(
-                f"process {me}: failing on purpose after joining the group (--fail train); "
-                f"the other processes are now waiting for it"
-            )
-        result.update(_train_and_save(args, me))
-    result["wall_s"] = time.perf_counter() - t0
-    return result
-
-
-def _train_and_save(args: Any, me: int) -> dict:
-    import jax
-    import numpy as np
-
-    inputs = args.inputs
-    if not inputs:  # no shared folder (e.g. a cluster job): every process makes the same inputs itself
-        import tempfile
-
-        folder = tempfile.mkdtemp(prefix=f"course-inputs-{me}-")
-        inputs = prepare_inputs(folder, args.profile, args.steps, args.seed, batches=False)
-    data = args.data or ("file" if args.inputs else "device")
-    runs = train_strategies(jax.devices(), inputs, args.strategies, args.steps, data=data)
-    out = {"strategies": {k: {f: v for f, v in r.items() if f != "params"} for k, r in runs.items()}}
-    if me == 0:  # saving (and printing) from process 0 only: the values are global copies everywhere
-        out["params_summary"] = {k: params_summary(r["params"]) for k, r in runs.items()}
-        for k, r in runs.items():
-            np.savez(Path(args.out) / f"params_{k}.npz", **r["params"])
-            print(f"[process 0] {k}: losses {', '.join(f'{x:.6f}' for x in r['losses'])}", flush=True)
-    return out
-
-
-def device_check(expect_local_devices: int = 0) -> str:
-    """The checks to run first on a cluster, from inside one process of a joined group.
-
-    Returns a report: this process's host name, index and local devices (with ``local_hardware_id``, the
-    GPU ordinal to compare with ``nvidia-smi topo -m``), and the global device order with the process owning
-    each device: meshes are built in this order, so a ``model`` group (neighbours in the order) should share a
-    host and its fastest links.
-
-    Raises:
-      RuntimeError: ``expect_local_devices`` > 0 and this process has another number of local devices (a
-        wrong ``CUDA_VISIBLE_DEVICES``, ``--gpus-per-task`` or ``local_device_ids``).
-    """
-    import jax
-
-    me, local, host = jax.process_index(), jax.local_devices(), socket.gethostname()
-    lines = [
-        f"[process {me}/{jax.process_count()}] host {host}: {len(local)} local device(s), "
-        f"{jax.device_count()} global, backend {jax.default_backend()}"
-    ]
-    for d in local:
-        hw = getattr(d, "local_hardware_id", None)
-        lines.append(f"[process {me}]   {d} kind={d.device_kind!r} local_hardware_id={hw}")
-    if me == 0:
-        order = ", ".join(f"{d.id}@p{d.process_index}" for d in jax.devices())
-        lines.append(f"[process 0] global device order (id@process): {order}")
-    if expect_local_devices and len(local) != expect_local_devices:
-        raise RuntimeError(
-            f"process {me} on {host} sees {len(local)} local device(s), expected {expect_local_devices}: "
-            f"check CUDA_VISIBLE_DEVICES, the scheduler's GPUs per task, and --local-device-ids"
-        )
-    return "\n".join(lines)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import math
 import os
 import platform as _platform
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,7 +24,9 @@ from .config import LabConfig, init_run
 from .steps import init_state, make_optimizer
 
 
-def check_divisibility(config: LabConfig, n_devices: int, keys: Sequence[str] = strategies_lib.STRATEGIES) -> None:
+def check_divisibility(
+    config: LabConfig, n_devices: int, keys: Sequence[str] = strategies_lib.STRATEGIES
+) -> None:
     """Fail fast, before anything runs, when a strategy cannot split ``config.global_batch`` on ``n_devices``.
 
     Raises:
@@ -36,7 +38,9 @@ def check_divisibility(config: LabConfig, n_devices: int, keys: Sequence[str] = 
         try:
             data_lib.check_divisible(config.global_batch, shards, "global batch")
         except ValueError as e:
-            raise ValueError(f"strategy {key!r} on {n_devices} devices: {e} (set the global_batch parameter)") from None
+            raise ValueError(
+                f"strategy {key!r} on {n_devices} devices: {e} (set the global_batch parameter)"
+            ) from None
 
 
 SCALING_STRATEGIES = tuple(k for k, info in strategies_lib.REGISTRY.items() if info.scaling)
@@ -98,19 +102,8 @@ def run_strategy(
     batches = strat.batches(start.dataset, start.data_key, steps, config.global_batch)
     compiled, stats = measure.compile_and_analyse(lambda: strat.lower(state, batches[0]))
 
-    losses_dev, times = [], []
-    iterator = range(steps)
-    if progress:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(iterator, desc=f"{strat.label} on {strat.n_devices} device(s)", leave=False)
-    for i in iterator:
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, batches[i])
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-        losses_dev.append(metrics["loss"])
-    losses = [float(np.asarray(x).ravel()[0]) for x in losses_dev]  # pmap returns one copy per device
+    desc = f"{strat.label} on {strat.n_devices} device(s)" if progress else None
+    state, losses, times = _train(compiled, state, batches, desc)
     timing = measure.Timing.from_samples(times[warmup:])
     n = strat.n_devices
     flops_per_step = stats.flops_per_device * n
@@ -138,7 +131,27 @@ def run_strategy(
         "final_loss": losses[-1],
         **_metadata(report, devices),
     }
-    return StrategyRun(row=row, losses=losses, step_times_s=times, params=strat.host_params(state), stats=stats)
+    return StrategyRun(
+        row=row, losses=losses, step_times_s=times, params=strat.host_params(state), stats=stats
+    )
+
+
+def _train(compiled, state, batches, desc: str | None) -> tuple[Any, list[float], list[float]]:
+    """Run every batch through the compiled step, timing each step to completion (``block_until_ready``)."""
+    losses_dev, times = [], []
+    iterator = range(len(batches))
+    if desc is not None:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(iterator, desc=desc, leave=False)
+    for i in iterator:
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batches[i])
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+        losses_dev.append(metrics["loss"])
+    losses = [float(np.asarray(x).ravel()[0]) for x in losses_dev]  # pmap: one copy per device
+    return state, losses, times
 
 
 def _metadata(report: Any, devices: Sequence[Any]) -> dict:
@@ -150,7 +163,7 @@ def _metadata(report: Any, devices: Sequence[Any]) -> dict:
         "device_kind": d0.device_kind,
         "simulated": (d0.platform == "cpu") if report is None else report.simulated,
         "jax_version": jax.__version__,
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -199,10 +212,19 @@ def scaling_sweep(
     for key, n in iterator:
         shards = strategies_lib.data_shards(key, n)
         if config.global_batch % shards:
-            print(f"skipped {key} on {n} devices: global batch {config.global_batch} is not divisible by {shards} data shards")
+            print(
+                f"skipped {key} on {n} devices: global batch {config.global_batch} is not divisible by "
+                f"{shards} data shards"
+            )
             continue
         run = run_strategy(
-            key, list(devices)[:n], config, report=report, seed=seed, steps=config.scaling_steps, progress=False
+            key,
+            list(devices)[:n],
+            config,
+            report=report,
+            seed=seed,
+            steps=config.scaling_steps,
+            progress=False,
         )
         rows.append(run.row)
     return rows

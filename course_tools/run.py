@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from course_lib.config import LAB_PARAMS, N_DEVICES, PLATFORM, arg_type, coerce
 
@@ -37,8 +37,13 @@ def execute(notebook: Path, output: Path, parameters: dict, progress: bool = Tru
     t0 = time.perf_counter()
     try:
         pm.execute_notebook(
-            str(notebook), str(output), parameters=parameters, kernel_name="python3",
-            cwd=str(notebook.parent), progress_bar=progress, log_output=False,
+            str(notebook),
+            str(output),
+            parameters=parameters,
+            kernel_name="python3",
+            cwd=str(notebook.parent),
+            progress_bar=progress,
+            log_output=False,
         )
     except pm.PapermillExecutionError as e:
         raise NotebookFailed(
@@ -48,8 +53,14 @@ def execute(notebook: Path, output: Path, parameters: dict, progress: bool = Tru
     return time.perf_counter() - t0
 
 
-def run_lab(n_devices, platform: str = "auto", profile: str = "auto", build: str = "build",
-            extra: dict | None = None, progress: bool = True) -> Path:
+def run_lab(
+    n_devices,
+    platform: str = "auto",
+    profile: str = "auto",
+    build: str = "build",
+    extra: dict | None = None,
+    progress: bool = True,
+) -> Path:
     """Run the lab into a fresh folder ``<build>/lab[-k]``; return that folder.
 
     Raises:
@@ -59,9 +70,10 @@ def run_lab(n_devices, platform: str = "auto", profile: str = "auto", build: str
     n, platform = coerce(N_DEVICES, n_devices), coerce(PLATFORM, platform)
     profile = coerce(LAB_PARAMS["profile"], profile)
     run_dir = prepare_results_dir(resolve_results_dir(Path(build) / "lab"))
-    params = {"n_devices": n, "platform": platform, "profile": profile, "results_dir": str(run_dir), "overwrite": True}
-    params.update(extra or {})
-    shown = ", ".join(f"{k}={v!r}" for k, v in params.items() if k not in ("results_dir", "overwrite"))
+    params = _lab_params(n, platform, profile, run_dir, **(extra or {}))
+    shown = ", ".join(
+        f"{k}={v!r}" for k, v in params.items() if k not in ("results_dir", "overwrite")
+    )
     print(f"running 08_lab.ipynb ({shown}) into the new folder {run_dir}")
     seconds = execute(NOTEBOOKS / "08_lab.ipynb", run_dir / "08_lab.ipynb", params, progress)
     print(f"lab done in {seconds:.0f} s; executed notebook, results and plots in {run_dir}:")
@@ -70,13 +82,25 @@ def run_lab(n_devices, platform: str = "auto", profile: str = "auto", build: str
     return run_dir
 
 
+def _lab_params(n: int, platform: str, profile: str, run_dir: Path, **more) -> dict:
+    """The lab's papermill parameters for a run into its own fresh folder."""
+    params = {"n_devices": n, "platform": platform, "profile": profile, "results_dir": str(run_dir)}
+    return {**params, "overwrite": True, **more}
+
+
 def course_notebooks() -> list[Path]:
     """The course's notebooks in order (``NN_name.ipynb``)."""
     return sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 
 
-def run_course(n_devices, platform: str = "auto", build: str = "build", only: Sequence[str] | None = None,
-               progress: bool = True, lab_params: dict | None = None) -> Path:
+def run_course(
+    n_devices,
+    platform: str = "auto",
+    build: str = "build",
+    only: Sequence[str] | None = None,
+    progress: bool = True,
+    lab_params: dict | None = None,
+) -> Path:
     """Execute every notebook in order into a fresh folder ``<build>/course[-k]``; print a time table.
 
     Stops at the first failing notebook (:class:`NotebookFailed` names it and the cell). Writes
@@ -96,7 +120,10 @@ def run_course(n_devices, platform: str = "auto", build: str = "build", only: Se
             params = {"n_devices": n, "platform": platform}
             if nb.name == "08_lab.ipynb":
                 params.update(results_dir=str(out / "lab"), overwrite=False, **(lab_params or {}))
-            print(f"[{len(rows) + 1}/{len(notebooks)}] {nb.name} (n_devices={n}, platform={platform})", flush=True)
+            print(
+                f"[{len(rows) + 1}/{len(notebooks)}] {nb.name} (n_devices={n}, platform={platform})",
+                flush=True,
+            )
             try:
                 seconds = execute(nb, out / nb.name, params, progress)
             except NotebookFailed:
@@ -116,8 +143,13 @@ def run_course(n_devices, platform: str = "auto", build: str = "build", only: Se
     return out
 
 
-def run_scaling(counts: Sequence, platform: str = "auto", profile: str = "auto", build: str = "build",
-                progress: bool = True) -> Path:
+def run_scaling(
+    counts: Sequence,
+    platform: str = "auto",
+    profile: str = "auto",
+    build: str = "build",
+    progress: bool = True,
+) -> Path:
     """Run the lab once per device count (a separate kernel each) and aggregate into ``<build>/scaling[-k]``.
 
     Writes ``study.csv`` (per strategy and count: samples/s, step time, bytes per device, efficiency) and
@@ -136,8 +168,7 @@ def run_scaling(counts: Sequence, platform: str = "auto", profile: str = "auto",
     for n in ns:
         run_dir = out / f"n{n}"
         run_dir.mkdir()
-        params = {"n_devices": n, "platform": platform, "profile": profile, "results_dir": str(run_dir),
-                  "overwrite": True, "scaling": False}
+        params = _lab_params(n, platform, profile, run_dir, scaling=False)
         print(f"lab at n_devices={n} ...", flush=True)
         execute(NOTEBOOKS / "08_lab.ipynb", run_dir / "08_lab.ipynb", params, progress)
         run_dirs.append(run_dir)
@@ -148,7 +179,9 @@ def run_scaling(counts: Sequence, platform: str = "auto", profile: str = "auto",
     ref = None
     try:
         ref_rows = results.load_reference("cpu_scaling")
-        same = set(ref_rows["profile"]) == set(rows["profile"]) and set(ref_rows["platform"]) == set(rows["platform"])
+        same = set(ref_rows["profile"]) == set(rows["profile"]) and set(
+            ref_rows["platform"]
+        ) == set(rows["platform"])
         ref = study.efficiency(ref_rows.assign(run="reference")) if same else None
     except FileNotFoundError:
         pass
@@ -169,13 +202,17 @@ def _parser() -> argparse.ArgumentParser:
     n_devices, platform = arg_type(N_DEVICES), arg_type(PLATFORM)
     profile = arg_type(LAB_PARAMS["profile"])
     root = "build folder (relative paths start at the project root)"
-    lab = sub.add_parser("lab", help="run notebooks/08_lab.ipynb into a new run folder", exit_on_error=False)
+    lab = sub.add_parser(
+        "lab", help="run notebooks/08_lab.ipynb into a new run folder", exit_on_error=False
+    )
     lab.add_argument("--n-devices", type=n_devices, default=8, help="devices to use (default 8)")
     lab.add_argument("--platform", type=platform, default="auto", help="auto | cpu | gpu")
     lab.add_argument("--profile", type=profile, default="auto", help="auto | cpu | gpu | tiny")
     lab.add_argument("--build", default="build", help=root)
     course = sub.add_parser(
-        "course", help="run every notebook in order into a new folder, with a time table", exit_on_error=False
+        "course",
+        help="run every notebook in order into a new folder, with a time table",
+        exit_on_error=False,
     )
     course.add_argument("--n-devices", type=n_devices, default=8)
     course.add_argument("--platform", type=platform, default="auto")
@@ -198,7 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "lab":
             run_lab(args.n_devices, args.platform, args.profile, args.build)
         elif args.what == "course":
-            run_course(args.n_devices, args.platform, args.build, args.only, lab_params={"profile": args.profile})
+            run_course(
+                args.n_devices,
+                args.platform,
+                args.build,
+                args.only,
+                lab_params={"profile": args.profile},
+            )
         else:
             run_scaling(args.counts, args.platform, args.profile, args.build)
     except (argparse.ArgumentError, ValueError, NotebookFailed, OSError) as e:

@@ -18,6 +18,15 @@ def passed(message: str) -> bool:
     return True
 
 
+def as_ints(what: str, value, hint: str) -> tuple[int, ...]:
+    """``value`` as a tuple of ints (a shape, a ``(start, stop)`` pair), or an :class:`ExerciseError` that
+    says ``what`` returned it and gives ``hint``."""
+    try:
+        return tuple(int(v) for v in value)
+    except TypeError:
+        fail(f"{what} returned {value!r}", hint)
+
+
 def show_error(fn, *args, **kwargs) -> BaseException:
     """Call ``fn(*args, **kwargs)``, print the error it raises (type and first line, at most 400 characters)
     and return it, so a notebook can show a failure and ``assert isinstance(err, SomeError)`` on it.
@@ -53,9 +62,15 @@ def call_answer(what: str, fn, *args, explain=None, **kwargs):
     try:
         return fn(*args, **kwargs)
     except NotImplementedError:
-        fail(f"{what} is not written yet", "replace the `raise NotImplementedError` line with your answer")
+        fail(
+            f"{what} is not written yet",
+            "replace the `raise NotImplementedError` line with your answer",
+        )
     except Exception as e:  # noqa: BLE001 - the learner's code may raise anything
         specific = explain(e) if explain is not None else None
         if specific:
             fail(*specific)
-        fail(f"{what} raised {type(e).__name__}: {str(e)[:300]}", "run it on a small input in a cell and read the error")
+        fail(
+            f"{what} raised {type(e).__name__}: {str(e)[:300]}",
+            "run it on a small input in a cell and read the error",
+        )

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from unittest import mock
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from course_lib.distributed import local_rows
 from course_lib.meshes import DATA, data_mesh
 
+from ._common import as_ints, fail, passed
 from ._common import call_answer as _call
-from ._common import fail, passed
 
 # ---- exercise 1: which rows does a process load? ---------------------------------------------------------
 
@@ -31,7 +33,11 @@ def rows_held(global_batch: int, n_processes: int, process_index: int, devices: 
     """The rows the devices of process ``process_index`` hold when ``n_processes`` processes of k devices
     each split a batch over a ``data`` mesh, k as large as ``devices`` and the batch allow; None when
     ``devices`` are fewer than the processes. Read from the sharding itself (its ``devices_indices_map``)."""
-    fits = [k for k in range(1, len(devices) // n_processes + 1) if global_batch % (n_processes * k) == 0]
+    fits = [
+        k
+        for k in range(1, len(devices) // n_processes + 1)
+        if global_batch % (n_processes * k) == 0
+    ]
     if not fits:
         return None
     k = max(fits)
@@ -51,10 +57,7 @@ def check_process_rows(fn: Callable) -> bool:
     cases = [(case, want) for case, want in cases if want is not None]
     for case, want in cases:
         got = _call(f"process_rows{case}", fn, *case)
-        try:
-            got = tuple(int(v) for v in got)
-        except TypeError:
-            fail(f"process_rows{case} returned {got!r}", "return a pair of ints (start, stop)")
+        got = as_ints(f"process_rows{case}", got, "return a pair of ints (start, stop)")
         if got == want:
             continue
         msg = f"process_rows{case} returned {got}, expected {want}"
@@ -62,17 +65,28 @@ def check_process_rows(fn: Callable) -> bool:
         if len(got) == 2 and got[1] == want[1] - 1:
             fail(msg, "stop is exclusive, like a Python slice: rows start, start+1, …, stop-1")
         if len(got) == 2 and got[1] - got[0] != B // n:
-            fail(msg, f"a process loads global_batch // n_processes rows ({B // n} here), not one device's share")
-        fail(msg, "process p owns the p-th contiguous block: start = p * (global_batch // n_processes)")
+            fail(
+                msg,
+                f"a process loads global_batch // n_processes rows ({B // n} here), not one device's share",
+            )
+        fail(
+            msg,
+            "process p owns the p-th contiguous block: start = p * (global_batch // n_processes)",
+        )
     try:
         bad = fn(30, 4, 0)
     except ValueError:
         pass
     except Exception as e:  # noqa: BLE001
-        fail(f"process_rows(30, 4, 0) raised {type(e).__name__}", "raise ValueError naming the numbers")
+        fail(
+            f"process_rows(30, 4, 0) raised {type(e).__name__}",
+            "raise ValueError naming the numbers",
+        )
     else:
-        fail(f"process_rows(30, 4, 0) returned {bad!r}: 30 rows do not split over 4 processes",
-             "raise ValueError when global_batch % n_processes != 0; every process must load the same number of rows")
+        fail(
+            f"process_rows(30, 4, 0) returned {bad!r}: 30 rows do not split over 4 processes",
+            "raise ValueError when global_batch % n_processes != 0; every process must load the same number of rows",
+        )
     return passed(f"all {len(cases)} cases right, and an uneven split raises ValueError")
 
 
@@ -117,21 +131,33 @@ def check_mesh_devices(fn: Callable) -> bool:
         got = _call(f"mesh_devices(devices, {n_data}, {n_model})", fn, list(devs), n_data, n_model)
         got = np.asarray(got, dtype=object)
         if got.shape != (n_data, n_model):
-            fail(f"{case}: shape {got.shape}, expected {(n_data, n_model)}", "reshape to (n_data, n_model)")
+            fail(
+                f"{case}: shape {got.shape}, expected {(n_data, n_model)}",
+                "reshape to (n_data, n_model)",
+            )
         if sorted(d.id for d in got.ravel()) != sorted(d.id for d in devs):
-            fail(f"{case}: not every device appears exactly once", "reorder the devices, don't drop or repeat any")
+            fail(
+                f"{case}: not every device appears exactly once",
+                "reorder the devices, don't drop or repeat any",
+            )
         procs = np.vectorize(lambda d: d.process_index)(got)
         spans = [sorted(set(row)) for row in procs.tolist() if len(set(row)) > 1]
         if spans:
-            fail(f"{case}: a model group spans processes {spans[0]} (rows of the mesh: {got.tolist()})",
-                 "the model axis communicates every layer: keep each row inside one process (host). Sort the devices "
-                 "by (process_index, id) before reshaping; reshaping to (n_model, n_data) and transposing puts "
-                 "neighbours on different rows")
+            fail(
+                f"{case}: a model group spans processes {spans[0]} (rows of the mesh: {got.tolist()})",
+                "the model axis communicates every layer: keep each row inside one process (host). Sort the devices "
+                "by (process_index, id) before reshaping; reshaping to (n_model, n_data) and transposing puts "
+                "neighbours on different rows",
+            )
         firsts = procs[:, 0].tolist()
         if firsts != sorted(firsts):
-            fail(f"{case}: rows are not in process order ({firsts})",
-                 "put process 0's devices first: each process then owns one contiguous block of the batch")
-    return passed(f"all {len(_MESH_CASES)} layouts keep every model group inside one process, in process order")
+            fail(
+                f"{case}: rows are not in process order ({firsts})",
+                "put process 0's devices first: each process then owns one contiguous block of the batch",
+            )
+    return passed(
+        f"all {len(_MESH_CASES)} layouts keep every model group inside one process, in process order"
+    )
 
 
 # ---- exercise 3: a global batch from each process's rows ----------------------------------------------------
@@ -145,7 +171,10 @@ def check_to_global_batch(fn: Callable, devices: Sequence[Any]) -> bool:
     n = len(devices)
     B = 4 * n
     rng = np.random.default_rng(0)
-    local = (rng.normal(size=(B, 4, 4, 3)).astype(np.float32), rng.integers(0, 10, size=(B,)).astype(np.int32))
+    local = (
+        rng.normal(size=(B, 4, 4, 3)).astype(np.float32),
+        rng.integers(0, 10, size=(B,)).astype(np.int32),
+    )
     sharding = NamedSharding(mesh, P(DATA))
     real = jax.make_array_from_process_local_data
     with mock.patch.object(jax, "make_array_from_process_local_data", wraps=real) as spy:
@@ -156,23 +185,34 @@ def check_to_global_batch(fn: Callable, devices: Sequence[Any]) -> bool:
         fail(f"returned {type(out).__name__}", "return the pair (images, labels)")
     for name, x, ref in (("images", images, local[0]), ("labels", labels, local[1])):
         if not isinstance(x, jax.Array):
-            fail(f"{name} is a {type(x).__name__}, not a jax.Array", "build it with jax.make_array_from_process_local_data")
+            fail(
+                f"{name} is a {type(x).__name__}, not a jax.Array",
+                "build it with jax.make_array_from_process_local_data",
+            )
         if x.shape != ref.shape or not np.array_equal(np.asarray(x), ref):
-            fail(f"{name}: shape {x.shape} or values differ from the input ({ref.shape})",
-                 "pass the global shape (global_batch,) + local.shape[1:]; the data itself is not changed")
+            fail(
+                f"{name}: shape {x.shape} or values differ from the input ({ref.shape})",
+                "pass the global shape (global_batch,) + local.shape[1:]; the data itself is not changed",
+            )
         if isinstance(x.sharding, NamedSharding) and x.sharding.is_fully_replicated and n > 1:
-            fail(f"{name}: every device holds the whole batch (replicated)",
-                 "lay it out by the sharding you were given: its rows are split over the data axis")
+            fail(
+                f"{name}: every device holds the whole batch (replicated)",
+                "lay it out by the sharding you were given: its rows are split over the data axis",
+            )
         if not x.sharding.is_equivalent_to(sharding, x.ndim):
-            fail(f"{name} is laid out as {x.sharding}, not by the sharding given",
-                 "pass the sharding argument to jax.make_array_from_process_local_data")
+            fail(
+                f"{name} is laid out as {x.sharding}, not by the sharding given",
+                "pass the sharding argument to jax.make_array_from_process_local_data",
+            )
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
         source = ""
     if not spy.called and "make_array_from_process_local_data" not in source:
-        fail("the layout is right here, but the function does not use jax.make_array_from_process_local_data",
-             "jax.device_put(x, sharding) treats x as the *global* value: across processes each one would claim its "
-             "own rows are the whole batch. make_array_from_process_local_data(sharding, local, global_shape) "
-             "says 'these are my rows of a bigger array'")
+        fail(
+            "the layout is right here, but the function does not use jax.make_array_from_process_local_data",
+            "jax.device_put(x, sharding) treats x as the *global* value: across processes each one would claim its "
+            "own rows are the whole batch. make_array_from_process_local_data(sharding, local, global_shape) "
+            "says 'these are my rows of a bigger array'",
+        )
     return passed(f"global batch {jax.typeof(images)} assembled from process-local rows")
