@@ -1,11 +1,13 @@
-"""Exercise checkers of lesson 09: each accepts the reference answer and rejects typical wrong ones with a
-specific hint (8 simulated CPU devices, from conftest.py)."""
+"""Exercise checkers of lesson 09 (course_tools.checks.lesson09): each accepts the reference answer and
+rejects typical wrong ones with a specific hint (8 simulated CPU devices, from conftest.py).
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from course_lib import distributed
 from course_tools.checks import ExerciseError, lesson09
@@ -38,8 +40,9 @@ def test_mesh_devices():
     assert lesson09.check_mesh_devices(lesson09.reference_mesh_devices)
     as_listed = lambda devs, d, m: np.array(devs, dtype=object).reshape(d, m)
     rejects(lesson09.check_mesh_devices, as_listed, match="spans processes")
-    transposed = lambda devs, d, m: np.array(
-        sorted(devs, key=lambda x: (x.process_index, x.id)), dtype=object).reshape(m, d).T
+    transposed = lambda devs, d, m: (
+        np.array(sorted(devs, key=lambda x: (x.process_index, x.id)), dtype=object).reshape(m, d).T
+    )
     rejects(lesson09.check_mesh_devices, transposed, match="spans processes.*Sort the devices")
     dropped = lambda devs, d, m: np.array(devs[:1] * len(devs), dtype=object).reshape(d, m)
     rejects(lesson09.check_mesh_devices, dropped, match="exactly once")
@@ -47,24 +50,39 @@ def test_mesh_devices():
 
 def test_mesh_devices_reference_on_real_devices(report):
     grid = lesson09.reference_mesh_devices(report.devices, 4, 2)
-    assert grid.shape == (4, 2) and list(grid.ravel()) == list(report.devices)  # one process: jax.devices() order
+    assert grid.shape == (4, 2) and list(grid.ravel()) == list(
+        report.devices
+    )  # one process: jax.devices() order
 
 
 def _good_to_global(local, sharding, global_batch):
     return tuple(
-        jax.make_array_from_process_local_data(sharding, x, (global_batch,) + x.shape[1:]) for x in local)
+        jax.make_array_from_process_local_data(sharding, x, (global_batch,) + x.shape[1:])
+        for x in local
+    )
 
 
 def test_to_global_batch(report):
     assert lesson09.check_to_global_batch(_good_to_global, report.devices)
     assert lesson09.check_to_global_batch(distributed.to_global_batch, report.devices)
     replicated = lambda local, sharding, B: tuple(
-        jax.device_put(x, NamedSharding(sharding.mesh, P())) for x in local)
+        jax.device_put(x, NamedSharding(sharding.mesh, P())) for x in local
+    )
     rejects(lesson09.check_to_global_batch, replicated, report.devices, match="whole batch")
     one_device = lambda local, sharding, B: tuple(jnp.asarray(x) for x in local)
-    rejects(lesson09.check_to_global_batch, one_device, report.devices, match="not by the sharding given")
+    rejects(
+        lesson09.check_to_global_batch,
+        one_device,
+        report.devices,
+        match="not by the sharding given",
+    )
     device_put = lambda local, sharding, B: tuple(jax.device_put(x, sharding) for x in local)
-    rejects(lesson09.check_to_global_batch, device_put, report.devices, match="treats x as the \\*global\\* value")
+    rejects(
+        lesson09.check_to_global_batch,
+        device_put,
+        report.devices,
+        match="treats x as the \\*global\\* value",
+    )
 
 
 def test_stub_is_rejected(report):

@@ -24,7 +24,9 @@ def test_profiles():
         config.resolve_profile("cpu", "cpu", global_batch=-4)
 
 
-@pytest.mark.parametrize("value, expected", [(True, True), ("False", False), ("true", True), (0, 0), ("1", True)])
+@pytest.mark.parametrize(
+    "value, expected", [(True, True), ("False", False), ("true", True), (0, 0), ("1", True)]
+)
 def test_parse_bool(value, expected):
     assert config.coerce(config.LAB_PARAMS["overwrite"], value) is bool(expected)
 
@@ -34,20 +36,27 @@ def test_parse_bool_rejects_other_values():
         config.coerce(config.LAB_PARAMS["overwrite"], "maybe")
 
 
-@pytest.mark.parametrize("n, batch", [(1, 64), (2, 64), (3, 66), (4, 64), (5, 80), (6, 72), (7, 84), (8, 64)])
+@pytest.mark.parametrize(
+    "n, batch", [(1, 64), (2, 64), (3, 66), (4, 64), (5, 80), (6, 72), (7, 84), (8, 64)]
+)
 def test_default_batch_fits_any_device_count(n, batch, capsys):
     cfg = config.resolve_profile("cpu", "cpu", n_devices=n)
     assert cfg.global_batch == batch
     assert ("note: global batch 64 ->" in capsys.readouterr().out) == (batch != 64)
     with pytest.raises(ValueError, match="global batch 64 is not divisible by 3"):
-        lab.check_divisibility(config.resolve_profile("cpu", "cpu", global_batch=64, n_devices=3), 3)
+        lab.check_divisibility(
+            config.resolve_profile("cpu", "cpu", global_batch=64, n_devices=3), 3
+        )
 
 
 @pytest.mark.parametrize("bad", ["three", -1, 1.5, True])
 def test_seed_is_checked(bad):
     with pytest.raises(ValueError, match="seed="):
         config.coerce(config.LAB_PARAMS["seed"], bad)
-    assert config.coerce(config.LAB_PARAMS["seed"], "3") == 3 and config.coerce(config.LAB_PARAMS["seed"], 0) == 0
+    assert (
+        config.coerce(config.LAB_PARAMS["seed"], "3") == 3
+        and config.coerce(config.LAB_PARAMS["seed"], 0) == 0
+    )
 
 
 # ---- the one rule for notebook parameters -------------------------------------------------------------------
@@ -83,7 +92,11 @@ def test_coerce_accepts_what_papermill_passes(param, value, expected):
 @pytest.mark.parametrize(
     "param, value, fragment",
     [
-        (STEPS, "three", r"steps=.three. is not an integer; give a whole number such as 20 \(papermill: -p steps 20\)"),
+        (
+            STEPS,
+            "three",
+            r"steps=.three. is not an integer; give a whole number such as 20 \(papermill: -p steps 20\)",
+        ),
         (STEPS, True, "steps=True is a bool"),
         (STEPS, 2.5, "steps=2.5 is not a whole number"),
         (STEPS, "2.5", "steps='2.5' is not an integer"),
@@ -122,7 +135,8 @@ def _parameters_cell(name):
 
 
 @pytest.mark.parametrize(
-    "notebook, params", [("08_lab.ipynb", config.LAB_PARAMS), ("09_multihost.ipynb", config.MULTIHOST_PARAMS)]
+    "notebook, params",
+    [("08_lab.ipynb", config.LAB_PARAMS), ("09_multihost.ipynb", config.MULTIHOST_PARAMS)],
 )
 def test_the_parameters_cell_declares_exactly_the_declared_parameters(notebook, params):
     cell = _parameters_cell(notebook)
@@ -146,17 +160,28 @@ def test_lab_config_nests_the_model_and_the_data():
     tiny = config.PROFILES["tiny"]
     assert tiny.model == model.TINY  # one tiny config, the model's
     assert tiny.image_size == tiny.data.image_size == model.TINY.image_size
-    with pytest.raises(ValueError, match="the model's image_size=16 differs from the data's image_size=32"):
-        config.LabConfig("x", model.TINY, data.SyntheticImages(image_size=32), global_batch=8, steps=4)
+    with pytest.raises(
+        ValueError, match="the model's image_size=16 differs from the data's image_size=32"
+    ):
+        config.LabConfig(
+            "x", model.TINY, data.SyntheticImages(image_size=32), global_batch=8, steps=4
+        )
 
 
 def test_init_run_is_the_seed_rule():
     tiny = config.PROFILES["tiny"]
     start = config.init_run(tiny, "1")
     _, params = model.init_model(jax.random.key(1), tiny.model)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start.params), jax.tree.leaves(params)))
-    assert np.array_equal(jax.random.key_data(start.data_key), jax.random.key_data(jax.random.key(2)))
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(start.params), jax.tree.leaves(params), strict=True)
+    )
+    assert np.array_equal(
+        jax.random.key_data(start.data_key), jax.random.key_data(jax.random.key(2))
+    )
     abstract = config.init_run(tiny, 1, abstract_params=True)
-    assert [x.shape for x in jax.tree.leaves(abstract.params)] == [x.shape for x in jax.tree.leaves(params)]
+    assert [x.shape for x in jax.tree.leaves(abstract.params)] == [
+        x.shape for x in jax.tree.leaves(params)
+    ]
     with pytest.raises(ValueError, match="seed=-1 must be a non-negative integer"):
         config.init_run(tiny, -1)

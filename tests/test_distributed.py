@@ -21,7 +21,9 @@ def test_plan():
     assert distributed.plan(3)[:2] == (1, 3) and "cannot be split evenly" in distributed.plan(3)[2]
     assert distributed.plan(8, 4)[:2] == (4, 2)
     assert distributed.plan(1, 2, fallback=True)[:2] == (1, 1)
-    with pytest.raises(ValueError, match="8 devices do not split evenly over 3 processes.*\\[1, 2, 4, 8\\]"):
+    with pytest.raises(
+        ValueError, match="8 devices do not split evenly over 3 processes.*\\[1, 2, 4, 8\\]"
+    ):
         distributed.plan(8, 3)
 
 
@@ -41,7 +43,9 @@ def test_prepared_inputs_follow_the_labs_seed_rule(tmp_path):
     want = traverse_util.flatten_dict(jax.device_get(start.params), sep="/")
     assert set(saved) == set(want) and all(np.array_equal(saved[k], want[k]) for k in want)
     images = np.load(folder / "images.npy")
-    first = start.dataset.batch(jax.random.fold_in(start.data_key, 0), PROFILES["tiny"].global_batch)
+    first = start.dataset.batch(
+        jax.random.fold_in(start.data_key, 0), PROFILES["tiny"].global_batch
+    )
     np.testing.assert_array_equal(images[0], np.asarray(first[0]))
 
 

@@ -13,7 +13,12 @@ MAX_FUNCTION_LINES = 80
 
 
 def test_there_are_modules():
-    assert {p.name for p in MODULES} >= {"strategies.py", "distributed.py", "launcher.py", "config.py"}
+    assert {p.name for p in MODULES} >= {
+        "strategies.py",
+        "distributed.py",
+        "launcher.py",
+        "config.py",
+    }
 
 
 @pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(ROOT)) for p in MODULES])
@@ -23,7 +28,9 @@ def test_modules_and_functions_are_short(path):
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             length = node.end_lineno - node.lineno + 1
-            assert length <= MAX_FUNCTION_LINES, f"{path.name}:{node.lineno} {node.name} is {length} lines"
+            assert length <= MAX_FUNCTION_LINES, (
+                f"{path.name}:{node.lineno} {node.name} is {length} lines"
+            )
 
 
 def test_the_lesson_library_never_imports_the_toolkit():
@@ -34,14 +41,21 @@ def test_the_lesson_library_never_imports_the_toolkit():
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 names = [node.module or ""]
-            assert not any(n.split(".")[0] == "course_tools" for n in names), f"{path.name} imports {names}"
+            assert not any(n.split(".")[0] == "course_tools" for n in names), (
+                f"{path.name} imports {names}"
+            )
 
 
 def test_no_pointer_to_files_outside_the_repository():
     # The course's design notes are not part of the repository: code and docs point to notebooks instead.
     needle = "design" + "/"
     places = [*PACKAGES, "data", "tools", "docs", "deploy", "tests", "notebooks"]
-    files = [p for d in places for p in (ROOT / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    files = [
+        p
+        for d in places
+        for p in (ROOT / d).rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    ]
     files += [ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml"]
     found = [str(p.relative_to(ROOT)) for p in files if needle in p.read_text(errors="replace")]
     assert not found, f"pointers to {needle}* in {found}"

@@ -5,7 +5,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pandas as pd
 import pytest
 
 from course_lib import measure
@@ -39,12 +38,16 @@ def test_compile_and_analyse_matmul_flops_and_memory():
 
 
 def test_collectives_are_counted_in_a_sharded_program(report):
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from course_lib.meshes import DATA, data_mesh
 
     mesh = data_mesh(report.devices, axis_type="auto")
     x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P(DATA)))
-    _, stats = measure.compile_and_analyse(lambda: jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P())).lower(x))
+    _, stats = measure.compile_and_analyse(
+        lambda: jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P())).lower(x)
+    )
     assert stats.collectives["all-reduce"] >= 1
 
 
@@ -56,7 +59,13 @@ def test_count_collectives_text():
   %cp = f32[4] collective-permute(f32[4] %y)
 """
     c = measure.count_collectives(text)
-    assert c == {"all-reduce": 1, "all-gather": 1, "reduce-scatter": 0, "collective-permute": 1, "all-to-all": 0}
+    assert c == {
+        "all-reduce": 1,
+        "all-gather": 1,
+        "reduce-scatter": 0,
+        "collective-permute": 1,
+        "all-to-all": 0,
+    }
 
 
 def test_human_bytes_and_peak_memory(report):

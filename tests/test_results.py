@@ -65,4 +65,6 @@ def test_a_folder_with_the_readers_files_is_not_written_into(tmp_path):
     (tmp_path / "lab" / "notes.txt").write_text("mine")
     assert results.prepare_results_dir(tmp_path / "lab") == tmp_path / "lab-2"
     (tmp_path / "empty").mkdir()
-    assert results.prepare_results_dir(tmp_path / "empty") == tmp_path / "empty"  # an interrupted run left nothing
+    assert (
+        results.prepare_results_dir(tmp_path / "empty") == tmp_path / "empty"
+    )  # an interrupted run left nothing

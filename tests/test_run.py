@@ -1,5 +1,7 @@
-"""The lab run end to end with papermill (as a batch study would), at 1, 2 and 8 devices, tiny profile; the
-course run of 00 and 08, rendered as a site and checked in a real headless browser (Chromium)."""
+"""course_tools.run: the lab run end to end with papermill (as a batch study would), at 1, 2 and 8
+devices, tiny profile; the course run of 00 and 08, rendered as a site and checked in a real
+headless browser (Chromium).
+"""
 
 import os
 import re
@@ -16,15 +18,24 @@ from course_tools import results, run, site
 @pytest.fixture(scope="module")
 def course_run(tmp_path_factory):
     """The 2-device papermill run: 00_setup and the lab (tiny, with the scaling sweep) as ``make course``
-    runs them; tests/test_site.py renders the same folder."""
+    runs them; the site tests below render the same folder."""
     tmp = tmp_path_factory.mktemp("course")
-    return run.run_course(2, platform="cpu", build=str(tmp), only=["00", "08"], progress=False,
-                          lab_params={"profile": "tiny", "scaling": True})
+    return run.run_course(
+        2,
+        platform="cpu",
+        build=str(tmp),
+        only=["00", "08"],
+        progress=False,
+        lab_params={"profile": "tiny", "scaling": True},
+    )
 
 
 def test_course_run_writes_a_time_table(course_run):
     timings = pd.read_csv(course_run / "timings.csv")
-    assert list(timings["notebook"]) == ["00_setup.ipynb", "08_lab.ipynb"] and (timings["status"] == "ok").all()
+    assert (
+        list(timings["notebook"]) == ["00_setup.ipynb", "08_lab.ipynb"]
+        and (timings["status"] == "ok").all()
+    )
     assert (course_run / "00_setup.ipynb").exists()
 
 
@@ -32,7 +43,9 @@ def test_course_run_writes_a_time_table(course_run):
 def scaling_run(tmp_path_factory):
     """The scaling study at 1 and 8 devices: two papermill runs of the lab (separate kernels), aggregated."""
     tmp = tmp_path_factory.mktemp("scaling")
-    return run.run_scaling(["1", "8"], platform="cpu", profile="tiny", build=str(tmp), progress=False)
+    return run.run_scaling(
+        ["1", "8"], platform="cpu", profile="tiny", build=str(tmp), progress=False
+    )
 
 
 def test_scaling_study_aggregates_the_runs(scaling_run):
@@ -41,7 +54,9 @@ def test_scaling_study_aggregates_the_runs(scaling_run):
     assert set(table["strategy"]) == {"pmap", "shard_map", "sharded_jit", "shard_map_article"}
     assert sorted(table["n_devices"].unique()) == [1, 8]
     one = table[table.n_devices == 1]
-    assert one["efficiency"].tolist() == pytest.approx([1.0] * len(one))  # by definition at 1 device
+    assert one["efficiency"].tolist() == pytest.approx(
+        [1.0] * len(one)
+    )  # by definition at 1 device
     assert (table["efficiency"] > 0).all() and (scaling_run / "study.png").stat().st_size > 10_000
 
 
@@ -56,8 +71,14 @@ def test_lab_with_papermill(n, request):
     res = pd.read_csv(out / results.RESULTS_FILE)
     assert set(results.RESULT_COLUMNS) <= set(res.columns)
     assert list(res["strategy"]) == ["jit", "pmap", "shard_map", "sharded_jit", "shard_map_article"]
-    assert res.loc[res.strategy != "jit", "n_devices"].eq(n).all() and (res["profile"] == "tiny").all()
-    assert (res["steps"] == 6).all() and (res["samples_per_s"] > 0).all() and (res["bytes_per_device"] > 0).all()
+    assert (
+        res.loc[res.strategy != "jit", "n_devices"].eq(n).all() and (res["profile"] == "tiny").all()
+    )
+    assert (
+        (res["steps"] == 6).all()
+        and (res["samples_per_s"] > 0).all()
+        and (res["bytes_per_device"] > 0).all()
+    )
     curves = pd.read_csv(out / results.CURVES_FILE)
     assert len(curves) == 5 * 6 and set(curves.columns) == {"strategy", "step", "loss"}
     for png in ("loss_curves.png", "comparison.png"):
@@ -83,8 +104,18 @@ def test_second_run_goes_to_a_new_folder_and_bad_input_is_refused(tmp_path, caps
 
 
 def test_a_failing_lab_names_the_cell(tmp_path):
-    with pytest.raises(run.NotebookFailed, match=r"08_lab.ipynb failed in cell \[\d+\] with ValueError: .*global batch 9"):
-        run.run_lab(2, platform="cpu", profile="tiny", build=str(tmp_path), extra={"global_batch": 9}, progress=False)
+    with pytest.raises(
+        run.NotebookFailed,
+        match=r"08_lab.ipynb failed in cell \[\d+\] with ValueError: .*global batch 9",
+    ):
+        run.run_lab(
+            2,
+            platform="cpu",
+            profile="tiny",
+            build=str(tmp_path),
+            extra={"global_batch": 9},
+            progress=False,
+        )
 
 
 # --- the rendered course, checked in headless Chromium: pages load, links resolve, plots show ---
@@ -96,18 +127,38 @@ def chromium() -> str:
         if path:
             return path
     if os.environ.get("CI"):
-        pytest.fail("Chromium is needed for the site test: apt-get install chromium (.ci/run installs it)")
+        pytest.fail(
+            "Chromium is needed for the site test: apt-get install chromium (.ci/run installs it)"
+        )
     pytest.skip("Chromium not installed (apt-get install chromium); CI runs this test")
 
 
 def browse(browser, url, tmp, name):
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp / ('profile-' + name)}"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp / ('profile-' + name)}",
+    ]
     shot = tmp / f"{name}.png"
-    subprocess.run([browser, *flags, "--window-size=1200,1600", f"--screenshot={shot}", url],
-                   capture_output=True, timeout=120, check=True)
-    dom = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120, check=True).stdout
+    subprocess.run(
+        [browser, *flags, "--window-size=1200,1600", f"--screenshot={shot}", url],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    dom = subprocess.run(
+        [browser, *flags, "--dump-dom", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     return shot, dom
 
 
