@@ -137,7 +137,9 @@ def _as_bool(param: Param, value: Any) -> bool:
 
 def _as_int(param: Param, value: Any) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"{param.name}={value!r} is a bool, not an integer; give one {param.hint()}")
+        raise ValueError(
+            f"{param.name}={value!r} is a bool, not an integer; give one {param.hint()}"
+        )
     if isinstance(value, str):
         if not re.fullmatch(r"\s*[+-]?\d+\s*", value):
             raise ValueError(
@@ -165,7 +167,9 @@ def _as_float(param: Param, value: Any) -> float:
     try:
         number = float(value.strip() if isinstance(value, str) else value)
     except (TypeError, ValueError):
-        raise ValueError(f"{param.name}={value!r} is not a number; give one {param.hint()}") from None
+        raise ValueError(
+            f"{param.name}={value!r} is not a number; give one {param.hint()}"
+        ) from None
     if not math.isfinite(number):
         raise ValueError(f"{param.name}={value!r} is not a finite number; give one {param.hint()}")
     return number
@@ -229,7 +233,11 @@ class LabConfig:
     scaling_steps: int = 8
 
     def __post_init__(self):
-        pairs = [("image_size", "image_size"), ("num_classes", "num_classes"), ("in_channels", "channels")]
+        pairs = [
+            ("image_size", "image_size"),
+            ("num_classes", "num_classes"),
+            ("in_channels", "channels"),
+        ]
         for m_field, d_field in pairs:
             m, d = getattr(self.model, m_field), getattr(self.data, d_field)
             if m != d:
@@ -244,9 +252,13 @@ class LabConfig:
         return self.model.image_size
 
 
-def _profile(name: str, model: model_lib.CNNConfig, signal: float = 1.0, **settings: Any) -> LabConfig:
+def _profile(
+    name: str, model: model_lib.CNNConfig, signal: float = 1.0, **settings: Any
+) -> LabConfig:
     # The lab's data: class prototypes at twice the default amplitude, so the loss falls within a few steps.
-    data = data_lib.SyntheticImages(image_size=model.image_size, num_classes=model.num_classes, signal=signal)
+    data = data_lib.SyntheticImages(
+        image_size=model.image_size, num_classes=model.num_classes, signal=signal
+    )
     return LabConfig(name, model, data, **settings)
 
 
@@ -255,7 +267,12 @@ PROFILES = {
     "cpu": _profile("cpu", model_lib.CNNConfig(image_size=32), global_batch=64, steps=20),
     # The source article's setting: 128 x 128 x 3 images, global batch 512 (8 x 64 per device).
     "gpu": _profile(
-        "gpu", model_lib.CNNConfig(image_size=128), global_batch=512, steps=50, warmup=3, scaling_steps=12
+        "gpu",
+        model_lib.CNNConfig(image_size=128),
+        global_batch=512,
+        steps=50,
+        warmup=3,
+        scaling_steps=12,
     ),
     # For tests and quick papermill checks: the model's test config (model.TINY), with a stronger class
     # signal so that this small model's loss falls within its few steps.
@@ -272,8 +289,16 @@ LAB_PARAMS = {
         N_DEVICES,
         PLATFORM,
         Param("profile", "auto", choices=("auto", *PROFILES), help="auto | cpu | gpu | tiny"),
-        Param("steps", 0, minimum=0, example=20, help="training steps per strategy; 0 keeps the profile's"),
-        Param("global_batch", 0, minimum=0, example=64, help="images per step; 0 keeps the profile's"),
+        Param(
+            "steps",
+            0,
+            minimum=0,
+            example=20,
+            help="training steps per strategy; 0 keeps the profile's",
+        ),
+        Param(
+            "global_batch", 0, minimum=0, example=64, help="images per step; 0 keeps the profile's"
+        ),
         Param("scaling", True, help="also measure each strategy on 1, 2, 4, ... of the devices"),
         Param("article_variant", True, help="also run the article's split (C') beside C"),
         Param("results_dir", "auto", help="results folder; auto: build/lab"),

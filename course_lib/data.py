@@ -79,7 +79,11 @@ def _positive_int(value: Any, name: str) -> int:
 
 
 def _leading_shards(sharding: jax.sharding.Sharding) -> int:
-    if isinstance(sharding, NamedSharding) and len(sharding.spec) > 0 and sharding.spec[0] is not None:
+    if (
+        isinstance(sharding, NamedSharding)
+        and len(sharding.spec) > 0
+        and sharding.spec[0] is not None
+    ):
         axes = sharding.spec[0] if isinstance(sharding.spec[0], tuple) else (sharding.spec[0],)
         n = 1
         for a in axes:
@@ -129,7 +133,9 @@ def _batch_fn(ds, batch_size, out_shardings):
     return fn
 
 
-def batches(ds: SyntheticImages, key: jax.Array, steps: int, batch_size: int, sharding=None) -> list:
+def batches(
+    ds: SyntheticImages, key: jax.Array, steps: int, batch_size: int, sharding=None
+) -> list:
     """``steps`` batches, batch *i* made from ``jax.random.fold_in(key, i)``: the same for every strategy.
 
     Returns a list of ``(images, labels)`` tuples, each as :meth:`SyntheticImages.batch` describes.

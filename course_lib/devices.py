@@ -15,7 +15,8 @@ import dataclasses
 import os
 import platform as _platform
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 PLATFORMS = ("auto", "cpu", "gpu")
 
@@ -135,10 +136,15 @@ def probe_xla_flags(timeout_s: float = 120) -> None:
     import sys
 
     code = "import jax; jax.devices()"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s
+    )
     if r.returncode != 0:
         lines = [line for line in r.stderr.splitlines() if line.strip()]
-        hint = next((line for line in lines if "flag" in line.lower()), lines[-1] if lines else f"exit {r.returncode}")
+        hint = next(
+            (line for line in lines if "flag" in line.lower()),
+            lines[-1] if lines else f"exit {r.returncode}",
+        )
         raise DeviceSetupError(
             f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} makes XLA abort the process: {hint.strip()[:300]}. "
             f"Fix the flag (check its spelling) or remove it: `unset XLA_FLAGS` in the shell that starts Jupyter, "
@@ -195,10 +201,15 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
     try:
         backend = jax.default_backend()
     except Exception as e:  # e.g. JAX_PLATFORMS names a backend that is not installed
-        env = {k: os.environ[k] for k in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME", "CUDA_VISIBLE_DEVICES") if k in os.environ}
+        env = {
+            k: os.environ[k]
+            for k in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME", "CUDA_VISIBLE_DEVICES")
+            if k in os.environ
+        }
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DeviceSetupError(
-            f"JAX could not start a backend ({type(e).__name__}: {first}); environment: {env or 'no JAX_PLATFORMS set'}. "
+            f"JAX could not start a backend ({type(e).__name__}: {first}); "
+            f"environment: {env or 'no JAX_PLATFORMS set'}. "
             f"Unset JAX_PLATFORMS / JAX_PLATFORM_NAME (or set JAX_PLATFORMS=cpu) and restart the kernel, or install "
             f"the backend you asked for."
         ) from e

@@ -15,7 +15,8 @@ import dataclasses
 import re
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
@@ -41,11 +42,13 @@ class Timing:
     n: int
 
     @classmethod
-    def from_samples(cls, samples: Sequence[float]) -> "Timing":
+    def from_samples(cls, samples: Sequence[float]) -> Timing:
         """Summarise samples in seconds. Raises ValueError on an empty sequence."""
         xs = sorted(float(x) for x in samples)
         if not xs:
-            raise ValueError("no timing samples: run at least one timed call (steps must exceed warmup)")
+            raise ValueError(
+                "no timing samples: run at least one timed call (steps must exceed warmup)"
+            )
         iqr = 0.0
         if len(xs) >= 4:
             q = statistics.quantiles(xs, n=4)

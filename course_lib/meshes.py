@@ -7,7 +7,8 @@ sees which one is used.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from jax.sharding import AxisType, Mesh
@@ -37,7 +38,9 @@ def _devices(devices: Sequence[Any] | None, n: int | None = None) -> list[Any]:
     devices = list(devices)
     if n is not None:
         if n > len(devices):
-            raise ValueError(f"asked for {n} devices but only {len(devices)} were given; use n <= {len(devices)}")
+            raise ValueError(
+                f"asked for {n} devices but only {len(devices)} were given; use n <= {len(devices)}"
+            )
         devices = devices[:n]
     if not devices:
         raise ValueError("no devices given; pass report.devices from setup_devices()")
@@ -105,8 +108,12 @@ def data_model_mesh(
     devs = _devices(devices)
     if shape is None:
         shape = choose_mesh_shape(len(devs))
-    if (len(tuple(shape)) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in shape)):
-        raise ValueError(f"mesh shape {shape!r} must be two positive integers (n_data, n_model), e.g. {choose_mesh_shape(len(devs))}")
+    if len(tuple(shape)) != 2 or any(
+        isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in shape
+    ):
+        raise ValueError(
+            f"mesh shape {shape!r} must be two positive integers (n_data, n_model), e.g. {choose_mesh_shape(len(devs))}"
+        )
     n_data, n_model = shape
     if n_data * n_model != len(devs):
         raise ValueError(

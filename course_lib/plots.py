@@ -3,8 +3,6 @@ never calls ``plt.show()`` and never changes global matplotlib style."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
@@ -19,7 +17,9 @@ def _marker(key: str) -> str:
     return entry.marker if entry else "."
 
 
-def loss_curves(curves: pd.DataFrame, ax=None, title: str = "Training loss per step (same data, same init)"):
+def loss_curves(
+    curves: pd.DataFrame, ax=None, title: str = "Training loss per step (same data, same init)"
+):
     """Overlay the loss curves of ``loss_curves.csv`` (columns ``strategy, step, loss``).
 
     Parity shows as curves that lie on top of each other. Returns the Axes.
@@ -28,7 +28,14 @@ def loss_curves(curves: pd.DataFrame, ax=None, title: str = "Training loss per s
         _, ax = plt.subplots(figsize=(6, 3.5))
     styles = ["-", "--", ":", "-."]
     for i, (key, g) in enumerate(curves.groupby("strategy", sort=False)):
-        ax.plot(g["step"], g["loss"], styles[i % len(styles)], marker=_marker(key), markersize=3, label=key)
+        ax.plot(
+            g["step"],
+            g["loss"],
+            styles[i % len(styles)],
+            marker=_marker(key),
+            markersize=3,
+            label=key,
+        )
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("cross-entropy loss (nats)")
@@ -37,8 +44,12 @@ def loss_curves(curves: pd.DataFrame, ax=None, title: str = "Training loss per s
     return ax
 
 
-def comparison(results: pd.DataFrame, reference: pd.DataFrame | None = None, simulated: bool | None = None,
-               reference_label: str = "reference"):
+def comparison(
+    results: pd.DataFrame,
+    reference: pd.DataFrame | None = None,
+    simulated: bool | None = None,
+    reference_label: str = "reference",
+):
     """Four panels, one bar per strategy: samples/s, median step time, bytes per device, achieved FLOP/s.
 
     Args:
@@ -52,7 +63,9 @@ def comparison(results: pd.DataFrame, reference: pd.DataFrame | None = None, sim
       The Figure.
     """
     if simulated is None:
-        simulated = bool(results.get("simulated", pd.Series([False])).astype(str).str.lower().eq("true").any())
+        simulated = bool(
+            results.get("simulated", pd.Series([False])).astype(str).str.lower().eq("true").any()
+        )
     panels = [
         ("samples_per_s", "samples / s"),
         ("step_time_s", "median step time (s)"),
@@ -63,8 +76,10 @@ def comparison(results: pd.DataFrame, reference: pd.DataFrame | None = None, sim
     keys = list(results["strategy"])
     x = np.arange(len(keys))
     width = 0.38 if reference is not None else 0.7
-    for ax, (col, name) in zip(axes, panels):
-        scale = 1 / 2**20 if col == "bytes_per_device" else 1e-9 if col == "achieved_flops_per_s" else 1
+    for ax, (col, name) in zip(axes, panels, strict=True):
+        scale = (
+            1 / 2**20 if col == "bytes_per_device" else 1e-9 if col == "achieved_flops_per_s" else 1
+        )
         vals = results[col].astype(float).to_numpy() * scale
         ax.bar(x - (width / 2 if reference is not None else 0), vals, width, label="this run")
         if reference is not None and col in reference.columns:
@@ -72,12 +87,18 @@ def comparison(results: pd.DataFrame, reference: pd.DataFrame | None = None, sim
             rvals = [float(ref.loc[k, col]) * scale if k in ref.index else np.nan for k in keys]
             ax.bar(x + width / 2, rvals, width, hatch="//", alpha=0.6, label=reference_label)
         ax.set_xticks(x, keys, rotation=20)
-        rel = " (relative: simulated devices)" if simulated and col in ("samples_per_s", "step_time_s", "achieved_flops_per_s") else ""
+        rel = (
+            " (relative: simulated devices)"
+            if simulated and col in ("samples_per_s", "step_time_s", "achieved_flops_per_s")
+            else ""
+        )
         ax.set_title(name + rel, fontsize=9)
     fig.tight_layout()
     if reference is not None:
         handles, labels = axes[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="upper center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, 1.08))
+        fig.legend(
+            handles, labels, loc="upper center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, 1.08)
+        )
     return fig
 
 
@@ -94,7 +115,9 @@ def scaling(rows: pd.DataFrame, ax=None, simulated: bool | None = None):
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.8))
     if simulated is None:
-        simulated = bool(rows.get("simulated", pd.Series([False])).astype(str).str.lower().eq("true").any())
+        simulated = bool(
+            rows.get("simulated", pd.Series([False])).astype(str).str.lower().eq("true").any()
+        )
     ns = sorted(rows["n_devices"].unique())
     for key, g in rows.groupby("strategy", sort=False):
         g = g.sort_values("n_devices")

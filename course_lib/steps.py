@@ -14,10 +14,10 @@ the transform (``notebooks/06_shard_map.ipynb``, "the gradient trap"):
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax import lax
 
@@ -45,7 +45,9 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, logits.shape[-1])).mean()
 
 
-def make_optimizer(learning_rate: float = 0.01, momentum: float = 0.9) -> optax.GradientTransformation:
+def make_optimizer(
+    learning_rate: float = 0.01, momentum: float = 0.9
+) -> optax.GradientTransformation:
     """SGD with momentum (optax), the same for every strategy.
 
     Args:

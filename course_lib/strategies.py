@@ -43,7 +43,7 @@ from . import data as data_lib
 from . import model as model_lib
 from . import parallel
 from .meshes import DATA, MODEL, choose_mesh_shape, data_mesh, data_model_mesh, describe
-from .steps import TrainState, init_state, train_step
+from .steps import TrainState, train_step
 
 MESH_KINDS = ("single", "data", "data_model")
 """``single``: one device; ``data``: the batch split over every device; ``data_model``: a 2-D mesh whose
@@ -78,7 +78,9 @@ class StrategyInfo:
 
     def __post_init__(self):
         if self.mesh_kind not in MESH_KINDS:
-            raise ValueError(f"mesh_kind={self.mesh_kind!r} of strategy {self.key!r} must be one of {MESH_KINDS}")
+            raise ValueError(
+                f"mesh_kind={self.mesh_kind!r} of strategy {self.key!r} must be one of {MESH_KINDS}"
+            )
 
     def data_shards(self, n_devices: int, mesh_shape: tuple[int, int] | None = None) -> int:
         """How many pieces the global batch is split into on ``n_devices`` (or on a ``mesh_shape``)."""
@@ -117,14 +119,19 @@ class Strategy:
     to_step_batch: Callable[[Any], Any] = lambda b: b
     global_batch_divisor: int = 1
 
-    def batches(self, ds: data_lib.SyntheticImages, key: jax.Array, steps: int, global_batch: int) -> list:
+    def batches(
+        self, ds: data_lib.SyntheticImages, key: jax.Array, steps: int, global_batch: int
+    ) -> list:
         """``steps`` global batches in this strategy's layout; batch *i* from ``fold_in(key, i)``.
 
         Raises:
           ValueError: ``global_batch`` not divisible by the strategy's data shards (numbers named).
         """
         data_lib.check_divisible(global_batch, self.global_batch_divisor, "global batch")
-        return [self.to_step_batch(b) for b in data_lib.batches(ds, key, steps, global_batch, self.batch_sharding)]
+        return [
+            self.to_step_batch(b)
+            for b in data_lib.batches(ds, key, steps, global_batch, self.batch_sharding)
+        ]
 
     def lower(self, state: Any, batch: Any):
         """``jax.stages.Lowered`` of the step for these placed inputs (compile it to measure it)."""
@@ -198,7 +205,9 @@ def _build_sharded_jit(info, graphdef, params, optimizer, devices, mesh_shape) -
     )
 
 
-def _build_shard_map(info, params, optimizer, devices, mesh_shape, param_specs, apply_fn) -> Strategy:
+def _build_shard_map(
+    info, params, optimizer, devices, mesh_shape, param_specs, apply_fn
+) -> Strategy:
     """C and C′: the step in ``shard_map`` over a ``data × model`` mesh, parameters laid out by ``param_specs``."""
     shape = mesh_shape or choose_mesh_shape(len(devices))
     mesh = data_model_mesh(devices, shape, axis_type="explicit")
@@ -206,12 +215,22 @@ def _build_shard_map(info, params, optimizer, devices, mesh_shape, param_specs, 
     opt_specs = parallel.specs_like(jax.eval_shape(optimizer.init, params), params, param_specs)
     state_specs = TrainState(params=param_specs, opt_state=opt_specs)
     body = partial(
-        train_step, apply_fn=partial(apply_fn, model_axis=MODEL), optimizer=optimizer, data_axis=DATA, sync="loss"
+        train_step,
+        apply_fn=partial(apply_fn, model_axis=MODEL),
+        optimizer=optimizer,
+        data_axis=DATA,
+        sync="loss",
     )
     mapped = jax.shard_map(
-        body, mesh=mesh, in_specs=(state_specs, (P(DATA), P(DATA))), out_specs=(state_specs, P()), check_vma=True
+        body,
+        mesh=mesh,
+        in_specs=(state_specs, (P(DATA), P(DATA))),
+        out_specs=(state_specs, P()),
+        check_vma=True,
     )
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs, is_leaf=lambda x: isinstance(x, P))
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), state_specs, is_leaf=lambda x: isinstance(x, P)
+    )
     return _strategy(
         info,
         devices,
@@ -230,14 +249,18 @@ def _build_tensor_parallel(info, graphdef, params, optimizer, devices, mesh_shap
 
 def _build_article(info, graphdef, params, optimizer, devices, mesh_shape) -> Strategy:
     specs = parallel.article_param_specs(params, MODEL)
-    return _build_shard_map(info, params, optimizer, devices, mesh_shape, specs, parallel.article_apply)
+    return _build_shard_map(
+        info, params, optimizer, devices, mesh_shape, specs, parallel.article_apply
+    )
 
 
 REGISTRY: dict[str, StrategyInfo] = {
     info.key: info
     for info in (
         StrategyInfo("jit", "A", "A: jit, 1 device", "o", "single", _build_jit, lab=True),
-        StrategyInfo("pmap", "B", "B: pmap (data parallel)", "s", "data", _build_pmap, lab=True, scaling=True),
+        StrategyInfo(
+            "pmap", "B", "B: pmap (data parallel)", "s", "data", _build_pmap, lab=True, scaling=True
+        ),
         StrategyInfo(
             "shard_map",
             "C",
@@ -260,7 +283,14 @@ REGISTRY: dict[str, StrategyInfo] = {
             multihost=True,
             scaling=True,
         ),
-        StrategyInfo("shard_map_article", "C'", "C': shard_map, article's split", "v", "data_model", _build_article),
+        StrategyInfo(
+            "shard_map_article",
+            "C'",
+            "C': shard_map, article's split",
+            "v",
+            "data_model",
+            _build_article,
+        ),
     )
 }
 """Every strategy, in the lab's order; the one place a strategy is described."""
@@ -325,7 +355,12 @@ def data_shards(key: str, n_devices: int, mesh_shape: tuple[int, int] | None = N
 
 def max_param_diff(a: Any, b: Any) -> float:
     """Largest absolute difference between two parameter pytrees of the same structure (float)."""
-    return float(max(np.max(np.abs(np.asarray(x) - np.asarray(y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+    return float(
+        max(
+            np.max(np.abs(np.asarray(x) - np.asarray(y)))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+        )
+    )
 
 
 def replicas_identical(state: Any) -> bool:

@@ -13,8 +13,8 @@ Files in a results folder (the contract the lab, notebooks/08_lab.ipynb, writes 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import pandas as pd
 
@@ -23,8 +23,21 @@ CURVES_FILE = "loss_curves.csv"
 SCALING_FILE = "scaling.csv"
 
 RESULT_COLUMNS = (
-    "strategy", "n_devices", "mesh", "global_batch", "image_size", "steps", "step_time_s", "samples_per_s",
-    "compile_s", "bytes_per_device", "flops_per_step", "collectives", "final_loss", "platform", "device_kind",
+    "strategy",
+    "n_devices",
+    "mesh",
+    "global_batch",
+    "image_size",
+    "steps",
+    "step_time_s",
+    "samples_per_s",
+    "compile_s",
+    "bytes_per_device",
+    "flops_per_step",
+    "collectives",
+    "final_loss",
+    "platform",
+    "device_kind",
     "jax_version",
 )
 """Columns every ``lab_results.csv`` has (the contract); rows may carry more."""
@@ -37,7 +50,8 @@ PROJECT_ROOT = DATA_DIR.parent
 
 
 def build_dir() -> Path:
-    """The build folder: ``$COURSE_BUILD_DIR`` if set (tests point it at a temporary folder), else ``<project>/build``."""
+    """The build folder: ``$COURSE_BUILD_DIR`` if set (tests point it at a temporary folder), else
+    ``<project>/build``."""
     env = os.environ.get("COURSE_BUILD_DIR", "").strip()
     return Path(env).expanduser() if env else PROJECT_ROOT / "build"
 
@@ -81,7 +95,9 @@ def prepare_results_dir(results_dir: str | os.PathLike, overwrite: bool = False)
             k += 1
 
 
-def write_csv(rows: Iterable[dict] | pd.DataFrame, path: str | os.PathLike, required: Sequence[str] = ()) -> Path:
+def write_csv(
+    rows: Iterable[dict] | pd.DataFrame, path: str | os.PathLike, required: Sequence[str] = ()
+) -> Path:
     """Write rows to a CSV and return its path.
 
     Raises:
@@ -102,7 +118,11 @@ def write_csv(rows: Iterable[dict] | pd.DataFrame, path: str | os.PathLike, requ
 
 def curves_rows(curves: dict[str, Sequence[float]]) -> list[dict]:
     """``{strategy: [loss per step]}`` → rows ``{strategy, step, loss}`` for ``loss_curves.csv``."""
-    return [{"strategy": k, "step": i, "loss": float(v)} for k, losses in curves.items() for i, v in enumerate(losses)]
+    return [
+        {"strategy": k, "step": i, "loss": float(v)}
+        for k, losses in curves.items()
+        for i, v in enumerate(losses)
+    ]
 
 
 def load_results(results_dir: str | os.PathLike) -> dict[str, pd.DataFrame]:
@@ -113,7 +133,9 @@ def load_results(results_dir: str | os.PathLike) -> dict[str, pd.DataFrame]:
     """
     path = Path(results_dir)
     if not (path / RESULTS_FILE).exists():
-        raise FileNotFoundError(f"{path / RESULTS_FILE} does not exist; run notebooks/08_lab.ipynb with results_dir={str(path)!r}")
+        raise FileNotFoundError(
+            f"{path / RESULTS_FILE} does not exist; run notebooks/08_lab.ipynb with results_dir={str(path)!r}"
+        )
     out = {"results": pd.read_csv(path / RESULTS_FILE)}
     for key, name in (("curves", CURVES_FILE), ("scaling", SCALING_FILE)):
         if (path / name).exists():
@@ -133,8 +155,12 @@ def load_reference(name: str = "cpu") -> pd.DataFrame:
     Raises:
       FileNotFoundError: no such reference file (the message lists the ones present).
     """
-    files = {"cpu": "reference_cpu_8sim.csv", "cpu_scaling": "reference_cpu_8sim_scaling.csv",
-             "article": "article_reported.csv", "gpu": "reference_gpu.csv"}
+    files = {
+        "cpu": "reference_cpu_8sim.csv",
+        "cpu_scaling": "reference_cpu_8sim_scaling.csv",
+        "article": "article_reported.csv",
+        "gpu": "reference_gpu.csv",
+    }
     fname = files.get(name, name)
     path = DATA_DIR / fname
     if not path.exists():

@@ -17,14 +17,38 @@ from pathlib import Path
 import nbformat
 
 COURSE_MAP = [
-    ("00_setup", "Setup", "environment, devices (real or simulated), the parameters convention, papermill"),
+    (
+        "00_setup",
+        "Setup",
+        "environment, devices (real or simulated), the parameters convention, papermill",
+    ),
     ("01_grad", "grad", "grad, value_and_grad, pytrees, PRNG keys, purity"),
-    ("02_jit", "jit", "tracing, XLA, static_argnums, recompilation, lax.cond / jnp.where, donation, timing"),
+    (
+        "02_jit",
+        "jit",
+        "tracing, XLA, static_argnums, recompilation, lax.cond / jnp.where, donation, timing",
+    ),
     ("03_vmap", "vmap", "in_axes / out_axes, per-example gradients, memory"),
-    ("04_pmap", "pmap", "SPMD, the leading device axis, replication, pmean, per-device keys, migrating to shard_map"),
-    ("05_sharding", "Sharded jit", "Mesh, PartitionSpec, NamedSharding, device_put, Explicit vs Auto axes"),
-    ("06_shard_map", "shard_map", "manual SPMD, collectives, check_vma, the gradient trap, tensor-parallel layers"),
-    ("07_debugging", "Debugging", "the pitfall table live, jax.debug.print, profiler traces, load imbalance"),
+    (
+        "04_pmap",
+        "pmap",
+        "SPMD, the leading device axis, replication, pmean, per-device keys, migrating to shard_map",
+    ),
+    (
+        "05_sharding",
+        "Sharded jit",
+        "Mesh, PartitionSpec, NamedSharding, device_put, Explicit vs Auto axes",
+    ),
+    (
+        "06_shard_map",
+        "shard_map",
+        "manual SPMD, collectives, check_vma, the gradient trap, tensor-parallel layers",
+    ),
+    (
+        "07_debugging",
+        "Debugging",
+        "the pitfall table live, jax.debug.print, profiler traces, load imbalance",
+    ),
     ("08_lab", "Capstone lab", "one CNN trained four ways, measured and compared"),
     ("09_multihost", "Multi-host", "jax.distributed, processes x local devices, cluster launch"),
 ]
@@ -73,13 +97,19 @@ def build_site(executed: str | Path, out: str | Path) -> list[Path]:
             plots.append(f"lab/{png.name}")
     rows = []
     for stem, title, teaches in COURSE_MAP:
-        link = f'<a href="{stem}.html">{html.escape(title)}</a>' if stem in pages else f'<span class="missing">{html.escape(title)} (not run)</span>'
+        link = (
+            f'<a href="{stem}.html">{html.escape(title)}</a>'
+            if stem in pages
+            else f'<span class="missing">{html.escape(title)} (not run)</span>'
+        )
         rows.append(f"<tr><td>{stem[:2]}</td><td>{link}</td><td>{html.escape(teaches)}</td></tr>")
-    figures = "".join(f'<figure><img src="{p}" alt="{p}"><figcaption>{p}</figcaption></figure>' for p in plots)
+    figures = "".join(
+        f'<figure><img src="{p}" alt="{p}"><figcaption>{p}</figcaption></figure>' for p in plots
+    )
     index = f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Parallel programming with JAX</title>
 <style>{_STYLE}</style></head><body><h1>Parallel programming with JAX</h1>
 <p>An executable course: every page below is a notebook executed on {html.escape(_devices_line(notebooks))}.</p>
-<table><tr><th>#</th><th>lesson</th><th>teaches</th></tr>{''.join(rows)}</table>
+<table><tr><th>#</th><th>lesson</th><th>teaches</th></tr>{"".join(rows)}</table>
 <h2>Lab report</h2>{figures or '<p class="missing">the lab was not run</p>'}</body></html>"""
     (out / "index.html").write_text(index, encoding="utf-8")
     return [out / "index.html", *pages.values()]
@@ -100,19 +130,26 @@ def _devices_line(notebooks: list[Path]) -> str:
         for o in cell.get("outputs", []):
             text = o.get("text", "")
             if "platform" in text and "devices" in text:
-                return " ".join(line.split(":", 1)[1].strip() for line in text.splitlines()[:2] if ":" in line)
+                return " ".join(
+                    line.split(":", 1)[1].strip() for line in text.splitlines()[:2] if ":" in line
+                )
     return "the devices of the run"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("executed", help="folder of executed notebooks (make course)")
-    ap.add_argument("out", help="folder for the site (if it is already used, a new sibling such as site-2 is made)")
+    ap.add_argument(
+        "out",
+        help="folder for the site (if it is already used, a new sibling such as site-2 is made)",
+    )
     args = ap.parse_args(argv)
     from .results import prepare_results_dir
 
     try:
-        out = prepare_results_dir(args.out)  # a new sibling (site-2, ...) when the folder is already used
+        out = prepare_results_dir(
+            args.out
+        )  # a new sibling (site-2, ...) when the folder is already used
         pages = build_site(args.executed, out)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -42,7 +42,9 @@ def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
     out, count, inside = [], 0, False
     for line in source.splitlines():
         if NEAR_MARKER.match(line) and not (BEGIN.match(line) or END.match(line)):
-            raise ValueError(f"{where}: {line.strip()!r} is not a marker; write '# BEGIN SOLUTION' / '# END SOLUTION' exactly")
+            raise ValueError(
+                f"{where}: {line.strip()!r} is not a marker; write '# BEGIN SOLUTION' / '# END SOLUTION' exactly"
+            )
         m = BEGIN.match(line)
         if m:
             if inside:
@@ -61,7 +63,9 @@ def strip_solutions(source: str, where: str = "cell") -> tuple[str, int]:
     return "\n".join(out), count
 
 
-def student_notebook(nb: nbformat.NotebookNode, name: str = "notebook") -> tuple[nbformat.NotebookNode, int]:
+def student_notebook(
+    nb: nbformat.NotebookNode, name: str = "notebook"
+) -> tuple[nbformat.NotebookNode, int]:
     """A copy of ``nb`` with solutions stripped and outputs cleared; returns it and the solutions replaced."""
     nb = nbformat.from_dict(nb)
     total = 0
@@ -91,11 +95,15 @@ def generate(src: Path, dst: Path, overwrite: bool = False) -> list[tuple[Path, 
     if not notebooks:
         raise FileNotFoundError(f"no notebooks in {src}")
     if dst.resolve() == src.resolve():
-        raise ValueError(f"the student version would replace the solution notebooks in {src}; give another folder")
+        raise ValueError(
+            f"the student version would replace the solution notebooks in {src}; give another folder"
+        )
     if not overwrite:
         clash = [str(dst / p.name) for p in notebooks if (dst / p.name).exists()]
         if clash:
-            raise FileExistsError(f"{len(clash)} student notebook(s) exist already, e.g. {clash[0]}; pass --overwrite to replace them")
+            raise FileExistsError(
+                f"{len(clash)} student notebook(s) exist already, e.g. {clash[0]}; pass --overwrite to replace them"
+            )
     # Convert everything first: a marker error in any notebook leaves nothing half-written.
     converted = [(p, *student_notebook(nbformat.read(p, as_version=4), p.name)) for p in notebooks]
     dst.mkdir(parents=True, exist_ok=True)
@@ -119,7 +127,14 @@ def solution_lines(source: str) -> list[str]:
     return lines
 
 
-PACKAGE_FILES = ("README.md", "requirements.txt", "pyproject.toml", "Makefile", ".python-version", "environment.yml")
+PACKAGE_FILES = (
+    "README.md",
+    "requirements.txt",
+    "pyproject.toml",
+    "Makefile",
+    ".python-version",
+    "environment.yml",
+)
 PACKAGE_DIRS = ("course_lib", "course_tools", "data", "tools")
 
 
@@ -157,8 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", nargs="?", default="notebooks")
     parser.add_argument("dst", nargs="?", default="build/student")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing student notebooks")
-    parser.add_argument("--zip", help="also write a zip to hand out (student notebooks + course_lib + course_tools + setup files)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace existing student notebooks"
+    )
+    parser.add_argument(
+        "--zip",
+        help="also write a zip to hand out (student notebooks + course_lib + course_tools + setup files)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.zip and Path(args.zip).exists() and not args.overwrite:

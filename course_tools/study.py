@@ -7,8 +7,8 @@ processes: the count is fixed per process) and then calls :func:`aggregate` and 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -48,7 +48,11 @@ def check_comparable(rows: pd.DataFrame) -> None:
     """Raise :class:`IncomparableRuns` when ``rows`` mix values of a :data:`COMPARABLE` column."""
     for col in COMPARABLE:
         if col in rows.columns and rows[col].astype(str).nunique() > 1:
-            by_run = rows.groupby("run")[col].first().to_dict() if "run" in rows.columns else rows[col].unique().tolist()
+            by_run = (
+                rows.groupby("run")[col].first().to_dict()
+                if "run" in rows.columns
+                else rows[col].unique().tolist()
+            )
             raise IncomparableRuns(
                 f"runs differ in {col!r}: {by_run}. Throughputs of different {col}s do not compare; "
                 f"study them separately (one scaling study per {col})."
@@ -72,9 +76,13 @@ def plot_study(table: pd.DataFrame, reference: pd.DataFrame | None = None, simul
     """Four panels against device count, per strategy: throughput (with the ideal line), step time,
     bytes per device, efficiency. ``reference`` (an :func:`efficiency` table) is drawn dashed. Returns the Figure."""
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    panels = [("samples_per_s", "samples / s"), ("step_time_s", "median step time (s)"),
-              ("bytes_per_device", "compiled bytes per device"), ("efficiency", "scaling efficiency")]
-    for ax, (col, name) in zip(axes, panels):
+    panels = [
+        ("samples_per_s", "samples / s"),
+        ("step_time_s", "median step time (s)"),
+        ("bytes_per_device", "compiled bytes per device"),
+        ("efficiency", "scaling efficiency"),
+    ]
+    for ax, (col, name) in zip(axes, panels, strict=True):
         for key, g in table.groupby("strategy", sort=False):
             ax.plot(g["n_devices"], g[col], marker="o", label=key)
             if col == "samples_per_s" and (g["n_devices"] == 1).any():
@@ -87,7 +95,11 @@ def plot_study(table: pd.DataFrame, reference: pd.DataFrame | None = None, simul
             ax.axhline(1.0, color="gray", ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("devices")
-        rel = " (relative, simulated)" if simulated and col in ("samples_per_s", "step_time_s", "efficiency") else ""
+        rel = (
+            " (relative, simulated)"
+            if simulated and col in ("samples_per_s", "step_time_s", "efficiency")
+            else ""
+        )
         ax.set_title(name + rel, fontsize=9)
     axes[0].legend(fontsize=7)
     fig.tight_layout()

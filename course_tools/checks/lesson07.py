@@ -3,7 +3,7 @@ and balancing work across shards."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,9 @@ def check_static_poly(fn: Callable) -> bool:
     for x, degree in ((x1, 3), (x2, 3), (x1, 4), (x2, 4), (x1, 3)):
         got = call_answer(f"poly(x, {degree})", fn, x, degree, explain=_explain_static)
         if not np.allclose(np.asarray(got), _reference_poly(x, degree), rtol=1e-5):
-            fail(f"poly(x, {degree}) is wrong", "sum x**k for k = 0, 1, …, degree (degree + 1 terms)")
+            fail(
+                f"poly(x, {degree}) is wrong", "sum x**k for k = 0, 1, …, degree (degree + 1 terms)"
+            )
     size = fn._cache_size()
     if size > 2:
         fail(
@@ -70,7 +72,9 @@ def check_donating_update(fn: Callable) -> bool:
             "the old parameters were not donated: the update holds two copies of them at its peak",
             "pass donate_argnums=0 to jax.jit so the new params can reuse the old params' buffers",
         )
-    return passed("params donated: the old buffers were reused for the new parameters (old ones now deleted)")
+    return passed(
+        "params donated: the old buffers were reused for the new parameters (old ones now deleted)"
+    )
 
 
 def _shard_work(lengths: np.ndarray, order: np.ndarray, n_shards: int) -> np.ndarray:
@@ -87,7 +91,9 @@ def check_balance(fn: Callable) -> bool:
         (np.concatenate([np.full(4, 50), np.ones(28, dtype=int)]), 4),
     ]
     for lengths, n_shards in cases:
-        order = np.asarray(call_answer(f"balance(lengths, {n_shards})", fn, lengths.copy(), n_shards))
+        order = np.asarray(
+            call_answer(f"balance(lengths, {n_shards})", fn, lengths.copy(), n_shards)
+        )
         if order.shape != lengths.shape or sorted(order.tolist()) != list(range(len(lengths))):
             fail(
                 "the result is not a permutation of the example indices",
@@ -101,4 +107,6 @@ def check_balance(fn: Callable) -> bool:
                 "sorting alone puts the longest examples together on one shard: sort by length, then deal them "
                 "out round-robin (shard s gets sorted positions s, s + n_shards, …)",
             )
-    return passed("every shard gets about the same total work (max ≤ 1.25 × mean) on all test cases")
+    return passed(
+        "every shard gets about the same total work (max ≤ 1.25 × mean) on all test cases"
+    )
