@@ -240,7 +240,7 @@ def data_parallel(n_devices: int, global_batch: int, image_shape=(32, 32, 3), pa
         theta = f"θ: {sum(x.size for x in leaves):,} values\n{kib:,.1f} KiB"
     terms = " + ".join(f"g{i}" for i in sub) if n <= 3 else f"g₀ + … + g{sub[-1]}"
     mean = f"all-reduce (mean over {DATA!r}): ḡ = ({terms}) / {n}\nevery device receives ḡ"
-    mean = mean if n > 1 else f"ḡ = g₀: one device on {DATA!r},\nnothing to exchange"
+    mean = mean if n > 1 else "all-reduce over 1 device:\nḡ = g₀, nothing is sent"
     shape = _shape((b, *image_shape))
     batch = tuple(f"x{sub[i]}: images {i * b}–{(i + 1) * b - 1}\n{shape}" for i in range(n))
     grads = tuple(f"loss(θ, x{i})\n→ gradient g{i}" for i in sub)
@@ -248,7 +248,7 @@ def data_parallel(n_devices: int, global_batch: int, image_shape=(32, 32, 3), pa
         Stage("same", "parameters", (theta,), "replicated, P()"),
         Stage("sharded", "batch", batch, f"split, P({DATA!r})"),
         Stage("sharded", "forward and\nbackward", grads),
-        Stage("collective", "gradients", (mean,), forward=f"all-reduce over {DATA!r}" * (n > 1)),
+        Stage("collective", "gradients", (mean,), forward=f"all-reduce over {DATA!r}"),
         Stage("same", "update", ("θ ← opt(θ, ḡ)",), "the same on every device"),
     ]
     title = f"Data parallelism: {n} device{'s' * (n > 1)}, global batch {global_batch} = {n} × {b}"
