@@ -402,12 +402,12 @@ def array_sharding(x: jax.Array, ax=None):
         _block(ax, c, len(rows) - 1 - r, 1, 1, ids, f"{text}\n{shape}", _fit(text, 1.1))
     ax.set_title(f"{x.dtype.name}{_shape(x.shape)}, {x.sharding.spec}\non mesh ({mesh})", size=9)
     dims = [
-        f"dim {d} ({n}): " + ("split over " + "·".join(a) if a else "whole")
+        f"dim {d} ({n})\n" + ("split over " + "·".join(a) if a else "whole")
         for d, n, a in zip(range(2), x.shape, spec)
     ]
-    ax.text(len(cols) / 2, -0.15, dims[-1], ha="center", va="top", fontsize=8)
+    ax.text(len(cols) / 2, -0.1, dims[-1].replace("\n", ": "), ha="center", va="top", fontsize=8)
     if x.ndim == 2:
-        ax.text(-0.15, len(rows) / 2, dims[0], ha="right", va="center", rotation=90, fontsize=8)
+        ax.text(-0.1, len(rows) / 2, dims[0], ha="right", va="center", rotation=90, fontsize=7.5)
     ax.set(xlim=(-0.5, len(cols) + 0.05), ylim=(-0.55, len(rows) + 0.05), aspect="equal")
     return fig
 
@@ -439,8 +439,8 @@ def sharding_table(tree: Any, ax=None):
             fs = _fit(text, 1.5 * unit_in)
             ax.text(d * 1.6 + 0.75, y + 0.4, text, ha="center", va="center", size=fs)
         held = len(next(iter(blocks.values())))
-        where = f"{len(blocks)} shards, each on {held} device{'s' * (held > 1)}"
-        where = f"whole on all {held} devices" if len(blocks) == 1 else where
+        on = f"{held} device" + "s" * (held > 1)
+        where = f"{len(blocks)} shards, each on {on}" if len(blocks) > 1 else f"whole on {on}"
         ax.text(width * 1.6, y + 0.4, f"per device {_shape(shard)}: {where}", **kw)
     for k, (axis, c) in enumerate((a, colors[a]) for a in used):  # a colour per mesh axis
         ax.add_patch(Rectangle((k * 2.6, rows + 0.2), 0.4, 0.4, fc=c, ec=_EDGE))
