@@ -12,6 +12,7 @@ Modules (import them explicitly; importing ``course_lib`` starts no JAX backend 
 - ``strategies``  — the registry of strategies: A ``jit``, B ``pmap``, C ``shard_map``, D sharded ``jit``
 - ``measure``     — timing, memory, FLOPs, collectives of compiled programs, scaling efficiency
 - ``plots``       — loss curves, comparison bars, scaling plots
+- ``diagrams``    — pictures of parallel programs drawn from the run's own devices, meshes and shapes
 - ``lab``         — one measured run per strategy, the scaling sweep
 - ``distributed`` — multi-process JAX: processes, each process's rows, one global mesh
 
