@@ -16,7 +16,7 @@ help:
 	@echo "               (N_DEVICES=8 PLATFORM=auto|cpu|gpu PROFILE=auto|cpu|gpu|tiny)"
 	@echo "make course    run every notebook in order into a new folder under $(BUILD)/course, with a time table"
 	@echo "make scaling   run the lab at 1, 2, 4, 8 devices (COUNTS=...) and draw the scaling study"
-	@echo "make test      set up, then run the whole test suite (what CI runs)"
+	@echo "make test      set up, then lint (ruff) and run the whole test suite (what CI runs)"
 	@echo "make jupyter   set up, then open JupyterLab on notebooks/ (localhost only, token auth);"
 	@echo "               JUPYTER_DIR=build/student opens the student notebooks (after make student)"
 	@echo "make student   write the student notebooks (solutions removed) to $(BUILD)/student and a zip to hand out"
@@ -36,30 +36,32 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	@touch $@
 
 lab: setup
-	$(PY) -m course_lib.run lab --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
+	$(PY) -m course_tools.run lab --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
 
 course: setup
-	$(PY) -m course_lib.run course --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD) $(if $(ONLY),--only $(ONLY),)
+	$(PY) -m course_tools.run course --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD) $(if $(ONLY),--only $(ONLY),)
 
 COUNTS ?= 1 2 4 8
 scaling: setup
-	$(PY) -m course_lib.run scaling --counts $(COUNTS) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
+	$(PY) -m course_tools.run scaling --counts $(COUNTS) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
 
 COURSE ?= $(BUILD)/course
 site: setup
-	$(PY) -m course_lib.site $(COURSE) $(BUILD)/site
+	$(PY) -m course_tools.site $(COURSE) $(BUILD)/site
 
 reference: setup
 	$(PY) tools/make_reference.py
 
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 jupyter: setup
 	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False --ServerApp.root_dir=$(JUPYTER_DIR) $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 student: setup
-	$(PY) -m course_lib.student notebooks $(BUILD)/student --zip $(BUILD)/jax-course-student.zip
+	$(PY) -m course_tools.student notebooks $(BUILD)/student --zip $(BUILD)/jax-course-student.zip
 
 bench: setup
 	$(PY) tools/bench_strategies.py

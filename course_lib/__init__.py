@@ -1,19 +1,23 @@
-"""course_lib: the helper package of the JAX parallel programming course.
+"""course_lib: the lesson library of the JAX parallel programming course, the code the notebooks teach.
 
 Modules (import them explicitly; importing ``course_lib`` starts no JAX backend and touches no device):
 
-- ``devices``    — :func:`~course_lib.devices.setup_devices`: real or simulated devices, fixed before JAX starts
-- ``model``      — the source article's CNN in Flax NNX, exposed as ``(graphdef, params)``
-- ``data``       — synthetic image batches generated on the device; pmap/sharding layouts
-- ``meshes``     — 1-D ``data`` and 2-D ``data × model`` meshes; axis names ``DATA``, ``MODEL``
-- ``steps``      — the shared loss, optimizer and pure ``train_step``
-- ``parallel``   — tensor-parallel layout and per-shard forward for ``shard_map``
-- ``strategies`` — A ``jit``, B ``pmap``, C ``shard_map``, D sharded ``jit``
-- ``measure``    — timing, memory, FLOPs, collectives of compiled programs
-- ``lab``        — lab profiles, one measured run per strategy, scaling sweep
-- ``results``    — results files (never silently overwritten) and references from ``data/``
-- ``plots``      — loss curves, comparison bars, scaling plots
-- ``checks``     — exercise checkers; ``student`` — generates the student notebooks
+- ``devices``     — :func:`~course_lib.devices.setup_devices`: real or simulated devices, fixed before JAX starts
+- ``config``      — the lab's profiles, the one rule that types notebook parameters, the seed rule
+- ``model``       — the source article's CNN in Flax NNX, exposed as ``(graphdef, params)``
+- ``data``        — synthetic image batches generated on the device; pmap/sharding layouts
+- ``meshes``      — 1-D ``data`` and 2-D ``data × model`` meshes; axis names ``DATA``, ``MODEL``
+- ``steps``       — the shared loss, optimizer and pure ``train_step``
+- ``parallel``    — tensor-parallel layout and per-shard forward for ``shard_map``
+- ``strategies``  — the registry of strategies: A ``jit``, B ``pmap``, C ``shard_map``, D sharded ``jit``
+- ``measure``     — timing, memory, FLOPs, collectives of compiled programs, scaling efficiency
+- ``plots``       — loss curves, comparison bars, scaling plots
+- ``diagrams``    — pictures of parallel programs drawn from the run's own devices, meshes and shapes
+- ``lab``         — one measured run per strategy, the scaling sweep
+- ``distributed`` — multi-process JAX: processes, each process's rows, one global mesh
+
+The course toolkit that runs the notebooks (papermill runs, results files, the site, the student version,
+the process launcher, the exercise checkers) is the separate package ``course_tools``.
 """
 
 __version__ = "0.1.0"

@@ -19,7 +19,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .meshes import DATA, data_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +73,17 @@ class SyntheticImages:
 
 
 def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-    return value
+    from .config import positive_int  # the one rule for counts (config imports this module)
+
+    return positive_int(value, name)
 
 
 def _leading_shards(sharding: jax.sharding.Sharding) -> int:
-    if isinstance(sharding, NamedSharding) and len(sharding.spec) > 0 and sharding.spec[0] is not None:
+    if (
+        isinstance(sharding, NamedSharding)
+        and len(sharding.spec) > 0
+        and sharding.spec[0] is not None
+    ):
         axes = sharding.spec[0] if isinstance(sharding.spec[0], tuple) else (sharding.spec[0],)
         n = 1
         for a in axes:
@@ -126,7 +133,9 @@ def _batch_fn(ds, batch_size, out_shardings):
     return fn
 
 
-def batches(ds: SyntheticImages, key: jax.Array, steps: int, batch_size: int, sharding=None) -> list:
+def batches(
+    ds: SyntheticImages, key: jax.Array, steps: int, batch_size: int, sharding=None
+) -> list:
     """``steps`` batches, batch *i* made from ``jax.random.fold_in(key, i)``: the same for every strategy.
 
     Returns a list of ``(images, labels)`` tuples, each as :meth:`SyntheticImages.batch` describes.
@@ -140,10 +149,16 @@ def split_leading(x: jax.Array, n: int) -> jax.Array:
     return x.reshape((n, x.shape[0] // n) + x.shape[1:])
 
 
+def pmap_sharding(devices) -> NamedSharding:
+    """Where pmap's stacked layout lives: the leading axis split over ``devices``, one slice per device."""
+    return NamedSharding(data_mesh(devices, axis_type="auto"), P(DATA))
+
+
 def to_pmap_layout(batch, n_devices: int, devices=None):
     """Reshape a global batch ``[B, ...]`` to pmap's layout ``[n_devices, B // n_devices, ...]``.
 
     pmap maps over the **leading** axis, whose size must equal the number of devices (not the last axis).
+    Taught in ``notebooks/04_pmap.ipynb``; the lab's pmap strategy lays out its batches with it.
 
     Args:
       batch: pytree of arrays with leading axis B (the global batch).
@@ -159,8 +174,5 @@ def to_pmap_layout(batch, n_devices: int, devices=None):
 
     out = jax.tree.map(lambda x: split_leading(x, n_devices), batch)
     if devices is not None:
-        from jax.sharding import Mesh
-
-        mesh = Mesh(list(devices)[:n_devices], ("pmap",))
-        out = jax.device_put(out, NamedSharding(mesh, P("pmap")))
+        out = jax.device_put(out, pmap_sharding(list(devices)[:n_devices]))
     return out

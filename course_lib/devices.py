@@ -2,7 +2,7 @@
 
 Every notebook calls :func:`setup_devices` in the cell right after its parameters cell. On the CPU
 backend it *simulates* ``n_devices`` devices with ``jax.config.update("jax_num_cpu_devices", n)``,
-which only works before the first JAX operation (see design/jax-0.12.md, "Simulated devices"). On a GPU
+which only works before the first JAX operation (``notebooks/00_setup.ipynb`` shows why). On a GPU
 host it uses the first ``n_devices`` GPUs.
 
 The module imports JAX lazily, inside :func:`setup_devices`, so importing ``course_lib`` never starts a
@@ -15,7 +15,8 @@ import dataclasses
 import os
 import platform as _platform
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 PLATFORMS = ("auto", "cpu", "gpu")
 
@@ -76,7 +77,9 @@ class DeviceReport:
 
 
 def parse_n_devices(n_devices: Any) -> int:
-    """Validate a device count given as an int or a decimal string (papermill ``-r`` passes strings).
+    """A device count given as an int or a decimal string (papermill ``-r`` passes strings).
+
+    The rule of :func:`course_lib.config.coerce`, the one every parameter goes through.
 
     Returns:
       The count as a positive ``int``.
@@ -84,33 +87,9 @@ def parse_n_devices(n_devices: Any) -> int:
     Raises:
       ValueError: for a non-integer (``"eight"``, ``2.5``, ``True``) or a count ≤ 0.
     """
-    value = n_devices
-    if isinstance(value, bool):
-        raise ValueError(f"n_devices={n_devices!r} is a bool; give a positive integer such as 8")
-    if isinstance(value, str):
-        text = value.strip()
-        if not re.fullmatch(r"[+-]?\d+", text):
-            raise ValueError(
-                f"n_devices={n_devices!r} is not an integer; give a whole number such as 8 "
-                f"(papermill: -p n_devices 8; make: N_DEVICES=8)"
-            )
-        value = int(text)
-    elif isinstance(value, float):
-        if not value.is_integer():
-            raise ValueError(f"n_devices={n_devices!r} is not a whole number; give an integer such as 8")
-        value = int(value)
-    elif not isinstance(value, int):
-        try:
-            import operator
+    from .config import N_DEVICES, coerce
 
-            value = operator.index(value)  # numpy integers
-        except TypeError:
-            raise ValueError(
-                f"n_devices={n_devices!r} ({type(n_devices).__name__}) is not an integer; give one such as 8"
-            ) from None
-    if value <= 0:
-        raise ValueError(f"n_devices={n_devices!r} must be at least 1; give a positive integer such as 8")
-    return int(value)
+    return coerce(N_DEVICES, n_devices)
 
 
 def check_xla_flags(flags: str | None = None) -> list[str]:
@@ -157,10 +136,15 @@ def probe_xla_flags(timeout_s: float = 120) -> None:
     import sys
 
     code = "import jax; jax.devices()"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s
+    )
     if r.returncode != 0:
         lines = [line for line in r.stderr.splitlines() if line.strip()]
-        hint = next((line for line in lines if "flag" in line.lower()), lines[-1] if lines else f"exit {r.returncode}")
+        hint = next(
+            (line for line in lines if "flag" in line.lower()),
+            lines[-1] if lines else f"exit {r.returncode}",
+        )
         raise DeviceSetupError(
             f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} makes XLA abort the process: {hint.strip()[:300]}. "
             f"Fix the flag (check its spelling) or remove it: `unset XLA_FLAGS` in the shell that starts Jupyter, "
@@ -193,10 +177,10 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
       DeviceSetupError: ``XLA_FLAGS`` is malformed; JAX already started with another device count
         (restart the kernel); more GPUs asked for than exist; ``platform="gpu"`` without a GPU backend.
     """
+    from .config import PLATFORM, coerce
+
     n = parse_n_devices(n_devices)
-    if not isinstance(platform, str) or platform.strip().lower() not in PLATFORMS:
-        raise ValueError(f"platform={platform!r} is not one of {PLATFORMS}; use 'auto' unless you need to force one")
-    platform = platform.strip().lower()
+    platform = coerce(PLATFORM, platform)
     flags = check_xla_flags()
 
     import jax
@@ -212,25 +196,20 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
         except RuntimeError:
             started = True  # a JAX operation ran before this call
     if started:
-        if platform == "cpu" and jax.default_backend() != "cpu":
-            raise DeviceSetupError(
-                f"platform='cpu' was asked for, but JAX already started on {jax.default_backend()!r}. Restart the "
-                f"kernel and run the device setup cell before any other JAX code."
-            )
-        if jax.default_backend() == "cpu" and len(jax.devices()) != n:
-            raise DeviceSetupError(
-                f"JAX already started with {len(jax.devices())} CPU device(s), and the count cannot change in a "
-                f"running process (asked for n_devices={n}). Restart the kernel and run the notebook from the "
-                f"top: the device setup cell must run before any other JAX code."
-            )
+        _check_running_backend(jax, n, platform)
 
     try:
         backend = jax.default_backend()
     except Exception as e:  # e.g. JAX_PLATFORMS names a backend that is not installed
-        env = {k: os.environ[k] for k in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME", "CUDA_VISIBLE_DEVICES") if k in os.environ}
+        env = {
+            k: os.environ[k]
+            for k in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME", "CUDA_VISIBLE_DEVICES")
+            if k in os.environ
+        }
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DeviceSetupError(
-            f"JAX could not start a backend ({type(e).__name__}: {first}); environment: {env or 'no JAX_PLATFORMS set'}. "
+            f"JAX could not start a backend ({type(e).__name__}: {first}); "
+            f"environment: {env or 'no JAX_PLATFORMS set'}. "
             f"Unset JAX_PLATFORMS / JAX_PLATFORM_NAME (or set JAX_PLATFORMS=cpu) and restart the kernel, or install "
             f"the backend you asked for."
         ) from e
@@ -259,6 +238,21 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
         python_version=_platform.python_version(),
         host_cpus=os.cpu_count() or 1,
     )
+
+
+def _check_running_backend(jax: Any, n: int, platform: str) -> None:
+    """JAX started before :func:`setup_devices`: the backend and count it has must be the ones asked for."""
+    if platform == "cpu" and jax.default_backend() != "cpu":
+        raise DeviceSetupError(
+            f"platform='cpu' was asked for, but JAX already started on {jax.default_backend()!r}. Restart the "
+            f"kernel and run the device setup cell before any other JAX code."
+        )
+    if jax.default_backend() == "cpu" and len(jax.devices()) != n:
+        raise DeviceSetupError(
+            f"JAX already started with {len(jax.devices())} CPU device(s), and the count cannot change in a "
+            f"running process (asked for n_devices={n}). Restart the kernel and run the notebook from the "
+            f"top: the device setup cell must run before any other JAX code."
+        )
 
 
 def select_devices(n: int, available: Sequence[Any], backend: str) -> tuple[Any, ...]:

@@ -1,6 +1,6 @@
 """Measurement: compile time apart from run time, synchronised step timing, memory, FLOPs, collectives.
 
-Methodology (design/style.md, "Measurement"): inputs are placed on their devices first; the step is
+Methodology (taught in ``notebooks/02_jit.ipynb``): inputs are placed on their devices first; the step is
 lowered and compiled explicitly, so compile time is measured on its own; every timed call ends with
 ``jax.block_until_ready`` (JAX dispatches asynchronously: without it a call "takes" microseconds); the
 first calls are warm-up; the median and the spread of the rest are reported.
@@ -15,7 +15,8 @@ import dataclasses
 import re
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
@@ -41,11 +42,13 @@ class Timing:
     n: int
 
     @classmethod
-    def from_samples(cls, samples: Sequence[float]) -> "Timing":
+    def from_samples(cls, samples: Sequence[float]) -> Timing:
         """Summarise samples in seconds. Raises ValueError on an empty sequence."""
         xs = sorted(float(x) for x in samples)
         if not xs:
-            raise ValueError("no timing samples: run at least one timed call (steps must exceed warmup)")
+            raise ValueError(
+                "no timing samples: run at least one timed call (steps must exceed warmup)"
+            )
         iqr = 0.0
         if len(xs) >= 4:
             q = statistics.quantiles(xs, n=4)
@@ -134,6 +137,35 @@ def compile_and_analyse(lower: Callable[[], Any]) -> tuple[Any, CompiledStats]:
         collectives=count_collectives(compiled.as_text()),
     )
     return compiled, stats
+
+
+def scaling_efficiency(rows: Any, columns: Sequence[str] = ()) -> Any:
+    """Strong-scaling efficiency per strategy: ``samples_per_s(n) / (n × samples_per_s(1))``.
+
+    1.0 is ideal linear scaling from one device; NaN where a strategy has no 1-device run.
+
+    Args:
+      rows: a ``pandas.DataFrame`` with ``strategy``, ``n_devices`` and ``samples_per_s`` (results rows).
+      columns: further columns to keep beside them, e.g. ``("step_time_s", "bytes_per_device")``.
+
+    Returns:
+      A DataFrame ``strategy, n_devices, samples_per_s, *columns, efficiency``, strategies in the order
+      they first appear, device counts increasing.
+    """
+    import pandas as pd
+
+    keep = ["strategy", "n_devices", "samples_per_s", *columns]
+    tables = []
+    for _, g in rows.groupby("strategy", sort=False):
+        g = g.sort_values("n_devices")
+        base = g.loc[g["n_devices"] == 1, "samples_per_s"]
+        one = float(base.iloc[0]) if len(base) else float("nan")
+        t = g[keep].astype({"n_devices": int, "samples_per_s": float})
+        t["efficiency"] = t["samples_per_s"] / (t["n_devices"] * one)
+        tables.append(t)
+    if not tables:
+        return pd.DataFrame(columns=[*keep, "efficiency"])
+    return pd.concat(tables, ignore_index=True)
 
 
 def peak_device_memory(devices: Sequence[Any]) -> int | None:

@@ -1,12 +1,14 @@
 """Mesh builders: a 1-D ``data`` mesh and a 2-D ``data × model`` mesh, axis types stated explicitly.
 
 ``jax.make_mesh`` defaults to *Explicit* axis types in JAX 0.12 while ``jax.sharding.Mesh`` defaults to
-*Auto* (design/jax-0.12.md): the builders here always pass ``axis_types`` so the reader sees which one is used.
+*Auto* (``notebooks/05_sharding.ipynb`` shows both): the builders here always pass ``axis_types`` so the reader
+sees which one is used.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from jax.sharding import AxisType, Mesh
@@ -36,7 +38,9 @@ def _devices(devices: Sequence[Any] | None, n: int | None = None) -> list[Any]:
     devices = list(devices)
     if n is not None:
         if n > len(devices):
-            raise ValueError(f"asked for {n} devices but only {len(devices)} were given; use n <= {len(devices)}")
+            raise ValueError(
+                f"asked for {n} devices but only {len(devices)} were given; use n <= {len(devices)}"
+            )
         devices = devices[:n]
     if not devices:
         raise ValueError("no devices given; pass report.devices from setup_devices()")
@@ -52,6 +56,11 @@ def data_mesh(devices: Sequence[Any] | None = None, axis_type: str | AxisType = 
     """
     devs = _devices(devices)
     return Mesh(np.array(devs), (DATA,), axis_types=(_axis_type(axis_type),))
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` in increasing order: the sizes an axis of ``n`` devices can take."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def choose_mesh_shape(n_devices: int, model: int | None = None) -> tuple[int, int]:
@@ -72,9 +81,8 @@ def choose_mesh_shape(n_devices: int, model: int | None = None) -> tuple[int, in
     if isinstance(model, bool) or not isinstance(model, int) or model < 1:
         raise ValueError(f"model={model!r} must be a positive integer")
     if n_devices % model:
-        divisors = [d for d in range(1, n_devices + 1) if n_devices % d == 0]
         raise ValueError(
-            f"a model axis of {model} does not divide {n_devices} devices; choose one of {divisors}"
+            f"a model axis of {model} does not divide {n_devices} devices; choose one of {divisors(n_devices)}"
         )
     return n_devices // model, model
 
@@ -100,8 +108,12 @@ def data_model_mesh(
     devs = _devices(devices)
     if shape is None:
         shape = choose_mesh_shape(len(devs))
-    if (len(tuple(shape)) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in shape)):
-        raise ValueError(f"mesh shape {shape!r} must be two positive integers (n_data, n_model), e.g. {choose_mesh_shape(len(devs))}")
+    if len(tuple(shape)) != 2 or any(
+        isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in shape
+    ):
+        raise ValueError(
+            f"mesh shape {shape!r} must be two positive integers (n_data, n_model), e.g. {choose_mesh_shape(len(devs))}"
+        )
     n_data, n_model = shape
     if n_data * n_model != len(devs):
         raise ValueError(

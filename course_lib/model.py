@@ -45,9 +45,13 @@ class CNNConfig:
                 f"use e.g. 32 or 128"
             )
         if len(self.channels) != 3 or any(int(c) <= 0 for c in self.channels):
-            raise ValueError(f"channels={self.channels!r} must be three positive integers, e.g. (32, 64, 64)")
+            raise ValueError(
+                f"channels={self.channels!r} must be three positive integers, e.g. (32, 64, 64)"
+            )
         if self.hidden <= 0 or self.num_classes <= 1:
-            raise ValueError(f"hidden={self.hidden} must be > 0 and num_classes={self.num_classes} > 1")
+            raise ValueError(
+                f"hidden={self.hidden} must be > 0 and num_classes={self.num_classes} > 1"
+            )
 
     @property
     def flat_features(self) -> int:
@@ -131,7 +135,8 @@ def flops_per_example(config: CNNConfig) -> int:
     """Analytic forward FLOPs for one image (2 per multiply-add, convs and dense layers only).
 
     Every tap of every 3×3 kernel is counted, also on the 'SAME' padding at the borders, which XLA's
-    count leaves out (so ``cost_analysis`` reports ~10 % less at 32 × 32). A training step costs about 3× this per example (forward + two backward matmuls); compare with the
+    count leaves out (so ``cost_analysis`` reports ~10 % less at 32 × 32). A training step costs about 3×
+    this per example (forward + two backward matmuls); compare with the
     compiled program's ``cost_analysis()["flops"]``, which the lab reports.
     """
     s = config.image_size

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -32,8 +31,13 @@ from .model import flatten_channel_major, max_pool
 
 
 def conv(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """3×3 'SAME' convolution as ``nnx.Conv`` computes it: x [B, H, W, Cin], kernel [3, 3, Cin, Cout] → [B, H, W, Cout]."""
-    y = lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    """3×3 'SAME' convolution as ``nnx.Conv`` computes it.
+
+    x [B, H, W, Cin], kernel [3, 3, Cin, Cout] (bias [Cout]) → [B, H, W, Cout].
+    """
+    y = lax.conv_general_dilated(
+        x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
     return y if bias is None else y + bias
 
 
@@ -63,7 +67,9 @@ def tp_apply(params: Any, images: jax.Array, model_axis: str = MODEL) -> jax.Arr
     p = params
     x = jax.nn.relu(conv(images, p["conv1"]["kernel"], p["conv1"]["bias"]))  # [b, H, W, c1/m]
     x = max_pool(x)
-    x = lax.psum(conv(x, p["conv2"]["kernel"]), model_axis) + p["conv2"]["bias"]  # [b, H/2, W/2, c2]
+    x = (
+        lax.psum(conv(x, p["conv2"]["kernel"]), model_axis) + p["conv2"]["bias"]
+    )  # [b, H/2, W/2, c2]
     x = max_pool(jax.nn.relu(x))
     x = jax.nn.relu(conv(x, p["conv3"]["kernel"], p["conv3"]["bias"]))  # [b, H/4, W/4, c3/m]
     x = flatten_channel_major(max_pool(x))  # [b, c3/m · H/8 · W/8]
@@ -83,7 +89,9 @@ def article_apply(params: Any, images: jax.Array, model_axis: str = MODEL) -> ja
     """Per-shard forward of the article's variant: conv1 output-split, then ``all_gather`` and full replicated work."""
     p = params
     x = jax.nn.relu(conv(images, p["conv1"]["kernel"], p["conv1"]["bias"]))  # [b, H, W, c1/m]
-    x = lax.all_gather(x, model_axis, axis=3, tiled=True, to="invarying")  # [b, H, W, c1]: every model shard gets all channels
+    x = lax.all_gather(
+        x, model_axis, axis=3, tiled=True, to="invarying"
+    )  # [b, H, W, c1]: every model shard gets all channels
     x = max_pool(x)
     for name in ("conv2", "conv3"):
         x = max_pool(jax.nn.relu(conv(x, p[name]["kernel"], p[name]["bias"])))
@@ -101,14 +109,16 @@ def specs_like(tree: Any, params: Any, param_specs: Any) -> Any:
     flat_params = {
         tuple(str(k) for k in path): (leaf.shape, spec)
         for (path, leaf), spec in zip(
-            jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_specs, is_leaf=_is_spec)
+            jax.tree_util.tree_leaves_with_path(params),
+            jax.tree.leaves(param_specs, is_leaf=_is_spec),
+            strict=True,
         )
     }
 
     def pick(path, leaf):
         keys = tuple(str(k) for k in path)
         for ppath, (shape, spec) in flat_params.items():
-            if keys[-len(ppath):] == ppath and getattr(leaf, "shape", None) == shape:
+            if keys[-len(ppath) :] == ppath and getattr(leaf, "shape", None) == shape:
                 return spec
         return P()
 
@@ -122,9 +132,13 @@ def _is_spec(x: Any) -> bool:
 def check_model_split(params: Any, param_specs: Any, n_model: int) -> None:
     """Raise a ValueError naming the layer when a split dimension is not divisible by ``n_model``."""
     for (path, leaf), spec in zip(
-        jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_specs, is_leaf=_is_spec)
+        jax.tree_util.tree_leaves_with_path(params),
+        jax.tree.leaves(param_specs, is_leaf=_is_spec),
+        strict=True,
     ):
-        for dim, axis in zip(leaf.shape, tuple(spec)):
+        for dim, axis in zip(
+            leaf.shape, tuple(spec), strict=False
+        ):  # a spec may be shorter than the shape
             if axis is not None and dim % n_model:
                 name = "/".join(str(getattr(k, "key", k)) for k in path)
                 raise ValueError(

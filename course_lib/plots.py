@@ -3,25 +3,23 @@ never calls ``plt.show()`` and never changes global matplotlib style."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
-_MARKERS = {"jit": "o", "pmap": "s", "shard_map": "^", "sharded_jit": "D", "shard_map_article": "v"}
+
+def _marker(key: str) -> str:
+    """The strategy's marker from the registry (imported here, so that importing plots stays light)."""
+    from .strategies import REGISTRY
+
+    entry = REGISTRY.get(key)
+    return entry.marker if entry else "."
 
 
-def _label(df: pd.DataFrame, key: str) -> str:
-    if "label" in df.columns:
-        labels = df.loc[df["strategy"] == key, "label"]
-        if len(labels):
-            return str(labels.iloc[0])
-    return key
-
-
-def loss_curves(curves: pd.DataFrame, ax=None, title: str = "Training loss per step (same data, same init)"):
+def loss_curves(
+    curves: pd.DataFrame, ax=None, title: str = "Training loss per step (same data, same init)"
+):
     """Overlay the loss curves of ``loss_curves.csv`` (columns ``strategy, step, loss``).
 
     Parity shows as curves that lie on top of each other. Returns the Axes.
@@ -30,7 +28,14 @@ def loss_curves(curves: pd.DataFrame, ax=None, title: str = "Training loss per s
         _, ax = plt.subplots(figsize=(6, 3.5))
     styles = ["-", "--", ":", "-."]
     for i, (key, g) in enumerate(curves.groupby("strategy", sort=False)):
-        ax.plot(g["step"], g["loss"], styles[i % len(styles)], marker=_MARKERS.get(key, "."), markersize=3, label=key)
+        ax.plot(
+            g["step"],
+            g["loss"],
+            styles[i % len(styles)],
+            marker=_marker(key),
+            markersize=3,
+            label=key,
+        )
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("cross-entropy loss (nats)")
@@ -39,8 +44,12 @@ def loss_curves(curves: pd.DataFrame, ax=None, title: str = "Training loss per s
     return ax
 
 
-def comparison(results: pd.DataFrame, reference: pd.DataFrame | None = None, simulated: bool | None = None,
-               reference_label: str = "reference"):
+def comparison(
+    results: pd.DataFrame,
+    reference: pd.DataFrame | None = None,
+    simulated: bool | None = None,
+    reference_label: str = "reference",
+):
     """Four panels, one bar per strategy: samples/s, median step time, bytes per device, achieved FLOP/s.
 
     Args:
@@ -54,7 +63,9 @@ def comparison(results: pd.DataFrame, reference: pd.DataFrame | None = None, sim
       The Figure.
     """
     if simulated is None:
-        simulated = bool(results.get("simulated", pd.Series([False])).astype(str).str.lower().eq("true").any())
+        simulated = bool(
+            results.get("simulated", pd.Series([False])).astype(str).str.lower().eq("true").any()
+        )
     panels = [
         ("samples_per_s", "samples / s"),
         ("step_time_s", "median step time (s)"),
@@ -65,8 +76,10 @@ def comparison(results: pd.DataFrame, reference: pd.DataFrame | None = None, sim
     keys = list(results["strategy"])
     x = np.arange(len(keys))
     width = 0.38 if reference is not None else 0.7
-    for ax, (col, name) in zip(axes, panels):
-        scale = 1 / 2**20 if col == "bytes_per_device" else 1e-9 if col == "achieved_flops_per_s" else 1
+    for ax, (col, name) in zip(axes, panels, strict=True):
+        scale = (
+            1 / 2**20 if col == "bytes_per_device" else 1e-9 if col == "achieved_flops_per_s" else 1
+        )
         vals = results[col].astype(float).to_numpy() * scale
         ax.bar(x - (width / 2 if reference is not None else 0), vals, width, label="this run")
         if reference is not None and col in reference.columns:
@@ -74,12 +87,18 @@ def comparison(results: pd.DataFrame, reference: pd.DataFrame | None = None, sim
             rvals = [float(ref.loc[k, col]) * scale if k in ref.index else np.nan for k in keys]
             ax.bar(x + width / 2, rvals, width, hatch="//", alpha=0.6, label=reference_label)
         ax.set_xticks(x, keys, rotation=20)
-        rel = " (relative: simulated devices)" if simulated and col in ("samples_per_s", "step_time_s", "achieved_flops_per_s") else ""
+        rel = (
+            " (relative: simulated devices)"
+            if simulated and col in ("samples_per_s", "step_time_s", "achieved_flops_per_s")
+            else ""
+        )
         ax.set_title(name + rel, fontsize=9)
     fig.tight_layout()
     if reference is not None:
         handles, labels = axes[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="upper center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, 1.08))
+        fig.legend(
+            handles, labels, loc="upper center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, 1.08)
+        )
     return fig
 
 
@@ -96,11 +115,13 @@ def scaling(rows: pd.DataFrame, ax=None, simulated: bool | None = None):
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.8))
     if simulated is None:
-        simulated = bool(rows.get("simulated", pd.Series([False])).astype(str).str.lower().eq("true").any())
+        simulated = bool(
+            rows.get("simulated", pd.Series([False])).astype(str).str.lower().eq("true").any()
+        )
     ns = sorted(rows["n_devices"].unique())
     for key, g in rows.groupby("strategy", sort=False):
         g = g.sort_values("n_devices")
-        ax.plot(g["n_devices"], g["samples_per_s"], marker=_MARKERS.get(key, "."), label=key)
+        ax.plot(g["n_devices"], g["samples_per_s"], marker=_marker(key), label=key)
         base = g.loc[g["n_devices"] == g["n_devices"].min(), "samples_per_s"]
         if len(base) and key == rows["strategy"].iloc[0]:
             b = float(base.iloc[0]) / float(g["n_devices"].min())
@@ -112,18 +133,6 @@ def scaling(rows: pd.DataFrame, ax=None, simulated: bool | None = None):
     ax.set_title("Strong scaling at a fixed global batch")
     ax.legend(fontsize=8)
     return ax
-
-
-def scaling_efficiency(rows: pd.DataFrame) -> pd.DataFrame:
-    """Table of efficiency = throughput(n) / (n × throughput(1)) per strategy; NaN where no 1-device run."""
-    out = []
-    for key, g in rows.groupby("strategy", sort=False):
-        base = g.loc[g["n_devices"] == 1, "samples_per_s"]
-        b = float(base.iloc[0]) if len(base) else np.nan
-        for _, r in g.sort_values("n_devices").iterrows():
-            out.append({"strategy": key, "n_devices": int(r["n_devices"]), "samples_per_s": float(r["samples_per_s"]),
-                        "efficiency": float(r["samples_per_s"]) / (r["n_devices"] * b) if b == b else np.nan})
-    return pd.DataFrame(out)
 
 
 def save(fig, path) -> str:

@@ -3,7 +3,7 @@
 ``train_step(state, batch) -> (state, metrics)`` is pure. ``jit``, ``pmap`` and ``shard_map`` are applied
 where a strategy is built (:mod:`course_lib.strategies`), so each lesson shows the transform, not a rewrite.
 Averaging across devices happens only when a data axis name is given, and *where* it happens depends on
-the transform (design/jax-0.12.md, "Gradients inside shard_map"):
+the transform (``notebooks/06_shard_map.ipynb``, "the gradient trap"):
 
 - ``sync="grads"`` — the classic recipe: differentiate the local loss, then ``lax.pmean`` the gradients.
   Correct under ``pmap`` (and ``shard_map`` with ``check_vma=False``).
@@ -14,10 +14,10 @@ the transform (design/jax-0.12.md, "Gradients inside shard_map"):
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax import lax
 
@@ -40,12 +40,14 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean softmax cross-entropy: float32 [B, K] logits, int32 [B] labels → float32 scalar (nats).
 
     Uses the one-hot form ``optax.softmax_cross_entropy(logits, one_hot(labels))``: its gradient works on
-    Explicit mesh axes, where the integer-label form raises ``ShardingTypeError`` (design/jax-0.12.md).
+    Explicit mesh axes, where the integer-label form raises ``ShardingTypeError`` (``notebooks/05_sharding.ipynb``).
     """
     return optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, logits.shape[-1])).mean()
 
 
-def make_optimizer(learning_rate: float = 0.01, momentum: float = 0.9) -> optax.GradientTransformation:
+def make_optimizer(
+    learning_rate: float = 0.01, momentum: float = 0.9
+) -> optax.GradientTransformation:
     """SGD with momentum (optax), the same for every strategy.
 
     Args:
@@ -108,8 +110,3 @@ def train_step(
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     return TrainState(params, opt_state), {"loss": loss}
-
-
-def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Fraction of correct argmax predictions: float32 scalar in [0, 1]."""
-    return jnp.mean(jnp.argmax(logits, -1) == labels)

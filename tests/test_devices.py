@@ -18,8 +18,16 @@ def test_parse_n_devices_accepts_integers_and_decimal_strings(value, expected):
 
 @pytest.mark.parametrize(
     "value, fragment",
-    [("eight", "not an integer"), (0, "at least 1"), (-2, "at least 1"), ("0", "at least 1"), (2.5, "whole number"),
-     (True, "bool"), (None, "not an integer"), ("8.0", "not an integer")],
+    [
+        ("eight", "not an integer"),
+        (0, "at least 1"),
+        (-2, "at least 1"),
+        ("0", "at least 1"),
+        (2.5, "whole number"),
+        (True, "bool"),
+        (None, "not an integer"),
+        ("8.0", "not an integer"),
+    ],
 )
 def test_parse_n_devices_rejects_bad_values_naming_them(value, fragment):
     with pytest.raises(ValueError, match=fragment) as e:
@@ -35,9 +43,11 @@ def test_check_xla_flags_accepts_valid_flags():
 
 @pytest.mark.parametrize(
     "flags, fragment",
-    [("xla_force_host_platform_device_count=8", "starts with '--'"),
-     ("\u2013xla_force_host_platform_device_count=8", "typographic dash"),
-     ("--xla_force_host_platform_device_count = 8", "no spaces around '='")],
+    [
+        ("xla_force_host_platform_device_count=8", "starts with '--'"),
+        ("\u2013xla_force_host_platform_device_count=8", "typographic dash"),
+        ("--xla_force_host_platform_device_count = 8", "no spaces around '='"),
+    ],
 )
 def test_check_xla_flags_rejects_malformed_flags(flags, fragment):
     with pytest.raises(DeviceSetupError, match=fragment) as e:
@@ -80,18 +90,28 @@ def test_device_subsets():
 def _run(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def _setup_in_fresh_process(platform: str, env_extra: dict) -> subprocess.CompletedProcess:
-    """setup_devices(2, platform) in a new interpreter with ``env_extra``; prints "caught: <message>" on a DeviceSetupError."""
-    return _run(f"""
+    """setup_devices(2, platform) in a new interpreter with ``env_extra``; prints "caught: <message>" on a
+    DeviceSetupError."""
+    return _run(
+        f"""
         from course_lib.devices import setup_devices, DeviceSetupError
         try:
             setup_devices(2, platform={platform!r})
         except DeviceSetupError as e:
             print("caught:", e)
-    """, env_extra)
+    """,
+        env_extra,
+    )
 
 
 def test_fresh_process_gets_the_count_asked_for():
@@ -132,8 +152,11 @@ class FakeGPU:
 def test_more_gpus_than_exist_names_the_count_and_the_fix():
     gpus = [FakeGPU()] * 4
     assert devices.select_devices(2, gpus, "gpu") == (gpus[0], gpus[1])
-    with pytest.raises(DeviceSetupError, match=r"n_devices=8 but only 4 GPU device\(s\) exist \(NVIDIA H100 80GB HBM3\). "
-                                               r"Use n_devices <= 4, or platform='cpu' to simulate 8"):
+    with pytest.raises(
+        DeviceSetupError,
+        match=r"n_devices=8 but only 4 GPU device\(s\) exist \(NVIDIA H100 80GB HBM3\). "
+        r"Use n_devices <= 4, or platform='cpu' to simulate 8",
+    ):
         devices.select_devices(8, gpus, "gpu")
 
 

@@ -1,4 +1,4 @@
-"""Notebook hygiene: the conventions every notebook follows (design/course.md)."""
+"""Notebook hygiene: the conventions every notebook follows."""
 
 import ast
 import json
@@ -29,10 +29,13 @@ def src(cell):
 def test_first_code_cell_is_parameters_with_plain_assignments(nb):
     path, d = nb
     first = code_cells(d)[0]
-    assert "parameters" in first["metadata"].get("tags", []), f"{path.name}: first code cell not tagged 'parameters'"
+    assert "parameters" in first["metadata"].get("tags", []), (
+        f"{path.name}: first code cell not tagged 'parameters'"
+    )
     tree = ast.parse(src(first))
-    assert tree.body and all(isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant) for s in tree.body), (
-        f"{path.name}: the parameters cell must hold only plain assignments of constants")
+    assert tree.body and all(
+        isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant) for s in tree.body
+    ), f"{path.name}: the parameters cell must hold only plain assignments of constants"
     names = {t.id for s in tree.body for t in s.targets}
     assert "n_devices" in names
 
@@ -40,20 +43,28 @@ def test_first_code_cell_is_parameters_with_plain_assignments(nb):
 def test_device_setup_comes_before_anything_touches_jax(nb):
     path, d = nb
     cells = code_cells(d)
-    assert "setup_devices(" in src(cells[1]), f"{path.name}: the second code cell must set up devices"
+    assert "setup_devices(" in src(cells[1]), (
+        f"{path.name}: the second code cell must set up devices"
+    )
     for c in cells[:2]:
-        assert "import jax" not in src(c) and "from jax" not in src(c), f"{path.name}: JAX imported before device setup"
+        assert "import jax" not in src(c) and "from jax" not in src(c), (
+            f"{path.name}: JAX imported before device setup"
+        )
 
 
 def test_no_outputs_committed(nb):
     path, d = nb
     for c in code_cells(d):
-        assert not c.get("outputs") and c.get("execution_count") is None, f"{path.name}: committed outputs"
+        assert not c.get("outputs") and c.get("execution_count") is None, (
+            f"{path.name}: committed outputs"
+        )
 
 
 def test_generic_kernelspec(nb):
     path, d = nb
-    assert d["metadata"]["kernelspec"]["name"] == "python3", f"{path.name}: kernelspec is not python3"
+    assert d["metadata"]["kernelspec"]["name"] == "python3", (
+        f"{path.name}: kernelspec is not python3"
+    )
 
 
 def test_notebook_names_follow_the_map(nb):

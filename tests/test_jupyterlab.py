@@ -31,8 +31,12 @@ def free_port() -> int:
 
 
 def api(base, token, path, method="GET", body=None):
-    req = urllib.request.Request(f"{base}{path}", method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Authorization": f"token {token}", "Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{base}{path}",
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         text = r.read()
         return json.loads(text) if text else None
@@ -41,12 +45,30 @@ def api(base, token, path, method="GET", body=None):
 @pytest.fixture
 def server(tmp_path):
     port, token = free_port(), secrets.token_hex(16)
-    env = dict(os.environ, COURSE_BUILD_DIR=str(tmp_path / "build"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"))
+    env = dict(
+        os.environ,
+        COURSE_BUILD_DIR=str(tmp_path / "build"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}", "--ServerApp.port_retries=0"]
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={ROOT}",
+            "--ServerApp.port_retries=0",
+        ]
         + (["--allow-root"] if os.geteuid() == 0 else []),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
@@ -56,7 +78,9 @@ def server(tmp_path):
                 break
             except OSError:
                 if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start:\n{proc.stdout.read().decode()[-3000:]}")
+                    raise RuntimeError(
+                        f"JupyterLab did not start:\n{proc.stdout.read().decode()[-3000:]}"
+                    ) from None
                 time.sleep(0.5)
         yield base, token, tmp_path
     finally:
@@ -80,12 +104,32 @@ async def execute_all(ws_url, cells, timeout_s=300):
     session = uuid.uuid4().hex
     for i, source in enumerate(cells):
         msg_id = uuid.uuid4().hex
-        ws.write_message(json.dumps({
-            "header": {"msg_id": msg_id, "username": "test", "session": session, "msg_type": "execute_request",
-                       "version": "5.3", "date": ""},
-            "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
-            "content": {"code": source, "silent": False, "store_history": True, "user_expressions": {},
-                        "allow_stdin": False, "stop_on_error": True}}))
+        ws.write_message(
+            json.dumps(
+                {
+                    "header": {
+                        "msg_id": msg_id,
+                        "username": "test",
+                        "session": session,
+                        "msg_type": "execute_request",
+                        "version": "5.3",
+                        "date": "",
+                    },
+                    "parent_header": {},
+                    "metadata": {},
+                    "channel": "shell",
+                    "buffers": [],
+                    "content": {
+                        "code": source,
+                        "silent": False,
+                        "store_history": True,
+                        "user_expressions": {},
+                        "allow_stdin": False,
+                        "stop_on_error": True,
+                    },
+                }
+            )
+        )
         deadline = time.time() + timeout_s
         while True:
             raw = await asyncio.wait_for(ws.read_message(), timeout=max(1, deadline - time.time()))
@@ -94,7 +138,9 @@ async def execute_all(ws_url, cells, timeout_s=300):
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             if msg["msg_type"] == "error":
-                raise AssertionError(f"cell {i} raised {msg['content']['ename']}: {msg['content']['evalue']}")
+                raise AssertionError(
+                    f"cell {i} raised {msg['content']['ename']}: {msg['content']['evalue']}"
+                )
             if msg["msg_type"] == "execute_reply":
                 assert msg["content"]["status"] == "ok", msg["content"]
                 break
@@ -108,11 +154,24 @@ def test_lab_runs_in_jupyterlab(server):
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     assert "parameters" in code[0]["metadata"]["tags"]
     results_dir = tmp / "lab-from-jupyterlab"
-    params = (f'n_devices = 1\nplatform = "cpu"\nprofile = "tiny"\nsteps = 0\nglobal_batch = 0\nscaling = False\n'
-              f'article_variant = False\nresults_dir = {str(results_dir)!r}\noverwrite = False\nreference = "auto"\nseed = 0\n')
+    params = (
+        f'n_devices = 1\nplatform = "cpu"\nprofile = "tiny"\nsteps = 0\nglobal_batch = 0\nscaling = False\n'
+        f"article_variant = False\nresults_dir = {str(results_dir)!r}\n"
+        f'overwrite = False\nreference = "auto"\nseed = 0\n'
+    )
     sources = [params] + ["".join(c["source"]) for c in code[1:]]
-    sess = api(base, token, "/api/sessions", "POST",
-               {"path": "notebooks/08_lab.ipynb", "type": "notebook", "name": "08_lab.ipynb", "kernel": {"name": "python3"}})
+    sess = api(
+        base,
+        token,
+        "/api/sessions",
+        "POST",
+        {
+            "path": "notebooks/08_lab.ipynb",
+            "type": "notebook",
+            "name": "08_lab.ipynb",
+            "kernel": {"name": "python3"},
+        },
+    )
     kernel_id = sess["kernel"]["id"]
     try:
         ws_url = f"{base.replace('http', 'ws')}/api/kernels/{kernel_id}/channels?token={token}"

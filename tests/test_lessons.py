@@ -3,7 +3,7 @@
 - Hygiene (fast): parameters cell first, device setup second, no outputs, generic kernelspec, no
   ``raises-exception`` cells (papermill would stop at them), at least three exercises, each solution cell
   followed by a cell tagged ``exercise-check``.
-- Student version (slow, marked ``notebook``): generated with ``course_lib.student``, executed top to
+- Student version (slow, marked ``notebook``): generated with ``course_tools.student``, executed top to
   bottom; the only cells that fail are the exercise checks, and every one of them fails.
 """
 
@@ -13,15 +13,25 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.student import student_notebook
+from course_tools.student import student_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSONS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb") if p.stem != "08_lab")
+LESSONS = sorted(
+    p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb") if p.stem != "08_lab"
+)
 
 
 def test_the_lessons_of_the_map_exist():
-    assert LESSONS[:8] == ["00_setup", "01_grad", "02_jit", "03_vmap", "04_pmap", "05_sharding", "06_shard_map",
-                           "07_debugging"]
+    assert LESSONS[:8] == [
+        "00_setup",
+        "01_grad",
+        "02_jit",
+        "03_vmap",
+        "04_pmap",
+        "05_sharding",
+        "06_shard_map",
+        "07_debugging",
+    ]
 
 
 def _read(name):
@@ -35,7 +45,11 @@ def _code_cells(nb):
 @pytest.mark.parametrize("name", LESSONS)
 def test_conventions(name):
     nb = _read(name)
-    assert nb.metadata["kernelspec"] == {"name": "python3", "display_name": "Python 3", "language": "python"}
+    assert nb.metadata["kernelspec"] == {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     cells = _code_cells(nb)
     first, second = cells[0], cells[1]
     assert "parameters" in first.metadata.get("tags", [])
@@ -43,10 +57,14 @@ def test_conventions(name):
     assert all(isinstance(s, ast.Assign) and isinstance(s.targets[0], ast.Name) for s in tree.body)
     assigned = {s.targets[0].id: ast.literal_eval(s.value) for s in tree.body}
     assert assigned["n_devices"] == 8 and assigned["platform"] == "auto"
-    assert "setup_devices(n_devices, platform)" in second.source and "import jax" not in second.source
+    assert (
+        "setup_devices(n_devices, platform)" in second.source and "import jax" not in second.source
+    )
     for c in cells:
         assert c.outputs == [] and c.execution_count is None
-        assert "raises-exception" not in c.metadata.get("tags", [])  # papermill fails on any error output
+        assert "raises-exception" not in c.metadata.get(
+            "tags", []
+        )  # papermill fails on any error output
 
 
 @pytest.mark.parametrize("name", LESSONS)
@@ -70,8 +88,13 @@ def test_student_version_fails_only_at_checks(name, tmp_path):
     from nbclient import NotebookClient
 
     student, _ = student_notebook(_read(name), name)
-    NotebookClient(student, timeout=300, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(ROOT)}}).execute()
+    NotebookClient(
+        student,
+        timeout=300,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": str(ROOT)}},
+    ).execute()
     failed = [c for c in _code_cells(student) if any(o.output_type == "error" for o in c.outputs)]
     checks = [c for c in _code_cells(student) if "exercise-check" in c.metadata.get("tags", [])]
     assert failed, "the student version ran without a failing exercise check"
@@ -86,12 +109,15 @@ def test_student_version_fails_only_at_checks(name, tmp_path):
 def test_student_package_has_no_solution_text(tmp_path):
     import zipfile
 
-    from course_lib.student import package, solution_lines
+    from course_tools.student import package, solution_lines
 
     zip_path = package(ROOT, tmp_path / "student.zip")
     with zipfile.ZipFile(zip_path) as z:
         names = z.namelist()
-        assert "jax-course/course_lib/checks/_common.py" in names and "jax-course/requirements.txt" in names
+        assert (
+            "jax-course/course_tools/checks/_common.py" in names
+            and "jax-course/requirements.txt" in names
+        )
         for name in LESSONS:
             text = z.read(f"jax-course/notebooks/{name}.ipynb").decode()
             solved = "\n".join(c.source for c in _code_cells(_read(name)))
@@ -103,7 +129,7 @@ def test_student_package_has_no_solution_text(tmp_path):
 
 
 def test_show_error_returns_the_error_and_refuses_success(capsys):
-    from course_lib.checks import show_error
+    from course_tools.checks import show_error
 
     err = show_error(int, "eight")
     assert isinstance(err, ValueError) and "ValueError: invalid literal" in capsys.readouterr().out

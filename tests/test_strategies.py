@@ -7,13 +7,10 @@ on the tiny config (measured: ~2e-7 and ~3e-8). A stable learning rate keeps rou
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from course_lib import data, meshes, model, parallel, steps, strategies
+from course_lib import data, model, parallel, steps, strategies
 
 STEPS = 4
 BATCH = 16
@@ -75,39 +72,6 @@ def test_shard_map_shards_parameters_over_the_model_axis(report):
     assert parallel.bytes_per_device(state.params) < parallel.bytes_per_device(pstate.params)
 
 
-def test_tensor_parallel_forward_equals_the_model(report):
-    g, p = model.init_model(jax.random.key(0), model.TINY)
-    x = jax.random.normal(jax.random.key(2), (8, 16, 16, 3))
-    mesh = meshes.data_model_mesh(report.devices, (4, 2), axis_type="auto")
-    specs = parallel.tp_param_specs(p)
-    f = jax.shard_map(parallel.tp_apply, mesh=mesh, in_specs=(specs, P(meshes.DATA)), out_specs=P(meshes.DATA))
-    np.testing.assert_allclose(jax.jit(f)(p, x), model.apply(g, p, x), rtol=1e-5, atol=1e-5)
-
-
-def test_the_gradient_trap_is_real(report):
-    # Inside shard_map (check_vma=True), pmean-ing the gradients of a local loss leaves them n_data x too big.
-    g, p = model.init_model(jax.random.key(0), model.TINY)
-    x, y = data.SyntheticImages(image_size=16).batch(jax.random.key(1), 16)
-    apply = lambda p, x: model.apply(g, p, x)
-    true = jax.grad(lambda p: steps.cross_entropy(apply(p, x), y))(p)
-    mesh = meshes.data_mesh(report.devices, axis_type="auto")
-
-    def grads(sync):
-        def body(p, x, y):
-            def loss(p):
-                l = steps.cross_entropy(apply(p, x), y)
-                return lax.pmean(l, meshes.DATA) if sync == "loss" else l
-            gr = jax.grad(loss)(p)
-            return lax.pmean(gr, meshes.DATA) if sync == "grads" else gr
-        f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(meshes.DATA), P(meshes.DATA)), out_specs=P())
-        return jax.jit(f)(p, x, y)
-
-    right, wrong = grads("loss"), grads("grads")
-    for t, r, w in zip(jax.tree.leaves(true), jax.tree.leaves(right), jax.tree.leaves(wrong)):
-        np.testing.assert_allclose(r, t, rtol=1e-4, atol=1e-6)
-        np.testing.assert_allclose(w, 8 * t, rtol=1e-4, atol=1e-6)
-
-
 def test_donation_never_deletes_the_callers_parameters(report):
     g, p = model.init_model(jax.random.key(0), model.TINY)
     opt = steps.make_optimizer()
@@ -141,29 +105,27 @@ def test_data_shards():
     assert strategies.data_shards("shard_map", 3) == 3
 
 
-def test_meshes():
-    assert meshes.choose_mesh_shape(1) == (1, 1)
-    assert meshes.choose_mesh_shape(8) == (4, 2)
-    assert meshes.choose_mesh_shape(6) == (3, 2)
-    assert meshes.choose_mesh_shape(5) == (5, 1)
-    assert meshes.choose_mesh_shape(8, model=4) == (2, 4)
-    with pytest.raises(ValueError, match="model axis of 3 does not divide 8 devices; choose one of \\[1, 2, 4, 8\\]"):
-        meshes.choose_mesh_shape(8, model=3)
-    with pytest.raises(ValueError, match="n_devices=0"):
-        meshes.choose_mesh_shape(0)
-    devs = jax.devices()
-    m = meshes.data_model_mesh(devs)
-    assert dict(m.shape) == {"data": 4, "model": 2}
-    assert all(t == jax.sharding.AxisType.Explicit for t in m.axis_types)
-    assert meshes.data_mesh(devs, axis_type="auto").axis_types == (jax.sharding.AxisType.Auto,)
-    with pytest.raises(ValueError, match="needs 6 devices but 8 were given"):
-        meshes.data_model_mesh(devs, (3, 2))
-    with pytest.raises(ValueError, match="axis_type='manual'"):
-        meshes.data_mesh(devs, axis_type="manual")
-    assert meshes.describe(m) == "data=4 x model=2"
+def test_the_registry_is_the_one_description_of_a_strategy(report):
+    from course_lib import distributed, lab
 
-
-@pytest.mark.parametrize("shape", [(2.0, 2), (-2, -2), (0, 8), (8,)])
-def test_bad_mesh_shapes_are_named(shape):
-    with pytest.raises(ValueError, match="must be two positive integers"):
-        meshes.data_model_mesh(jax.devices()[:4], shape)
+    assert list(strategies.REGISTRY) == [
+        "jit",
+        "pmap",
+        "shard_map",
+        "sharded_jit",
+        "shard_map_article",
+    ]
+    assert strategies.STRATEGIES == ("jit", "pmap", "shard_map", "sharded_jit")
+    assert strategies.LABELS["shard_map_article"] == "C': shard_map, article's split"
+    assert distributed.MULTIHOST_STRATEGIES == ("shard_map", "sharded_jit")
+    assert lab.SCALING_STRATEGIES == ("pmap", "shard_map", "sharded_jit")
+    assert (
+        strategies.data_shards("shard_map", 8, mesh_shape=(2, 4)) == 2
+    )  # a custom mesh shape counts
+    g, p = model.init_model(jax.random.key(0), model.TINY)
+    s = strategies.build(
+        "shard_map", g, p, steps.make_optimizer(), report.devices, mesh_shape=(2, 4)
+    )
+    assert s.global_batch_divisor == 2 and s.label == strategies.REGISTRY["shard_map"].label
+    with pytest.raises(ValueError, match="unknown strategy 'ddp'; choose one of \\['jit', 'pmap'"):
+        strategies.data_shards("ddp", 8)

@@ -3,7 +3,7 @@
 import nbformat
 import pytest
 
-from course_lib import student
+from course_tools import student
 
 SOLVED = """def f(x):
     # BEGIN SOLUTION
@@ -24,9 +24,14 @@ def test_strip_solutions_replaces_blocks_with_stubs():
     assert "\nz = None" in out and "y = 1" in out
 
 
-@pytest.mark.parametrize("bad, fragment", [("# BEGIN SOLUTION\nx = 1", "without END"),
-                                           ("x = 1\n# END SOLUTION", "without BEGIN"),
-                                           ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION", "nested")])
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        ("# BEGIN SOLUTION\nx = 1", "without END"),
+        ("x = 1\n# END SOLUTION", "without BEGIN"),
+        ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION", "nested"),
+    ],
+)
 def test_unbalanced_markers_are_errors(bad, fragment):
     with pytest.raises(ValueError, match=fragment):
         student.strip_solutions(bad, "nb.ipynb cell 3")
@@ -57,11 +62,16 @@ def test_near_markers_are_errors_not_leaks(line):
 def test_generate_refuses_to_replace_the_solutions_and_writes_nothing_on_errors(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SOLVED)]), src / "a.ipynb")
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SOLVED)]), src / "a.ipynb"
+    )
     with pytest.raises(ValueError, match="would replace the solution notebooks"):
         student.generate(src, src, overwrite=True)
     assert "2 * x" in nbformat.read(src / "a.ipynb", 4).cells[0].source
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("# BEGIN SOLUTION\nx = 1")]), src / "b.ipynb")
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("# BEGIN SOLUTION\nx = 1")]),
+        src / "b.ipynb",
+    )
     with pytest.raises(ValueError, match="b.ipynb cell 0"):
         student.generate(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()

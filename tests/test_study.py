@@ -1,19 +1,32 @@
 """Scaling-study aggregation: comparable runs only."""
 
-import pandas as pd
 import pytest
 
-from course_lib import results, study
+from course_tools import results, study
 
 
 def fake_run(folder, n, **over):
     row = {c: 0 for c in results.RESULT_COLUMNS}
-    base = dict(profile="cpu", platform="cpu", device_kind="cpu", jax_version="0.12.0.1", global_batch=64, image_size=32)
+    base = dict(
+        profile="cpu",
+        platform="cpu",
+        device_kind="cpu",
+        jax_version="0.12.0.1",
+        global_batch=64,
+        image_size=32,
+    )
     base.update(over)
     rows = []
     for key in ("jit", "pmap"):
-        r = dict(row, **base, strategy=key, n_devices=1 if key == "jit" else n, samples_per_s=100.0 * (n if key == "pmap" else 1) ** 0.5,
-                 step_time_s=0.1, bytes_per_device=1000 // n)
+        r = dict(
+            row,
+            **base,
+            strategy=key,
+            n_devices=1 if key == "jit" else n,
+            samples_per_s=100.0 * (n if key == "pmap" else 1) ** 0.5,
+            step_time_s=0.1,
+            bytes_per_device=1000 // n,
+        )
         rows.append(r)
     folder.mkdir()
     results.write_csv(rows, folder / results.RESULTS_FILE)
@@ -31,7 +44,9 @@ def test_aggregate_and_efficiency(tmp_path):
     assert len(fig.axes) == 4 and "relative" in fig.axes[0].get_title()
 
 
-@pytest.mark.parametrize("col, value", [("profile", "gpu"), ("platform", "gpu"), ("jax_version", "0.11.0")])
+@pytest.mark.parametrize(
+    "col, value", [("profile", "gpu"), ("platform", "gpu"), ("jax_version", "0.11.0")]
+)
 def test_incomparable_runs_are_refused(tmp_path, col, value):
     dirs = [fake_run(tmp_path / "n1", 1), fake_run(tmp_path / "n2", 2, **{col: value})]
     with pytest.raises(study.IncomparableRuns, match=f"runs differ in '{col}'"):

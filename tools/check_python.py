@@ -2,7 +2,7 @@
 
 import sys
 
-if sys.version_info < (3, 12):
+if sys.version_info < (3, 12):  # noqa: UP036 - this script runs under whatever Python make finds
     found = sys.version.split()[0]
     sys.exit(
         f"error: the course needs Python >= 3.12, but {sys.executable} is Python {found}.\n"

@@ -13,7 +13,7 @@ import datetime as dt
 import sys
 from pathlib import Path
 
-from course_lib import results, run
+from course_tools import results, run
 
 
 def main() -> int:
@@ -26,15 +26,25 @@ def main() -> int:
     args = ap.parse_args()
     targets = [results.DATA_DIR / f"{args.name}.csv", results.DATA_DIR / f"{args.name}_scaling.csv"]
     if not args.overwrite and any(t.exists() for t in targets):
-        print(f"error: {targets[0].name} exists; pass --overwrite to replace the reference", file=sys.stderr)
+        print(
+            f"error: {targets[0].name} exists; pass --overwrite to replace the reference",
+            file=sys.stderr,
+        )
         return 2
-    out = run.run_lab(args.n_devices, args.platform, args.profile, build="build/reference", progress=False)
-    command = f"python tools/make_reference.py --n-devices {args.n_devices} --platform {args.platform} --profile {args.profile}"
-    stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    for src, dst in zip((results.RESULTS_FILE, results.SCALING_FILE), targets):
+    out = run.run_lab(
+        args.n_devices, args.platform, args.profile, build="build/reference", progress=False
+    )
+    command = (
+        f"python tools/make_reference.py --n-devices {args.n_devices} --platform {args.platform} "
+        f"--profile {args.profile}"
+    )
+    stamp = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    for src, dst in zip((results.RESULTS_FILE, results.SCALING_FILE), targets, strict=True):
         body = (Path(out) / src).read_text()
-        header = (f"# Reference lab run MEASURED by this project: {command}\n# recorded {stamp}; hardware and versions "
-                  f"are in the columns (platform, device_kind, simulated, host_cpus, cpu_model, jax_version).\n")
+        header = (
+            f"# Reference lab run MEASURED by this project: {command}\n# recorded {stamp}; hardware and versions "
+            f"are in the columns (platform, device_kind, simulated, host_cpus, cpu_model, jax_version).\n"
+        )
         dst.write_text(header + body)
         print(f"wrote {dst}")
     return 0

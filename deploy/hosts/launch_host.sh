@@ -42,7 +42,7 @@ trap stop_all EXIT INT TERM             # never leave a process behind waiting f
 run() {  # run <process_id> <expect_local_devices> <cuda_visible_devices or ""> [extra worker args...]
   local pid_=$1 expect=$2 cuda=$3; shift 3
   # The worker prefixes its own lines with "[process i/N]"; its output goes to this terminal.
-  env ${cuda:+CUDA_VISIBLE_DEVICES=$cuda} "$VENV/bin/python" -m course_lib.multihost worker \
+  env ${cuda:+CUDA_VISIBLE_DEVICES=$cuda} "$VENV/bin/python" -m course_tools.launcher worker \
     --coordinator "$COORDINATOR" --num-processes "$NUM_PROCESSES" --process-id "$pid_" \
     --init-timeout-s "$INIT_TIMEOUT_S" --expect-local-devices "$expect" "$@" "${EXTRA[@]}" &
   pids+=($!)

@@ -1,0 +1,169 @@
+"""Results files of the lab: CSVs with metadata, never silently overwritten.
+
+Files in a results folder (the contract the lab, notebooks/08_lab.ipynb, writes and the tests check):
+
+- ``lab_results.csv`` — one row per strategy: ``strategy, n_devices, mesh, global_batch, image_size, steps,
+  step_time_s, samples_per_s, compile_s, bytes_per_device, flops_per_step, collectives, final_loss,
+  platform, device_kind, jax_version`` and more (see :data:`RESULT_COLUMNS`).
+- ``loss_curves.csv`` — ``strategy, step, loss``.
+- ``scaling.csv`` — the scaling sweep, the same columns as ``lab_results.csv``.
+- PNG plots beside them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pandas as pd
+
+RESULTS_FILE = "lab_results.csv"
+CURVES_FILE = "loss_curves.csv"
+SCALING_FILE = "scaling.csv"
+
+RESULT_COLUMNS = (
+    "strategy",
+    "n_devices",
+    "mesh",
+    "global_batch",
+    "image_size",
+    "steps",
+    "step_time_s",
+    "samples_per_s",
+    "compile_s",
+    "bytes_per_device",
+    "flops_per_step",
+    "collectives",
+    "final_loss",
+    "platform",
+    "device_kind",
+    "jax_version",
+)
+"""Columns every ``lab_results.csv`` has (the contract); rows may carry more."""
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+"""The repository's ``data/`` folder: reference runs and the source article's reported figures."""
+
+
+PROJECT_ROOT = DATA_DIR.parent
+
+
+def build_dir() -> Path:
+    """The build folder: ``$COURSE_BUILD_DIR`` if set (tests point it at a temporary folder), else
+    ``<project>/build``."""
+    env = os.environ.get("COURSE_BUILD_DIR", "").strip()
+    return Path(env).expanduser() if env else PROJECT_ROOT / "build"
+
+
+def resolve_results_dir(results_dir: str | os.PathLike, name: str = "lab") -> Path:
+    """``"auto"`` → ``build_dir() / name``; a relative path is taken relative to the project root (so a
+    notebook run from ``notebooks/`` and a papermill run from the root write to the same place)."""
+    if str(results_dir).strip().lower() == "auto":
+        return build_dir() / name
+    path = Path(results_dir).expanduser()
+    return path if path.is_absolute() else PROJECT_ROOT / path
+
+
+def prepare_results_dir(results_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+    """The folder this run writes to; an earlier run's results are never silently replaced.
+
+    ``results_dir`` goes through :func:`resolve_results_dir` first (``"auto"``, relative paths).
+
+    If ``results_dir`` does not exist or is empty, it is used (created). If it holds anything (an earlier
+    run, or files of the reader's): with ``overwrite=True`` it is used and the results files written
+    later replace theirs; otherwise a new sibling folder ``<results_dir>-2`` (``-3``, …) is created and returned.
+
+    Raises:
+      ValueError: ``results_dir`` is empty or names an existing file, not a folder.
+    """
+    if results_dir is None or str(results_dir).strip() == "":
+        raise ValueError("results_dir is empty; give a folder such as 'build/lab', or 'auto'")
+    path = resolve_results_dir(results_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"results_dir={str(path)!r} is a file, not a folder; give a folder path")
+    if overwrite or not path.exists() or not any(path.iterdir()):
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    k = 2
+    while True:
+        candidate = path.with_name(f"{path.name}-{k}")
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+            return candidate
+        except FileExistsError:
+            k += 1
+
+
+def write_csv(
+    rows: Iterable[dict] | pd.DataFrame, path: str | os.PathLike, required: Sequence[str] = ()
+) -> Path:
+    """Write rows to a CSV and return its path.
+
+    Raises:
+      ValueError: no rows, or a required column is missing (named).
+    """
+    df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
+    if df.empty:
+        raise ValueError(f"no rows to write to {path}")
+    missing = [c for c in required if c not in df.columns]
+    if missing:
+        raise ValueError(f"results for {path} lack the columns {missing}")
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    df.to_csv(tmp, index=False)
+    os.replace(tmp, path)  # never a half-written results file
+    return path
+
+
+def curves_rows(curves: dict[str, Sequence[float]]) -> list[dict]:
+    """``{strategy: [loss per step]}`` → rows ``{strategy, step, loss}`` for ``loss_curves.csv``."""
+    return [
+        {"strategy": k, "step": i, "loss": float(v)}
+        for k, losses in curves.items()
+        for i, v in enumerate(losses)
+    ]
+
+
+def load_results(results_dir: str | os.PathLike) -> dict[str, pd.DataFrame]:
+    """Read a results folder: ``{"results": …, "curves": …, "scaling": …}`` (missing files are absent).
+
+    Raises:
+      FileNotFoundError: the folder has no ``lab_results.csv``.
+    """
+    path = Path(results_dir)
+    if not (path / RESULTS_FILE).exists():
+        raise FileNotFoundError(
+            f"{path / RESULTS_FILE} does not exist; run notebooks/08_lab.ipynb with results_dir={str(path)!r}"
+        )
+    out = {"results": pd.read_csv(path / RESULTS_FILE)}
+    for key, name in (("curves", CURVES_FILE), ("scaling", SCALING_FILE)):
+        if (path / name).exists():
+            out[key] = pd.read_csv(path / name)
+    return out
+
+
+def load_reference(name: str = "cpu") -> pd.DataFrame:
+    """A committed reference table from ``data/``.
+
+    Args:
+      name: ``"cpu"`` (this project's reference lab run on 8 simulated CPU devices), ``"cpu_scaling"`` (its
+        scaling sweep), ``"article"`` (the source
+        article's figures, *reported, not measured*), ``"gpu"`` (a GPU reference run, when one is committed),
+        or a CSV file name in ``data/``.
+
+    Raises:
+      FileNotFoundError: no such reference file (the message lists the ones present).
+    """
+    files = {
+        "cpu": "reference_cpu_8sim.csv",
+        "cpu_scaling": "reference_cpu_8sim_scaling.csv",
+        "article": "article_reported.csv",
+        "gpu": "reference_gpu.csv",
+    }
+    fname = files.get(name, name)
+    path = DATA_DIR / fname
+    if not path.exists():
+        have = sorted(p.name for p in DATA_DIR.glob("*.csv"))
+        raise FileNotFoundError(f"no reference {name!r} ({path}); present in data/: {have}")
+    return pd.read_csv(path, comment="#")

@@ -1,0 +1,160 @@
+"""Multi-process JAX on localhost (course_tools.launcher running course_lib.distributed's workers): 2 processes
+x 4 simulated CPU devices reproduce the
+lab's 1 process x 8 devices; a failing worker is named and nothing outlives the launcher; bad arguments fail
+before anything starts.
+
+Tolerances: the cross-process all-reduce (gloo) may add in another order than the in-process one, so values
+agree to float32 rounding, not bit for bit (notebooks/08_lab.ipynb, section 3): losses within 1e-5 relative,
+final parameters within 1e-5 absolute (measured: ~1e-7), over 3 SGD steps of the tiny profile.
+"""
+
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from course_lib import distributed
+from course_lib.config import PROFILES
+from course_lib.lab import run_strategy
+from course_tools import launcher
+
+STEPS = 3
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return distributed.prepare_inputs(tmp_path_factory.mktemp("inputs"), "tiny", STEPS, seed=0)
+
+
+@pytest.fixture(scope="module")
+def two_by_four(inputs, tmp_path_factory):
+    return launcher.launch(
+        2, 4, inputs=inputs, steps=STEPS, timeout_s=240, out_dir=tmp_path_factory.mktemp("run")
+    )
+
+
+def _no_survivors(pids):
+    """No worker, and no process in a worker's process group, is alive (zombies count as dead)."""
+    return launcher.survivors(pids) == []
+
+
+def test_survivors_sees_a_live_process_group_and_not_a_dead_one():
+    import subprocess
+    import sys
+
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True
+    )
+    try:
+        assert launcher.survivors([p.pid]) == [p.pid]
+    finally:
+        p.kill()
+        p.wait()
+    assert launcher.survivors([p.pid]) == []
+
+
+@pytest.mark.parametrize("key", distributed.MULTIHOST_STRATEGIES)
+def test_two_processes_match_one_process_eight_devices(report, two_by_four, key):
+    ref = run_strategy(
+        key, report.devices, PROFILES["tiny"], steps=STEPS, progress=False
+    )  # 1 process x 8
+    got = two_by_four.losses[key]
+    np.testing.assert_allclose(got, ref.losses, rtol=LOSS_RTOL)
+    assert got[-1] < got[0]  # it trains
+    flat = traverse_util.flatten_dict(ref.params, sep="/")
+    assert set(flat) == set(two_by_four.params[key])
+    for name, want in flat.items():
+        np.testing.assert_allclose(
+            two_by_four.params[key][name], want, atol=PARAM_ATOL, rtol=0, err_msg=name
+        )
+
+
+def test_the_group_is_one_global_mesh(two_by_four):
+    outs = two_by_four.outputs
+    assert [o["process_id"] for o in outs] == [0, 1] and all(o["process_count"] == 2 for o in outs)
+    assert all(len(o["local_devices"]) == 4 for o in outs)
+    assert (
+        outs[0]["global_devices"] == outs[1]["global_devices"]
+        and len(outs[0]["global_devices"]) == 8
+    )
+    assert [d.split("@")[1] for d in outs[0]["global_devices"]] == ["0"] * 4 + [
+        "1"
+    ] * 4  # process-major
+    for key in distributed.MULTIHOST_STRATEGIES:
+        # each process fed its own half of the batch, and both read the same replicated loss
+        assert [o["strategies"][key]["rows"] for o in outs] == [[0, 16], [16, 32]]
+        assert outs[0]["strategies"][key]["losses"] == outs[1]["strategies"][key]["losses"]
+    assert outs[0]["strategies"]["shard_map"]["mesh"] == "data=4 x model=2"
+    assert (
+        "params_summary" in outs[0] and "params_summary" not in outs[1]
+    )  # saved from process 0 only
+    assert _no_survivors(set(two_by_four.pids))
+
+
+def test_failing_worker_is_named_and_nothing_is_left(inputs, tmp_path):
+    with pytest.raises(launcher.WorkerFailed) as info:
+        launcher.launch(
+            2,
+            4,
+            inputs=inputs,
+            steps=STEPS,
+            fail_process=1,
+            fail_stage="train",
+            timeout_s=120,
+            out_dir=tmp_path,
+        )
+    err = info.value
+    assert err.process_id == 1 and err.returncode == 1
+    assert "process 1 of 2 failed" in str(err) and "failing on purpose" in str(
+        err
+    )  # its last lines are quoted
+    assert len(err.pids) == 2 and _no_survivors(
+        set(err.pids)
+    )  # process 0, blocked on its peer, was killed too
+
+
+def test_timeout_stops_every_worker(inputs, tmp_path):
+    with pytest.raises(
+        launcher.WorkerTimeout, match=r"timeout_s=0.5 s; processes \[0, 1\]"
+    ) as info:
+        launcher.launch(2, 4, inputs=inputs, steps=STEPS, timeout_s=0.5, out_dir=tmp_path)
+    assert _no_survivors(set(info.value.pids))
+
+
+def test_bad_arguments_fail_before_anything_starts(inputs):
+    with pytest.raises(ValueError, match="n_processes=0 must be a positive integer"):
+        launcher.launch(0, 4, inputs=inputs)
+    with pytest.raises(ValueError, match="local_devices=0 must be a positive integer"):
+        launcher.launch(2, 0, inputs=inputs)
+    with pytest.raises(ValueError, match="global batch 32 is not divisible by 12 data shards"):
+        launcher.launch(
+            3, 4, inputs=inputs
+        )  # 12 devices: the tiny profile's batch of 32 does not split
+    with pytest.raises(
+        ValueError, match="fail_process=2 must be None or a process id in \\[0, 2\\)"
+    ):
+        launcher.launch(2, 4, inputs=inputs, fail_process=2)
+    with pytest.raises(ValueError, match="hold 3 steps"):
+        launcher.launch(2, 4, inputs=inputs, steps=5)
+
+
+def test_worker_env_strips_device_settings():
+    env = launcher.worker_env(
+        {
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+            "JAX_NUM_CPU_DEVICES": "8",
+            "JAX_PLATFORMS": "gpu",
+            "PATH": "/bin",
+        }
+    )
+    assert "XLA_FLAGS" not in env and "JAX_NUM_CPU_DEVICES" not in env
+    assert env["JAX_PLATFORMS"] == "cpu" and env["PATH"] == "/bin"
+
+
+def test_a_used_output_folder_is_kept(inputs, tmp_path):
+    (tmp_path / "process_0.log").write_text("an earlier launch")
+    with pytest.raises(launcher.WorkerTimeout) as info:
+        launcher.launch(2, 4, inputs=inputs, steps=STEPS, timeout_s=0.5, out_dir=tmp_path)
+    assert (tmp_path / "process_0.log").read_text() == "an earlier launch"
+    assert _no_survivors(set(info.value.pids))

@@ -1,0 +1,73 @@
+"""Measurement: timing, compiled-program statistics, collectives, memory, scaling efficiency."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from course_lib import measure
+
+
+def test_timing_summary():
+    t = measure.Timing.from_samples([0.3, 0.1, 0.2, 0.4, 0.5])
+    assert t.median_s == 0.3 and t.min_s == 0.1 and t.max_s == 0.5 and t.n == 5
+    assert math.isclose(t.iqr_s, 0.45 - 0.15)
+    with pytest.raises(ValueError, match="no timing samples"):
+        measure.Timing.from_samples([])
+
+
+def test_time_calls_synchronises_and_counts():
+    calls = []
+    f = jax.jit(lambda x: x @ x)
+    x = jnp.ones((64, 64))
+    t = measure.time_calls(lambda: calls.append(1) or f(x), repeats=3, warmup=2)
+    assert len(calls) == 5 and t.n == 3 and t.median_s > 0
+    with pytest.raises(ValueError, match="repeats=0"):
+        measure.time_calls(lambda: f(x), repeats=0)
+
+
+def test_compile_and_analyse_matmul_flops_and_memory():
+    x = jnp.ones((128, 128), jnp.float32)
+    compiled, stats = measure.compile_and_analyse(lambda: jax.jit(lambda a: a @ a).lower(x))
+    assert stats.flops_per_device == pytest.approx(2 * 128**3, rel=0.01)
+    assert stats.argument_bytes == 128 * 128 * 4 and stats.output_bytes == 128 * 128 * 4
+    assert stats.compile_s > 0 and stats.collectives_str() == "none"
+    np.testing.assert_allclose(compiled(x), x @ x)
+
+
+def test_collectives_are_counted_in_a_sharded_program(report):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from course_lib.meshes import DATA, data_mesh
+
+    mesh = data_mesh(report.devices, axis_type="auto")
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P(DATA)))
+    _, stats = measure.compile_and_analyse(
+        lambda: jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P())).lower(x)
+    )
+    assert stats.collectives["all-reduce"] >= 1
+
+
+def test_count_collectives_text():
+    text = """
+  %all-reduce.1 = f32[4] all-reduce(f32[4] %p), replica_groups={}
+  %ag = f32[8] all-gather-start(f32[4] %x), dimensions={0}
+  %agd = f32[8] all-gather-done(%ag)
+  %cp = f32[4] collective-permute(f32[4] %y)
+"""
+    c = measure.count_collectives(text)
+    assert c == {
+        "all-reduce": 1,
+        "all-gather": 1,
+        "reduce-scatter": 0,
+        "collective-permute": 1,
+        "all-to-all": 0,
+    }
+
+
+def test_human_bytes_and_peak_memory(report):
+    assert measure.human_bytes(1536) == "1.5 KiB" and measure.human_bytes(None) == "n/a"
+    assert measure.peak_device_memory(report.devices) is None  # CPU has no allocator stats

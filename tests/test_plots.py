@@ -1,0 +1,38 @@
+"""Plots draw what they are given."""
+
+import matplotlib
+import pandas as pd
+import pytest
+
+matplotlib.use("Agg")
+
+from course_lib import measure, plots  # noqa: E402
+from course_tools import results  # noqa: E402
+
+
+def test_plots_draw_what_they_are_given():
+    curves = pd.DataFrame(results.curves_rows({"jit": [3.0, 2.0, 1.0], "pmap": [3.0, 2.0, 1.0]}))
+    ax = plots.loss_curves(curves)
+    assert len(ax.lines) == 2
+    rows = pd.DataFrame(
+        [
+            {
+                "strategy": s,
+                "n_devices": n,
+                "samples_per_s": 100.0 * n**0.5,
+                "step_time_s": 0.1,
+                "bytes_per_device": 2**20,
+                "achieved_flops_per_s": 1e9,
+                "simulated": True,
+            }
+            for s in ("pmap", "sharded_jit")
+            for n in (1, 2, 4)
+        ]
+    )
+    ax = plots.scaling(rows)
+    assert len(ax.lines) == 3 and "relative" in ax.get_ylabel()
+    eff = measure.scaling_efficiency(rows)
+    assert eff.loc[eff.n_devices == 4, "efficiency"].tolist() == pytest.approx([0.5, 0.5])
+    fig = plots.comparison(rows[rows.n_devices == 4], reference=rows[rows.n_devices == 1])
+    assert len(fig.axes) == 4 and len(fig.axes[0].patches) == 4
+    matplotlib.pyplot.close("all")
