@@ -31,6 +31,8 @@ BOOK = ROOT / "docs" / "book"
 """The book's Sphinx configuration (``conf.py``), course map (``course_map.toml``) and page templates."""
 INSTRUCTOR_GUIDE = ROOT / "docs" / "instructor-guide.md"
 
+REFERENCE_FILE, REFERENCE_SCALING_FILE = "reference_cpu_8sim.csv", "reference_cpu_8sim_scaling.csv"
+"""The committed reference run in ``data/`` that the lab report shows beside the run's results."""
 LAB_PLOTS = {
     "loss_curves.png": "training loss per step of every strategy (parity: the curves lie on top of each other)",
     "comparison.png": "samples/s, median step time, compiled bytes per device and achieved FLOP/s per strategy",
@@ -93,7 +95,12 @@ def build_site(source: str | Path, out: str | Path, student: bool = False, stric
             student_version.generate(source, Path(tmp) / "student", overwrite=True)
             notebooks = {stem: Path(tmp) / "student" / p.name for stem, p in notebooks.items()}
         _stage(source, notebooks, lessons, staging, student)
-        _sphinx(staging, Path(tmp) / "doctrees", out, student, strict)
+        # Built beside the staging folder, then moved: myst-nb writes a jupyter_execute/ folder next to
+        # Sphinx's output folder, which must not land beside the reader's ``out``.
+        _sphinx(staging, Path(tmp) / "doctrees", Path(tmp) / "html" / "book", student, strict)
+        out.mkdir(parents=True, exist_ok=True)
+        for item in (Path(tmp) / "html" / "book").iterdir():
+            shutil.move(item, out / item.name)
     names = ["index", *(lesson["stem"] for lesson in lessons)]
     if not student:
         names += ["lab-report", "run", "instructor-guide"]
@@ -239,7 +246,7 @@ def device_report(nb: nbformat.NotebookNode) -> dict | None:
 def _devices_text(r: dict | None) -> str:
     if r is None:
         return "not reported"
-    return f"{r['n_devices']} × {r['device_kind']} ({'simulated' if r['simulated'] else 'real'} {r['platform']})"
+    return f"{r['n_devices']} × {r['device_kind']}" + (" (simulated)" if r["simulated"] else f" ({r['platform']})")
 
 
 def _run_context(source: Path, present: list[dict], missing: list[str]) -> dict:
@@ -248,7 +255,7 @@ def _run_context(source: Path, present: list[dict], missing: list[str]) -> dict:
     timings = {}
     if (source / "timings.csv").exists():
         timings = pd.read_csv(source / "timings.csv").set_index("notebook").to_dict("index")
-    rows, reports, starts, ends, papermill = [], [], [], [], set()
+    rows, reports, starts, ends, papermill, failed = [], [], [], [], set(), []
     for lesson in present:
         nb = nbformat.read(source / f"{lesson['stem']}.ipynb", as_version=4)
         pm = nb.metadata.get("papermill", {})
@@ -260,7 +267,9 @@ def _run_context(source: Path, present: list[dict], missing: list[str]) -> dict:
         t = timings.get(f"{lesson['stem']}.ipynb", {})
         seconds = t.get("seconds", pm.get("duration"))
         params = ", ".join(f"`{k}={_short(v, source)!r}`" for k, v in pm.get("parameters", {}).items())
-        rows.append([f"{{doc}}`{lesson['stem']}`", str(t.get("status", "ok" if pm.get("exception") is None else "failed")),
+        status = str(t.get("status", "FAILED" if pm.get("exception") else "ok"))
+        failed += [lesson["stem"]] if status != "ok" else []
+        rows.append([f"{{doc}}`{lesson['stem']} <{lesson['stem']}>`", status,
                      "—" if seconds is None or seconds != seconds else f"{float(seconds):.0f} s",
                      _when(pm.get("start_time")), params or "—", _devices_text(report)])
     known = [r for r in reports if r]
@@ -297,7 +306,7 @@ def _run_context(source: Path, present: list[dict], missing: list[str]) -> dict:
         ]}
     return {
         "folder": source.name, "summary": summary, "date": date.split(" to ")[0].split(" ")[0],
-        "simulated": bool(first and first["simulated"]), "disagree": disagree, "missing": missing,
+        "simulated": bool(first and first["simulated"]), "disagree": disagree, "missing": missing, "failed": failed,
         "timings": bool(timings), "lab": lab,
         "devices": {"headers": ["", "this run"], "rows": devices},
         "notebooks": {"headers": ["notebook", "status", "time", "started (UTC)", "parameters", "devices"], "rows": rows},
@@ -388,22 +397,20 @@ def _reference_context(staging: Path) -> dict:
 
     from course_lib import plots  # stays in course_lib
 
-    name = "cpu"
-    path = results.DATA_DIR / "reference_cpu_8sim.csv"
-    rows = results.load_reference(name)
+    rows = results.load_reference(REFERENCE_FILE)
     (staging / "reference").mkdir()
     figures = [{"path": "reference/comparison.png", "caption": LAB_PLOTS["comparison.png"]}]
     plots.save(plots.comparison(rows), staging / figures[0]["path"])
     scaling = None
     try:
-        srows = results.load_reference("cpu_scaling")
+        srows = results.load_reference(REFERENCE_SCALING_FILE)
         scaling = _scaling_table(srows)
         plots.save(plots.scaling(srows), staging / "reference" / "scaling.png")
         figures.append({"path": "reference/scaling.png", "caption": LAB_PLOTS["scaling.png"]})
     except FileNotFoundError:
         pass
     plt.close("all")
-    return {"file": path.name, "rows": rows, "summary": _workload(rows), "results": _results_tables(rows),
+    return {"file": REFERENCE_FILE, "rows": rows, "summary": _workload(rows), "results": _results_tables(rows),
             "plots": figures, "scaling": scaling, "comparable": False, "difference": ""}
 
 
@@ -445,12 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = results.prepare_results_dir(args.out)  # a new sibling (site-2, ...) when the folder is already used
         pages = build_site(args.source, out, student=args.student, strict=args.strict)
-    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError, KeyboardInterrupt) as e:
         if out is not None and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()  # made for this build, left empty by the error
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"{len(pages)} pages in {out}; open {out / 'index.html'}")
+            out.rmdir()  # made for this build and left empty: the book is moved in only once Sphinx succeeded
+        print("interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {e}", file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 2
+    print(f"{len(pages)} pages in {out}; open {out / 'index.html'} (or serve it: python -m http.server -d {out})")
     return 0
 
 

@@ -95,6 +95,7 @@ def rendered(course_run, tmp_path_factory):
     (tmp / "site" / "mine.txt").write_text("keep")
     assert site.main([str(course_run), str(tmp / "site"), "--strict"]) == 0  # --strict: any Sphinx warning fails
     assert [p.name for p in (tmp / "site").iterdir()] == ["mine.txt"]
+    assert sorted(p.name for p in tmp.iterdir()) == ["site", "site-2"]  # nothing else written beside them
     return tmp / "site-2"
 
 

@@ -159,3 +159,32 @@ def test_student_book_in_the_browser(student_book, tmp_path):
             assert "06_shard_map.html" in found[:3], found
     finally:
         browser.close()
+
+
+def test_run_pages_state_the_devices_and_the_failed_and_missing_notebooks(tmp_path, report):
+    run = tmp_path / "course-2"
+    run.mkdir()
+    printed = nbformat.v4.new_output("stream", name="stdout", text=str(report) + "\n")
+    for stem, exception in (("00_setup", None), ("01_grad", True)):
+        nb = _nb([("markdown", f"# {stem}", None, None), ("code", "print(report)", [], [printed])],
+                 papermill={"start_time": "2026-12-01T08:44:55.4+00:00", "end_time": "2026-12-01T08:46:01.0+00:00",
+                            "parameters": {"n_devices": 8, "platform": "cpu"}, "exception": exception,
+                            "version": "2.7.0"})
+        nbformat.write(nb, run / f"{stem}.ipynb")
+    (run / "timings.csv").write_text("notebook,seconds,status\n00_setup.ipynb,23.1,ok\n01_grad.ipynb,,FAILED\n")
+    staging = tmp_path / "src"
+    staging.mkdir()
+    notebooks = {p.stem: p for p in run.glob("*.ipynb")}
+    site._stage(run, notebooks, site.course_map(), staging, student=False)
+    home = (staging / "index.md").read_text()
+    assert "8 simulated CPU devices (JAX 0.12.0.1), 2026-12-01" in home
+    assert "01_grad failed in this run" in home and "Not in this run:\n02_jit, 03_vmap" in home
+    page = (staging / "run.md").read_text()
+    assert "| device count | 8 used, of 8 available |" in page and "| simulated | yes |" in page
+    assert "| date (UTC) | 2026-12-01 08:44 to 2026-12-01 08:46 |" in page
+    assert "| {doc}`00_setup <00_setup>` | ok | 23 s | 2026-12-01 08:44 | `n_devices=8`, `platform='cpu'` | 8 × cpu (simulated) |" in page
+    assert "| {doc}`01_grad <01_grad>` | FAILED | — |" in page
+    assert (staging / "02_jit.md").read_text().startswith("# 02 · jit (not in this run)")
+    report_page = (staging / "lab-report.md").read_text()
+    assert "The lab was not part of this course run" in report_page and "## Reference run" in report_page
+    assert (staging / "reference" / "comparison.png").stat().st_size > 10_000
