@@ -22,9 +22,12 @@ import tempfile
 import tomllib
 from pathlib import Path
 
-import nbformat
+if __name__ == "__main__":  # the command's own process only: why, in docs/book/conf.py (about 2 s of CPU)
+    sys.modules.setdefault("rfc3987_syntax", None)
 
-from . import results  # moves with this module
+import nbformat  # noqa: E402
+
+from . import results  # noqa: E402  (moves with this module)
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "docs" / "book"

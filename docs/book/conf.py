@@ -6,6 +6,13 @@ with this folder as the configuration directory. Notebooks are rendered with the
 never executed here.
 """
 
+import sys
+
+# nbformat (which myst-nb reads the notebooks with) imports jsonschema, and jsonschema compiles the grammars
+# of the optional rfc3987-syntax package at import: about 2 s of CPU, for URI formats that notebook
+# validation never checks. Marking it absent (jsonschema treats it as not installed) keeps the build fast.
+sys.modules.setdefault("rfc3987_syntax", None)
+
 project = "Parallel programming with JAX"
 author = "the course authors"
 copyright = "the course authors, Apache-2.0"
