@@ -207,7 +207,8 @@ def _assignments(source: str) -> dict:
 
 
 def _short(value, run_folder: Path):
-    """A path inside the run folder, as ``<run folder name>/...`` (the page shows no machine's paths)."""
+    """A path inside the run folder as ``<run folder name>/...`` (not this machine's absolute path); other
+    values as they are."""
     if isinstance(value, str) and value.startswith("/"):
         try:
             return str(Path(run_folder.name) / Path(value).relative_to(run_folder.resolve()))

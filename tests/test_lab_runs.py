@@ -147,7 +147,8 @@ def test_site_book_of_a_course_run_in_the_browser(rendered, course_run, tmp_path
     assert re.search(r"simulated\s+yes", run_page) and "0.12.0.1" in run_page and "timings.csv" in run_page
     home = visits["index"].text
     assert "2 simulated CPU devices" in home and "Not in this run" in home
-    assert "Official" in home or "official JAX documentation" in home
+    for lesson in site.course_map():  # the course map links every lesson's official JAX pages
+        assert all(d["url"] in visits["index"].links for d in lesson["jax_docs"]), lesson["stem"]
 
 
 def test_site_refuses_to_overwrite(rendered, course_run, tmp_path):
