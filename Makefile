@@ -21,7 +21,8 @@ help:
 	@echo "               JUPYTER_DIR=build/student opens the student notebooks (after make student)"
 	@echo "make student   write the student notebooks (solutions removed) to $(BUILD)/student and a zip to hand out"
 	@echo "               (ONLY='00 08' runs a subset; PROFILE applies to the lab)"
-	@echo "make site      render the executed notebooks of COURSE=$(BUILD)/course as HTML in $(BUILD)/site[-k]"
+	@echo "make site      the course run COURSE=$(BUILD)/course as a book (Sphinx) in a new folder $(BUILD)/site[-k];"
+	@echo "               STUDENT=1: the student version (no solutions, no outputs) in $(BUILD)/site-student[-k]"
 	@echo "make bench     print the strategies' step-time ratios and memory on this machine"
 
 setup: $(VENV)/.installed
@@ -47,7 +48,7 @@ scaling: setup
 
 COURSE ?= $(BUILD)/course
 site: setup
-	$(PY) -m course_tools.site $(COURSE) $(BUILD)/site
+	$(PY) -m course_tools.site $(if $(STUDENT),--student notebooks $(BUILD)/site-student,$(COURSE) $(BUILD)/site)
 
 reference: setup
 	$(PY) tools/make_reference.py

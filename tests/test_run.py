@@ -3,12 +3,9 @@ devices, tiny profile; the course run of 00 and 08, rendered as a site and check
 headless browser (Chromium).
 """
 
-import os
 import re
-import shutil
-import subprocess
 
-import matplotlib.image as mpimg
+import book_browser
 import pandas as pd
 import pytest
 
@@ -18,7 +15,7 @@ from course_tools import results, run, site
 @pytest.fixture(scope="module")
 def course_run(tmp_path_factory):
     """The 2-device papermill run: 00_setup and the lab (tiny, with the scaling sweep) as ``make course``
-    runs them; the site tests below render the same folder."""
+    runs them; the book tests below render the same folder."""
     tmp = tmp_path_factory.mktemp("course")
     return run.run_course(
         2,
@@ -118,81 +115,106 @@ def test_a_failing_lab_names_the_cell(tmp_path):
         )
 
 
-# --- the rendered course, checked in headless Chromium: pages load, links resolve, plots show ---
-
-
-def chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    if os.environ.get("CI"):
-        pytest.fail(
-            "Chromium is needed for the site test: apt-get install chromium (.ci/run installs it)"
-        )
-    pytest.skip("Chromium not installed (apt-get install chromium); CI runs this test")
-
-
-def browse(browser, url, tmp, name):
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={tmp / ('profile-' + name)}",
-    ]
-    shot = tmp / f"{name}.png"
-    subprocess.run(
-        [browser, *flags, "--window-size=1200,1600", f"--screenshot={shot}", url],
-        capture_output=True,
-        timeout=120,
-        check=True,
-    )
-    dom = subprocess.run(
-        [browser, *flags, "--dump-dom", url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    return shot, dom
+# --- the course run as a book (Sphinx), checked in headless Chromium: pages load, links resolve, plots show ---
 
 
 @pytest.fixture(scope="module")
 def rendered(course_run, tmp_path_factory):
+    """``python -m course_tools.site`` on the 00 + 08 run into a used folder: the book goes to a new one beside it."""
     tmp = tmp_path_factory.mktemp("site")
-    return tmp, site.build_site(course_run, tmp / "site")
+    (tmp / "site").mkdir()
+    (tmp / "site" / "mine.txt").write_text("keep")
+    assert (
+        site.main([str(course_run), str(tmp / "site"), "--strict"]) == 0
+    )  # --strict: any Sphinx warning fails
+    assert [p.name for p in (tmp / "site").iterdir()] == ["mine.txt"]
+    assert sorted(p.name for p in tmp.iterdir()) == [
+        "site",
+        "site-2",
+    ]  # nothing else written beside them
+    return tmp / "site-2"
 
 
-def test_site_pages_load_with_plots_and_working_links(rendered):
-    tmp, pages = rendered
-    browser = chromium()
-    index = pages[0]
-    assert [p.name for p in pages] == ["index.html", "00_setup.html", "08_lab.html"]
-    for page in pages:
-        html = page.read_text()
-        for href in re.findall(r'(?:href|src)="([^"#:]+)"', html):  # relative links and images
-            assert (page.parent / href).exists(), f"{page.name}: broken link {href}"
-        shot, dom = browse(browser, page.as_uri(), tmp, page.stem)
-        img = mpimg.imread(shot)
-        assert img.shape[0] >= 1000 and img.shape[1] >= 1000
-        assert img[..., :3].std() > 0.02, f"{page.name} rendered blank"
-        if page.name == "index.html":
-            assert "Parallel programming with JAX" in dom and "Capstone lab" in dom
-            assert dom.count("<img") >= 3  # loss curves, comparison, scaling
-        if page.name == "08_lab.html":
-            assert dom.count("data:image/png;base64") >= 3  # the lab's plots inline
-            assert "lab finished in" in dom
-    assert "00_setup.html" in index.read_text() and "(not run)" in index.read_text()
+def test_site_book_of_a_course_run_in_the_browser(rendered, course_run, tmp_path):
+    book = rendered
+    lessons = book_browser.LESSONS
+    browser = book_browser.Browser(tmp_path)
+    visits = {}
+    try:
+        with book_browser.serve(book) as base:
+            for page in sorted(book.glob("*.html")):
+                visits[page.stem] = v = browser.visit(base + page.name)
+                book_browser.check_page(v, book, base)
+            found = browser.search(base, "shard_map")
+    finally:
+        browser.close()
+    assert set(visits) == {
+        "index",
+        "genindex",
+        "search",
+        "lab-report",
+        "run",
+        "instructor-guide",
+        *lessons,
+    }
+    for stem in (
+        lessons
+    ):  # every lesson page, executed or not: the whole course in the sidebar, prev / next
+        v = visits[stem]
+        assert book_browser.sidebar_lessons(v) == lessons, stem
+        assert len(v.prev_next) == 2, stem
+        assert bool(v.page_toc) == (stem in ("00_setup", "08_lab")), (
+            stem
+        )  # per-page contents of a lesson
+    assert "06_shard_map.html" in found[:3], found
+    # executed lessons: the run's outputs and plots; the injected parameters as a note, not as code
+    lab, setup = visits["08_lab"], visits["00_setup"]
+    assert "lab finished in" in lab.text
+    assert (
+        sum(i["src"].endswith(".png") for i in lab.images) >= 3
+    )  # loss curves, comparison, scaling
+    assert "Run with n_devices=2, platform='cpu'" in setup.text and "# Parameters" not in setup.text
+    assert "profile='tiny'" in lab.text and "results_dir='course/lab'" in lab.text
+    assert "n_devices = 8" in setup.text  # the notebook's own parameters cell stays as code
+    assert "https://docs.jax.dev/en/latest/jit-compilation.html" in visits["02_jit"].links
+    assert "100%" in lab.text and "0%|" not in lab.text  # tqdm bars as their final text
+    # lessons this run did not execute: a page that says so
+    for stem in set(lessons) - {"00_setup", "08_lab"}:
+        assert "(not in this run)" in visits[stem].text and "make course" in visits[stem].text, stem
+    # the lab report: this run's tables and plots, and the reference run beside them, labelled
+    report = visits["lab-report"]
+    assert (
+        "This run" in report.text
+        and "Reference run" in report.text
+        and "reference_cpu_8sim.csv" in report.text
+    )
+    res = pd.read_csv(course_run / "lab" / results.RESULTS_FILE)
+    for label, ms in zip(res["label"], res["step_time_s"] * 1e3):
+        assert label in report.text and f"{ms:.1f}" in report.text
+    assert (
+        "Not comparable row by row" in report.text
+    )  # tiny profile at 2 devices vs the 8-device CPU reference
+    shown = [i["src"].rsplit("/", 1)[-1] for i in report.images]
+    assert {"loss_curves.png", "comparison.png", "scaling.png"} <= set(shown) and len(
+        shown
+    ) >= 5  # + reference
+    assert "simulated CPU devices" in report.text
+    # the run's metadata, as the notebooks reported it
+    run_page = visits["run"].text
+    assert re.search(r"device count\s+2 used, of 2 available", run_page), run_page[:2000]
+    assert (
+        re.search(r"simulated\s+yes", run_page)
+        and "0.12.0.1" in run_page
+        and "timings.csv" in run_page
+    )
+    home = visits["index"].text
+    assert "2 simulated CPU devices" in home and "Not in this run" in home
+    for lesson in site.course_map():  # the course map links every lesson's official JAX pages
+        assert all(d["url"] in visits["index"].links for d in lesson["jax_docs"]), lesson["stem"]
 
 
 def test_site_refuses_to_overwrite(rendered, course_run, tmp_path):
-    tmp, pages = rendered
     with pytest.raises(FileExistsError, match="not empty"):
-        site.build_site(course_run, pages[0].parent)
+        site.build_site(course_run, rendered)
     with pytest.raises(FileNotFoundError, match="make course"):
         site.build_site(tmp_path, tmp_path / "out")
