@@ -8,3 +8,6 @@ import os
 import tempfile
 
 os.environ.setdefault("COURSE_BUILD_DIR", tempfile.mkdtemp(prefix="course-test-build-"))
+# The solution notebooks must answer every exercise: an answer left unwritten fails their run instead of
+# printing its hint (the student-version tests unset this).
+os.environ.setdefault("COURSE_STRICT_CHECKS", "1")

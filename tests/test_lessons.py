@@ -82,11 +82,26 @@ def test_exercises_are_marked(name):
     assert "BEGIN SOLUTION" not in "".join(c.source for c in student.cells)
 
 
+# Lessons whose checkers still treat the stub as a wrong answer (being rewritten); strict: a fixed one fails here.
+_STUB_NOT_YET_PRINTED = {"00_setup", "01_grad", "02_jit", "03_vmap", "07_debugging"}
+
+
 @pytest.mark.notebook
-@pytest.mark.parametrize("name", LESSONS)
-def test_student_version_fails_only_at_checks(name, tmp_path):
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="checker rewrite pending"))
+        if n in _STUB_NOT_YET_PRINTED
+        else n
+        for n in LESSONS
+    ],
+)
+def test_student_version_runs_to_the_end_with_every_check_printing_its_hint(name, monkeypatch):
     from nbclient import NotebookClient
 
+    monkeypatch.delenv(
+        "COURSE_STRICT_CHECKS", raising=False
+    )  # the kernel inherits this environment
     student, _ = student_notebook(_read(name), name)
     NotebookClient(
         student,
@@ -95,15 +110,18 @@ def test_student_version_fails_only_at_checks(name, tmp_path):
         allow_errors=True,
         resources={"metadata": {"path": str(ROOT)}},
     ).execute()
-    failed = [c for c in _code_cells(student) if any(o.output_type == "error" for o in c.outputs)]
+    errors = [
+        (c.source[:80], o.ename, o.evalue[:200])
+        for c in _code_cells(student)
+        for o in c.outputs
+        if o.output_type == "error"
+    ]
+    assert not errors, errors
     checks = [c for c in _code_cells(student) if "exercise-check" in c.metadata.get("tags", [])]
-    assert failed, "the student version ran without a failing exercise check"
-    for c in failed:
-        assert "exercise-check" in c.metadata.get("tags", []), c.source
-    assert len(failed) == len(checks)
-    for c in failed:
-        error = next(o for o in c.outputs if o.output_type == "error")
-        assert error.ename in ("NotImplementedError", "ExerciseError"), (error.ename, error.evalue)
+    assert checks
+    for c in checks:
+        text = "".join(o.get("text", "") for o in c.outputs if o.output_type == "stream")
+        assert "not written yet" in text and "hint:" in text, (c.source, text)
 
 
 def test_student_package_has_no_solution_text(tmp_path):

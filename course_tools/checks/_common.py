@@ -1,10 +1,69 @@
-"""Shared pieces of the exercise checkers."""
+"""Shared pieces of the exercise checkers.
+
+Every checker is decorated with :func:`checker`. A written answer that is wrong raises
+:class:`ExerciseError` (the notebook stops there, with the hint). An answer that is not written yet — the
+student version's stub, ``raise NotImplementedError("Exercise: …")`` or a prediction left at ``None`` —
+only prints "not written yet" and the hint, and the checker returns False, so the student version of a
+lesson runs top to bottom. With ``COURSE_STRICT_CHECKS=1`` in the environment (the test suite sets it for
+the solution notebooks) an unwritten answer raises too.
+"""
 
 from __future__ import annotations
+
+import functools
+import os
+
+STUB_MESSAGE = "Exercise: write this part"
+"""The message of the student version's stub (``course_tools.student.DEFAULT_STUB`` raises it)."""
 
 
 class ExerciseError(AssertionError):
     """An exercise answer is wrong; the message says what is wrong and how to fix it."""
+
+
+class NotWritten(ExerciseError):
+    """The answer is still the student stub; :func:`checker` prints it instead of raising."""
+
+
+def is_stub_error(e: BaseException) -> bool:
+    """True for the student stub's ``NotImplementedError("Exercise: …")`` (not one JAX raises)."""
+    return isinstance(e, NotImplementedError) and str(e).startswith("Exercise")
+
+
+def not_written(what: str, hint: str) -> None:
+    """Raise :class:`NotWritten`: ``what`` is not written yet; ``hint`` says what to write."""
+    raise NotWritten(f"✗ {what} is not written yet\n  hint: {hint}")
+
+
+def require(what: str, value, hint: str):
+    """``value`` unless it is the stub's ``None`` / ``...`` (then :func:`not_written`)."""
+    if value is None or value is Ellipsis:
+        not_written(what, hint)
+    return value
+
+
+def checker(fn):
+    """Decorate a checker: an unwritten answer prints its hint and returns False instead of raising
+    (unless ``COURSE_STRICT_CHECKS=1``); a wrong answer still raises :class:`ExerciseError`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except NotWritten as e:
+            if os.environ.get("COURSE_STRICT_CHECKS") == "1":
+                raise
+            print(str(e))
+            return False
+        except NotImplementedError as e:
+            if not is_stub_error(e):
+                raise
+            if os.environ.get("COURSE_STRICT_CHECKS") == "1":
+                raise NotWritten(f"✗ the answer is not written yet ({e})") from None
+            print("✗ the answer is not written yet\n  hint: replace the stub with your answer")
+            return False
+
+    return wrapper
 
 
 def fail(what: str, hint: str) -> None:
@@ -56,16 +115,19 @@ def call_answer(what: str, fn, *args, explain=None, **kwargs):
         recognises (a wrong axis name, a traced static argument, …); None falls back to the generic one.
 
     Raises:
-      ExerciseError: ``fn`` raised (``NotImplementedError``: "not written yet"; an error ``explain``
+      NotWritten: ``fn`` is the student stub (:func:`checker` prints it).
+      ExerciseError: ``fn`` raised (an error ``explain``
         recognises: its message; anything else: its type and message, and advice to try it on a small input).
     """
     try:
         return fn(*args, **kwargs)
-    except NotImplementedError:
-        fail(
-            f"{what} is not written yet",
-            "replace the `raise NotImplementedError` line with your answer",
-        )
+    except NotImplementedError as e:
+        if not is_stub_error(e):
+            raise ExerciseError(
+                f"✗ {what} raised NotImplementedError: {str(e)[:300]}\n"
+                "  hint: run it on a small input in a cell and read the error"
+            ) from None
+        not_written(what, "replace the `raise NotImplementedError` line with your answer")
     except Exception as e:  # noqa: BLE001 - the learner's code may raise anything
         specific = explain(e) if explain is not None else None
         if specific:

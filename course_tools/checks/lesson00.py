@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._common import fail, passed
+from ._common import checker, fail, passed
 
 _DASHES = "\u2010\u2011\u2012\u2013\u2014\u2212"
 FLAG = "--xla_force_host_platform_device_count"
 
 
+@checker
 def check_xla_flags(xla_flags_for: Callable[[int], str]) -> bool:
     """Exercise 1: ``xla_flags_for(n)`` returns the ``XLA_FLAGS`` text that simulates ``n`` CPU devices.
 
@@ -55,6 +56,7 @@ def check_xla_flags(xla_flags_for: Callable[[int], str]) -> bool:
     return passed("xla_flags_for(n) gives a well-formed flag for every n")
 
 
+@checker
 def check_one_array_per_device(
     one_array_per_device: Callable[[Sequence[Any]], list], devices: Sequence[Any]
 ) -> bool:
@@ -114,6 +116,7 @@ _CASES = [
 ]
 
 
+@checker
 def check_parameters_cell(is_plain_parameters_cell: Callable[[str], bool]) -> bool:
     """Exercise 3: ``is_plain_parameters_cell(source)`` is True iff every statement is ``name = literal``.
 

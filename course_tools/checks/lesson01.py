@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._common import fail, passed
+from ._common import checker, fail, passed
 
 
 def _mse_reference(w, x, y):
@@ -14,6 +14,7 @@ def _mse_reference(w, x, y):
     return float(np.mean(r**2)), 2.0 * x.T @ r / len(y)
 
 
+@checker
 def check_loss_and_grad(loss_and_grad: Callable) -> bool:
     """Exercise 1: ``loss_and_grad(w, x, y) -> (loss, dloss/dw)`` for ``loss = mean((x @ w - y) ** 2)``.
 
@@ -68,6 +69,7 @@ def check_loss_and_grad(loss_and_grad: Callable) -> bool:
 _JIT_HINT = "use only jax.tree.map and jnp operations"
 
 
+@checker
 def check_sgd_update(sgd_update: Callable) -> bool:
     """Exercise 2: ``sgd_update(params, grads, lr)`` returns ``params - lr * grads`` leaf by leaf, same structure.
 
@@ -119,6 +121,7 @@ def check_sgd_update(sgd_update: Callable) -> bool:
     return passed("sgd_update keeps the tree structure and steps downhill")
 
 
+@checker
 def check_dropout(dropout: Callable) -> bool:
     """Exercise 3: a pure ``dropout(key, x, rate)``: drops a fraction ``rate``, scales the rest by ``1/(1-rate)``.
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._common import fail, passed
+from ._common import checker, fail, passed
 
 
 def _tracer_error(e: Exception) -> bool:
@@ -22,6 +22,7 @@ def _tracer_error(e: Exception) -> bool:
     )
 
 
+@checker
 def check_leaky_relu(leaky_relu: Callable) -> bool:
     """Exercise 1: ``leaky_relu(x)`` = ``x`` where ``x > 0``, else ``0.1 * x``, elementwise, and works under ``jit``.
 
@@ -64,6 +65,7 @@ def check_leaky_relu(leaky_relu: Callable) -> bool:
     return passed("leaky_relu is right and compiles under jit")
 
 
+@checker
 def check_poly_jit(poly_jit: Callable) -> bool:
     """Exercise 2: ``poly_jit(x, degree)`` = ``1 + x + … + x**degree``, jitted with ``degree`` static.
 
@@ -110,6 +112,7 @@ def check_poly_jit(poly_jit: Callable) -> bool:
     return passed("poly_jit is right and compiles once per degree")
 
 
+@checker
 def check_pad_batch(pad_batch: Callable) -> bool:
     """Exercise 3: ``pad_batch(x, size) -> (x_padded, mask)`` so that a ragged last batch reuses the compiled step.
 

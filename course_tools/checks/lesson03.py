@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._common import fail, passed
+from ._common import checker, fail, passed
 
 
 def _cos(a, b):
@@ -18,6 +18,7 @@ def _pairs(n=1000, d=16, seed=0):
     return rng.normal(size=(n, d)).astype(np.float32), rng.normal(size=(n, d)).astype(np.float32)
 
 
+@checker
 def check_cosine(cosine_similarity: Callable) -> bool:
     """Exercise 1: ``cosine_similarity(a, b)`` for ONE pair of float32 [d] vectors → a scalar in [-1, 1].
 
@@ -60,6 +61,7 @@ def check_cosine(cosine_similarity: Callable) -> bool:
     return passed(f"cosine similarity right for {len(a)} pairs under vmap")
 
 
+@checker
 def check_pairwise(pairwise_cosine: Callable) -> bool:
     """Exercise 2: ``pairwise_cosine(A, B)``: float32 [n, d], [m, d] → [n, m], entry (i, j) = cos(A[i], B[j]).
 
@@ -87,6 +89,7 @@ def check_pairwise(pairwise_cosine: Callable) -> bool:
     return passed("pairwise cosine similarity has the right shape and values")
 
 
+@checker
 def check_per_example_grads(per_example_grads: Callable) -> bool:
     """Exercise 3: ``per_example_grads(loss_fn, params, xs, ys)`` → a pytree like ``params`` with a leading axis n.
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from course_lib.meshes import DATA
 
-from ._common import call_answer, fail, passed
+from ._common import call_answer, checker, fail, passed
 
 
 def _call(what: str, fn: Callable, *args):
@@ -27,6 +27,7 @@ def _call(what: str, fn: Callable, *args):
     return call_answer(what, fn, *args, explain=explain)
 
 
+@checker
 def check_replicate(fn: Callable[[Any, int], Any], devices: Sequence[Any]) -> bool:
     """``fn(tree, n)`` must return ``tree`` with a new leading axis of size ``n`` holding identical copies."""
     n = len(devices)
@@ -71,6 +72,7 @@ def check_replicate(fn: Callable[[Any, int], Any], devices: Sequence[Any]) -> bo
     )
 
 
+@checker
 def check_device_noise(fn: Callable, devices: Sequence[Any]) -> bool:
     """``fn(key, x, axis_name)`` inside pmap must return ``x + normal(fold_in(key, axis_index), x.shape)``."""
     n = len(devices)
@@ -110,6 +112,7 @@ def _mse(params, batch):
     return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
 
 
+@checker
 def check_data_parallel_grads(fn: Callable, devices: Sequence[Any]) -> bool:
     """``fn(loss_fn, params, batch, axis_name)`` inside pmap must return the full-batch gradient on every device."""
     n = len(devices)

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from course_lib.measure import count_collectives
 from course_lib.meshes import DATA, MODEL, data_model_mesh
 
-from ._common import as_ints, fail, passed
+from ._common import as_ints, checker, fail, passed
 from ._common import call_answer as _call
 
 
@@ -23,6 +23,7 @@ def _spec_of(x) -> Any:
     return getattr(getattr(x, "sharding", None), "spec", "no NamedSharding")
 
 
+@checker
 def check_place_batch(fn: Callable, devices: Sequence[Any]) -> bool:
     """``fn(x, mesh)`` must put ``x``'s rows over ``data``, replicated over ``model``, on a 2-D mesh."""
     mesh = data_model_mesh(devices, axis_type="explicit")
@@ -85,6 +86,7 @@ def reference_shard_shape(global_shape: tuple, spec: P, mesh_shape: dict) -> tup
     return tuple(out)
 
 
+@checker
 def check_shard_shape(fn: Callable) -> bool:
     """``fn(global_shape, spec, mesh_shape)`` must return the per-device shard shape, as a tuple of ints."""
     for shape, spec, mesh_shape in _CASES:
@@ -120,6 +122,7 @@ def check_shard_shape(fn: Callable) -> bool:
     )
 
 
+@checker
 def check_no_comm_placement(fn: Callable, devices: Sequence[Any]) -> bool:
     """``fn(x, w, mesh)`` must place x [batch, d] and w [d, h] so that ``x @ w`` splits its work over every
     device and the compiled program has no collective. The mesh has Auto axes (the compiler may insert

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from course_lib.meshes import DATA, MODEL, data_mesh, data_model_mesh
 
-from ._common import call_answer, fail, passed
+from ._common import call_answer, checker, fail, passed
 
 _VMA_WORDS = ("out_specs", "replicat", "vma", "varying")
 
@@ -36,6 +36,7 @@ def _run(what: str, fn: Callable, *args, varies_hint: str):
     return call_answer(what, fn, *args, explain=explain)
 
 
+@checker
 def check_allreduce_mean(fn: Callable, devices: Sequence[Any]) -> bool:
     """``fn(x_block, axis_name)`` must return the mean of the *whole* array, the same on every device."""
     mesh = data_mesh(devices, axis_type="auto")
@@ -69,6 +70,7 @@ def check_allreduce_mean(fn: Callable, devices: Sequence[Any]) -> bool:
     )
 
 
+@checker
 def check_ring_shift(fn: Callable, devices: Sequence[Any]) -> bool:
     """``fn(x_block, axis_name)`` must send each device's block to the next device (i → i+1, the last to 0)."""
     mesh = data_mesh(devices, axis_type="auto")
@@ -111,6 +113,7 @@ def _local_loss(params, x, y):
     return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
 
 
+@checker
 def check_dp_grad(fn: Callable, devices: Sequence[Any]) -> bool:
     """``fn(loss_fn, params, x_block, y_block, axis_name)`` inside shard_map (params ``P()``, batch ``P(data)``,
     out ``P()``, check_vma=True) must return the gradient of the mean loss over the *whole* batch."""
@@ -156,6 +159,7 @@ def check_dp_grad(fn: Callable, devices: Sequence[Any]) -> bool:
     )
 
 
+@checker
 def check_row_parallel(fn: Callable, devices: Sequence[Any]) -> bool:
     """``fn(x_block, w_block, axis_name)`` on a 2-D mesh: x [b, d/m] split over model, w [d/m, h] row-split;
     must return the full ``x @ w`` rows [b, h], the same on every model shard."""

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._common import call_answer, fail, passed
+from ._common import call_answer, checker, fail, passed
 
 
 def _reference_poly(x, degree):
@@ -30,6 +30,7 @@ def _explain_static(e: Exception):
     return None
 
 
+@checker
 def check_static_poly(fn: Callable) -> bool:
     """``fn(x, degree)``, jitted, must compute ``sum_{k=0}^{degree} x**k`` and compile once per degree."""
     if not hasattr(fn, "_cache_size") or not hasattr(fn, "lower"):
@@ -51,6 +52,7 @@ def check_static_poly(fn: Callable) -> bool:
     return passed(f"{size} compilation(s) for 5 calls with 2 degrees: one per static value")
 
 
+@checker
 def check_donating_update(fn: Callable) -> bool:
     """``fn(params, grads)``, jitted, must return ``params - 0.1 * grads`` and donate ``params``."""
     if not hasattr(fn, "lower"):
@@ -81,6 +83,7 @@ def _shard_work(lengths: np.ndarray, order: np.ndarray, n_shards: int) -> np.nda
     return np.asarray(lengths)[np.asarray(order)].reshape(n_shards, -1).sum(axis=1)
 
 
+@checker
 def check_balance(fn: Callable) -> bool:
     """``fn(lengths, n_shards)`` must return a permutation of example indices such that, cut into
     ``n_shards`` contiguous blocks, every block has about the same total length (max ≤ 1.25 × mean)."""

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from course_lib.distributed import local_rows
 from course_lib.meshes import DATA, data_mesh
 
-from ._common import as_ints, fail, passed
+from ._common import as_ints, checker, fail, passed
 from ._common import call_answer as _call
 
 # ---- exercise 1: which rows does a process load? ---------------------------------------------------------
@@ -47,6 +47,7 @@ def rows_held(global_batch: int, n_processes: int, process_index: int, devices: 
     return local_rows(sharding, (global_batch,), devices=mine)
 
 
+@checker
 def check_process_rows(fn: Callable) -> bool:
     """``fn(global_batch, n_processes, process_index)`` must return ``(start, stop)``, stop exclusive, and raise
     ``ValueError`` when the batch does not split evenly over the processes.
@@ -122,6 +123,7 @@ def reference_mesh_devices(devices: Sequence[Any], n_data: int, n_model: int) ->
 _MESH_CASES = [(2, 4, 4, 2), (4, 2, 4, 2), (2, 4, 2, 4), (2, 2, 4, 1)]
 
 
+@checker
 def check_mesh_devices(fn: Callable) -> bool:
     """``fn(devices, n_data, n_model)`` must return a ``[n_data, n_model]`` array of the devices in which every
     model group (a row) lies inside one process, and process 0's rows come first (process-major)."""
@@ -163,6 +165,7 @@ def check_mesh_devices(fn: Callable) -> bool:
 # ---- exercise 3: a global batch from each process's rows ----------------------------------------------------
 
 
+@checker
 def check_to_global_batch(fn: Callable, devices: Sequence[Any]) -> bool:
     """``fn(local_batch, sharding, global_batch)`` must return ``(images, labels)`` as global ``jax.Array``s laid
     out by ``sharding``, built with ``jax.make_array_from_process_local_data`` (in this one-process kernel the
