@@ -11,6 +11,7 @@ Modules (import them explicitly; importing ``course_lib`` starts no JAX backend 
 - ``parallel``    — tensor-parallel layout and per-shard forward for ``shard_map``
 - ``strategies``  — the registry of strategies: A ``jit``, B ``pmap``, C ``shard_map``, D sharded ``jit``
 - ``measure``     — timing, memory, FLOPs, collectives of compiled programs, scaling efficiency
+- ``programs``    — reading a program: jaxpr equations, collectives with their mesh axes and sizes, compiles
 - ``plots``       — loss curves, comparison bars, scaling plots
 - ``diagrams``    — pictures of parallel programs drawn from the run's own devices, meshes and shapes
 - ``lab``         — one measured run per strategy, the scaling sweep

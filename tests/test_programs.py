@@ -1,0 +1,217 @@
+"""course_lib.programs: the equations and collectives of a jaxpr, the collectives of a compiled program
+with their mesh axes and sizes, compile counting (8 simulated CPU devices, from conftest.py)."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import P, lax
+from jax.sharding import AxisType, NamedSharding
+
+from course_lib import programs
+from course_lib.meshes import DATA, MODEL, data_model_mesh
+
+
+@pytest.fixture(scope="module")
+def mesh(report):
+    return data_model_mesh(report.devices, (4, 2), axis_type="explicit")
+
+
+@pytest.mark.parametrize(
+    "line, mesh_shape, axes",
+    [
+        (
+            "%a = f32[4] all-reduce(%x), replica_groups=[4,2]<=[8], to_apply=%add",
+            {DATA: 4, MODEL: 2},
+            (MODEL,),
+        ),
+        (
+            "%a = f32[4] all-reduce(%x), replica_groups=[2,4]<=[4,2]T(1,0)",
+            {DATA: 4, MODEL: 2},
+            (DATA,),
+        ),
+        (
+            "%a = f32[4] all-gather(%x), replica_groups={{0,2,4,6},{1,3,5,7}}",
+            {DATA: 4, MODEL: 2},
+            (DATA,),
+        ),
+        (
+            "%a = f32[] all-reduce(%x), replica_groups=mesh['data'=4,'model'=2] {'data'}",
+            {DATA: 4, MODEL: 2},
+            (DATA,),
+        ),
+        (
+            "%a = f32[] all-reduce-start(%x), replica_groups=mesh['axis_0'=2] {'axis_0'}",
+            {DATA: 1, MODEL: 2},
+            (MODEL,),
+        ),
+        (
+            "%a = (f32[2], f32[]) all-reduce(%x, %y), replica_groups={}",
+            {DATA: 2, MODEL: 1},
+            (DATA,),
+        ),
+        (
+            "%p = f32[2] collective-permute(%x), source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
+            {DATA: 4},
+            (DATA,),
+        ),
+        (
+            "%a = f32[4] all-reduce(%x), replica_groups={{0,1},{2,3},{4,5},{6,7}}",
+            {DATA: 4, MODEL: 2},
+            (MODEL,),
+        ),
+        (
+            "%a = f32[4] all-reduce(%x), replica_groups={{0,1,2,3,4,5,6,7}}",
+            {DATA: 4, MODEL: 2},
+            (DATA, MODEL),
+        ),
+        ("%a = f32[4] all-reduce(%x), replica_groups={{0},{1},{2},{3}}", {DATA: 4}, ()),
+    ],
+)
+def test_every_group_syntax_names_the_mesh_axes(line, mesh_shape, axes):
+    op = next(o for o in programs.HLO_COLLECTIVES if f" {o}(" in line or f" {o}-start(" in line)
+    assert programs.collectives(f"  {line}\n  %b = f32[4] add(%a, %a)", mesh_shape) == [(op, axes)]
+
+
+def _compiled(fn, mesh, *arrays_and_specs):
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in arrays_and_specs]
+    with jax.set_mesh(mesh):
+        return jax.jit(fn).lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (2, 4), (1, 2), (2, 1), (1, 1)])
+def test_collectives_of_real_programs(report, shape):
+    mesh = data_model_mesh(report.devices[: shape[0] * shape[1]], shape, axis_type="explicit")
+    sizes = dict(mesh.shape)
+    x, w = jnp.ones((16, 16)), jnp.ones((16, 4))
+    contract = _compiled(
+        lambda a, b: jnp.matmul(a, b, out_sharding=P(DATA, None)),
+        mesh,
+        (x, P(DATA, MODEL)),
+        (w, P(MODEL, None)),
+    )
+    col_sum = _compiled(lambda a: a.sum(axis=0), mesh, (x, P(DATA, None)))
+    rowwise = _compiled(lambda a: 2 * a, mesh, (x, P(DATA, MODEL)))
+    assert programs.collectives(contract, sizes) == (
+        [("all-reduce", (MODEL,))] if sizes[MODEL] > 1 else []
+    )
+    assert programs.collectives(col_sum, sizes) == (
+        [("all-reduce", (DATA,))] if sizes[DATA] > 1 else []
+    )
+    assert programs.collectives(rowwise, sizes) == []
+
+
+def test_collectives_with_their_axes_sizes_and_ring_bytes(mesh):
+    def body(x, w):  # x: [16/4, 6], w: [6, 4/2]
+        h = lax.psum(x @ w, MODEL)  # [4, 2], summed over model: an all-reduce
+        gathered = lax.all_gather(h, DATA, tiled=True, to="invarying")
+        return gathered, lax.psum_scatter(x, DATA, tiled=True)
+
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(DATA, None), P(None, MODEL)),
+            out_specs=(P(), P(DATA, None)),
+        )
+    )
+    args = (
+        jax.device_put(jnp.ones((16, 6)), NamedSharding(mesh, P(DATA, None))),
+        jax.device_put(jnp.ones((6, 4)), NamedSharding(mesh, P(None, MODEL))),
+    )
+    ops = programs.collective_ops(f.lower(*args).compile().as_text(), mesh)
+    got = sorted((op.op, op.axes, op.group_size, op.nbytes, op.bytes_sent) for op in ops)
+    assert got == [
+        ("all-gather", (DATA,), 4, 16 * 2 * 4, 3 / 4 * 16 * 2 * 4),
+        ("all-reduce", (MODEL,), 2, 4 * 2 * 4, 2 * 1 / 2 * 4 * 2 * 4),
+        (
+            "reduce-scatter",
+            (DATA,),
+            4,
+            1 * 6 * 4,
+            3 * 1 * 6 * 4,
+        ),  # (n-1)/n of the 4x larger operand
+    ]
+    assert all(op.name and op.name in op.line for op in ops)
+
+
+def test_combined_all_reduce_is_one_tuple(mesh):
+    def grads(w, b, x):
+        return jax.grad(lambda w, b: lax.pmean(jnp.mean((x @ w + b) ** 2), DATA), argnums=(0, 1))(
+            w, b
+        )
+
+    f = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P(), P(DATA)), out_specs=(P(), P())))
+    x = jax.device_put(jnp.arange(48.0).reshape(16, 3), NamedSharding(mesh, P(DATA)))
+    (op,) = programs.collective_ops(
+        f.lower(jnp.ones((3, 2)), jnp.ones(2), x).compile().as_text(), mesh
+    )
+    assert op.op == "all-reduce" and op.axes == (DATA,) and op.shape.startswith("(")
+    assert op.nbytes == (3 * 2 + 2) * 4
+
+
+def test_device_numbers_without_a_mesh_and_async_pairs(mesh):
+    line = (
+        "%all-reduce.1 = f32[8,16]{1,0} all-reduce(f32[8,16]{1,0} %x), channel_id=1, "
+        "replica_groups={{0,1},{2,3},{4,5},{6,7}}, use_global_device_ids=true, to_apply=%add"
+    )
+    (op,) = programs.collective_ops(line, mesh)
+    assert (op.op, op.axes, op.nbytes, op.name) == ("all-reduce", (MODEL,), 512, "all-reduce.1")
+    assert programs.collective_ops(line)[0].axes is None  # device numbers, no mesh to name them
+    start = (
+        "%ag = (f32[4]{0}, f32[16]{0}) all-gather-start(f32[4]{0} %x), "
+        "replica_groups={{0,1,2,3}}, dimensions={0}"
+    )
+    done = "%ag.done = f32[16]{0} all-gather-done((f32[4]{0}, f32[16]{0}) %ag)"
+    (op,) = programs.collective_ops(start + "\n" + done, {DATA: 4})
+    assert (op.op, op.shape, op.nbytes) == ("all-gather", "f32[16]{0}", 64)  # the -done's result
+
+
+def test_jaxpr_equations_walks_nested_jaxprs_and_counts_scan_lengths():
+    def f(x):
+        y = jax.jit(jnp.sin)(x)
+        return lax.fori_loop(0, 5, lambda i, h: jnp.cos(h), y)
+
+    eqns = [(e.primitive.name, t) for e, t in programs.jaxpr_equations(jax.make_jaxpr(f)(1.0))]
+    assert ("sin", 1) in eqns and ("cos", 5) in eqns
+    assert ("jit", 1) in eqns and ("scan", 1) in eqns
+
+
+def test_jaxpr_collectives_finds_loops_and_operands():
+    def body(v):
+        total, _ = lax.scan(lambda c, x: (c + lax.pmean(x, DATA), None), v[0], v)
+        return lax.psum((total, 2 * total), DATA)
+
+    found = programs.jaxpr_collectives(
+        jax.make_jaxpr(jax.pmap(body, axis_name=DATA))(jnp.ones((8, 3, 2)))
+    )
+    assert [(p, loop) for p, _, loop in found] == [("psum", True)] + [("psum", False)] * (
+        len(found) - 1
+    )
+    assert sum(ops for _, ops, loop in found if not loop) == 2  # the tuple's two arrays
+
+
+def test_compile_log_counts_one_program_per_placement_and_restores_the_logger(report):
+    mesh = jax.make_mesh((8,), (DATA,), axis_types=(AxisType.Auto,), devices=report.devices)
+    logger = logging.getLogger("jax")
+    propagate = logger.propagate
+
+    def plus_one(a):
+        return a + 1
+
+    f, v = jax.jit(plus_one), jnp.arange(16.0)
+    with programs.CompileLog() as log:
+        for arg in (
+            v,
+            jax.device_put(v, NamedSharding(mesh, P(DATA))),
+            jax.device_put(v, report.devices[3]),
+            v + 0,
+        ):
+            f(arg)
+    assert (
+        log.count("plus_one") == 3
+    )  # unplaced, split, committed to a device; v + 0 is a cache hit
+    assert logger.propagate == propagate and log not in logger.handlers
+    f(v * 3)
+    assert log.count("plus_one") == 3  # nothing is collected after the block
