@@ -1,159 +1,376 @@
-"""Checkers for ``04_pmap.ipynb``: replicating a pytree, per-device PRNG keys, data-parallel gradients."""
+"""Checkers for ``04_pmap.ipynb``: predicting the gradient scale of four sync patterns, normalisation with
+the global batch's statistics (a debug-this), and gradient accumulation over micro-batches under ``pmap``.
+
+Each checker runs the answer on random inputs at the notebook's device count and judges what it does: the
+values against a one-device computation, the collectives of the traced program
+(:func:`course_lib.programs.jaxpr_collectives`), and the shapes the answer passed to the functions it was
+given.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from functools import partial
+from numbers import Number
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import P, lax
+from jax.sharding import NamedSharding
 
-from course_lib.meshes import DATA
+from course_lib.meshes import DATA, data_mesh
+from course_lib.programs import jaxpr_collectives
 
-from ._common import call_answer, checker, fail, passed
+from ._common import NotWritten, call_answer, checker, fail, not_written, passed
 
 
-def _call(what: str, fn: Callable, *args):
+def _call(what: str, fn: Callable, *args, hint: str):
+    """``call_answer`` with this exercise's "not written yet" hint and the wrong-axis-name hint."""
+
     def explain(e: Exception):
-        if isinstance(e, NameError):  # a wrong axis name: say which one to use
+        if isinstance(e, NameError):  # an axis name pmap does not bind
             return (
                 f"{what} raised NameError: {e}",
                 "use the axis name passed in as `axis_name`, the one pmap binds",
             )
         return None
 
-    return call_answer(what, fn, *args, explain=explain)
+    try:
+        return call_answer(what, fn, *args, explain=explain)
+    except NotWritten:
+        not_written(what, hint)
+
+
+# ---- exercise 1: predict the gradient scale of four sync patterns ----------------------------------
+
+GRADIENT_PROGRAMS = ("a", "b", "c", "d")
+"""Keys of the four programs of exercise 1 (the notebook prints their code)."""
+
+
+def _loss(w, x, y):
+    return jnp.mean((x @ w - y) ** 2)
+
+
+def _body(name: str, n: int) -> Callable:
+    """The per-device body of program ``name``: ``(w, x, y) -> gradient``."""
+    if name == "a":  # pmap: psum of the local gradients
+        return lambda w, x, y: lax.psum(jax.grad(_loss)(w, x, y), DATA)
+    if name == "b":  # shard_map (check_vma=True): the local gradient, no collective written
+        return lambda w, x, y: jax.grad(_loss)(w, x, y)
+    if name == "c":  # shard_map (check_vma=True): pmean of the loss, then pmean of the gradients
+        grad = jax.grad(lambda v, x, y: lax.pmean(_loss(v, x, y), DATA))
+        return lambda w, x, y: lax.pmean(grad(w, x, y), DATA)
+    # "d", pmap: the gradient of the psum of the local losses, divided by n
+    return lambda w, x, y: jax.grad(lambda v: lax.psum(_loss(v, x, y), DATA) / n)(w)
+
+
+def _scale(per_device: np.ndarray, true: np.ndarray) -> float | str:
+    if not np.allclose(per_device, per_device[0:1], rtol=1e-5, atol=1e-6):
+        return "local"
+    return float(np.median(per_device[0] / true))
+
+
+def measure_gradient_scales(devices: Sequence[Any], seed: int = 0) -> dict[str, float | str]:
+    """Run the four programs on ``devices``: each one's gradient as a multiple of the true gradient of the
+    global batch's mean loss (a float), or ``"local"`` when the devices end up with different gradients.
+    The two pmap programs run as one program, and so do the two shard_map ones; a repeated check on the
+    same devices reuses the measurement."""
+    return dict(_measure_scales(tuple(devices), seed))
+
+
+@functools.cache
+def _measure_scales(devices: tuple, seed: int) -> tuple:
+    n = len(devices)
+    kx, ky, kw = jax.random.split(jax.random.key(seed), 3)
+    x, y, w = (
+        jax.random.normal(kx, (3 * n, 5)),
+        jax.random.normal(ky, (3 * n,)),
+        jax.random.normal(kw, (5,)),
+    )
+    bodies = {name: _body(name, n) for name in GRADIENT_PROGRAMS}
+    by_pmap = jax.pmap(
+        lambda w, x, y: (bodies["a"](w, x, y), bodies["d"](w, x, y)),
+        axis_name=DATA,
+        in_axes=(None, 0, 0),
+        devices=list(devices),
+    )(w, x.reshape(n, 3, 5), y.reshape(n, 3))
+    mesh = data_mesh(devices, axis_type="explicit")
+    place = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    by_shard_map = (
+        jax.jit(  # out_specs P(DATA), a leading axis of 1 per device: every device's result
+            jax.shard_map(
+                lambda w, x, y: (bodies["b"](w, x, y)[None], bodies["c"](w, x, y)[None]),
+                mesh=mesh,
+                in_specs=(P(), P(DATA), P(DATA)),
+                out_specs=(P(DATA), P(DATA)),
+            )
+        )(place(w, P()), place(x, P(DATA)), place(y, P(DATA)))
+    )
+    true = np.asarray(jax.grad(_loss)(w, x, y))
+    got = dict(zip("adbc", [*by_pmap, *by_shard_map]))
+    return tuple((name, _scale(np.asarray(got[name]), true)) for name in GRADIENT_PROGRAMS)
+
+
+_WHY_SCALE = {
+    "a": "lax.psum adds the n per-device gradients of per-device *means*: n times the gradient of the "
+    "global mean",
+    "b": "under shard_map (check_vma=True) w enters replicated, and the transpose of its implicit "
+    "broadcast is a psum: the local gradients are summed although no collective is written",
+    "c": "the gradient of the pmean'd loss is already the true gradient, the same on every device; a "
+    "pmean of a value that is equal everywhere changes nothing",
+    "d": "pmap runs its body as shard_map(check_vma=False): there the transpose of psum is a psum of the "
+    "cotangent (n ones), divided by n, so each device keeps its own local gradient: 'local'",
+}
+
+
+def _prediction(name: str, value: Any) -> float | str:
+    if isinstance(value, str) and value.strip().lower() == "local":
+        return "local"
+    if isinstance(value, Number | np.number) and not isinstance(value, bool):
+        return float(value)
+    fail(
+        f"prediction {name!r} is {value!r}",
+        "a prediction is a number such as 1, n or 1 / n, or the string 'local'",
+    )
 
 
 @checker
-def check_replicate(fn: Callable[[Any, int], Any], devices: Sequence[Any]) -> bool:
-    """``fn(tree, n)`` must return ``tree`` with a new leading axis of size ``n`` holding identical copies."""
+def check_gradient_scales(predictions: dict | None, devices: Sequence[Any]) -> bool:
+    """``predictions[name]`` for each of :data:`GRADIENT_PROGRAMS` must match the measured gradient: a
+    number (a multiple of the true gradient) or ``"local"`` (the devices disagree)."""
     n = len(devices)
-    tree = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.arange(3.0) - 1.0}
-    out = _call("replicate(tree, n)", fn, tree, n)
-    if jax.tree.structure(out) != jax.tree.structure(tree):
-        fail(
-            f"the tree structure changed: {jax.tree.structure(out)}",
-            "keep the structure and change every leaf: jax.tree.map(lambda x: ..., tree)",
+    if (
+        predictions is None
+        or isinstance(predictions, dict)
+        and all(v is ... for v in predictions.values())
+    ):
+        not_written(
+            "your predictions",
+            "write each prediction as a number (a multiple of the true gradient; you may use n) or 'local'",
         )
-    for name in ("w", "b"):
-        x, y = tree[name], out[name]
-        shape = tuple(np.shape(y))
-        if shape == x.shape and n > 1:
-            fail(
-                f"leaf {name!r} has shape {shape}: no leading device axis",
-                f"pmap maps over axis 0, so every leaf needs a new leading axis of size n={n}: "
-                "jnp.broadcast_to(x, (n,) + x.shape)",
+    if not isinstance(predictions, dict) or set(predictions) != set(GRADIENT_PROGRAMS):
+        keys = sorted(predictions) if isinstance(predictions, dict) else type(predictions).__name__
+        fail(
+            f"predictions has keys {keys}",
+            f"give a dict with exactly the keys {list(GRADIENT_PROGRAMS)}",
+        )
+    guesses = {name: _prediction(name, predictions[name]) for name in GRADIENT_PROGRAMS}
+    measured, wrong = measure_gradient_scales(devices), []
+    for name, guess in guesses.items():
+        got = measured[name]
+        if isinstance(got, str) or isinstance(guess, str):
+            ok = got == guess or (
+                n == 1 and guess == "local"
+            )  # one device: "local" is the true gradient
+        else:
+            ok = np.isclose(guess, got, rtol=1e-3)
+        if not ok:
+            wrong.append((name, guess, got))
+    if wrong:
+        name, guess, got = wrong[0]
+        more = f"; {len(wrong) - 1} more prediction(s) wrong" if len(wrong) > 1 else ""
+        shown = got if isinstance(got, str) else f"{got:g} (n = {n})"
+        fail(
+            f"program {name!r}: you predicted {guess!r}, the measurement is {shown}{more}",
+            _WHY_SCALE[name],
+        )
+    note = (
+        ""
+        if n > 1
+        else " (with 1 device every program gives the true gradient: rerun with n_devices >= 2)"
+    )
+    return passed(f"all four predictions match the measured gradients on {n} device(s){note}")
+
+
+# ---- exercise 2: debug this - normalise with the global batch's statistics -------------------------
+
+
+def _normalized(x: np.ndarray, eps: float) -> np.ndarray:
+    mean = x.mean(axis=0)
+    return (x - mean) / np.sqrt(((x - mean) ** 2).mean(axis=0) + eps)
+
+
+def _diagnose_normalize(out: np.ndarray, x: np.ndarray, eps: float) -> None:
+    """A wrong normalisation: say which typical mistake it is."""
+    n = x.shape[0]
+    local = np.stack([_normalized(x[i], eps) for i in range(n)])
+    if np.allclose(out, local, rtol=1e-4, atol=1e-4):
+        fail(
+            "each device normalises with its own rows' statistics: the result depends on the device count",
+            "compute the mean and the variance over all devices: lax.pmean(..., axis_name)",
+        )
+    pooled = (x - x.mean(axis=(0, 1))) / np.sqrt(x.var(axis=1).mean(axis=0) + eps)
+    if np.allclose(out, pooled, rtol=1e-4, atol=1e-4):
+        fail(
+            "the mean is global, but the variance is the average of the per-device variances",
+            "that misses how far the device means lie from the global mean: average the squared deviations "
+            "from the *global* mean (or E[x^2] - E[x]^2 with both terms pmean'd)",
+        )
+    fail(
+        "the result is not (x - mean) / sqrt(var + 1e-5) with the global batch's mean and variance",
+        "lax.pmean sums and divides by the device count; lax.psum only sums. Compare with the one-device "
+        "result of the whole batch on a small input",
+    )
+
+
+@checker
+def check_sync_normalize(fn: Callable, devices: Sequence[Any], eps: float = 1e-5) -> bool:
+    """``fn(x, axis_name)`` under ``pmap`` over the batch must normalise every row with the *global* batch's
+    per-feature mean and variance, and communicate only statistics (no ``all_gather`` of the rows)."""
+    n = len(devices)
+    rng = np.random.default_rng(7)
+    mapped = jax.pmap(partial(fn, axis_name=DATA), axis_name=DATA, devices=list(devices))
+    for b, f in ((3, 4), (5, 2)):
+        # Each device's rows come from another distribution, so local and global statistics differ.
+        scale, shift = rng.uniform(0.5, 3.0, size=(n, 1, f)), 4 * rng.normal(size=(n, 1, f))
+        x = (rng.normal(size=(n, b, f)) * scale + shift).astype(np.float32)
+        out = np.asarray(
+            _call(
+                "normalize under pmap",
+                mapped,
+                x,
+                hint="copy normalize_as_given and make its statistics those of the whole batch",
             )
-        if (
-            shape == x.shape + (n,) and shape != (n,) + x.shape and n > 1
-        ):  # e.g. (3,) + (3,): both orders agree
+        )
+        if out.shape != x.shape:
             fail(
-                f"leaf {name!r} has shape {shape}: the device axis was added last",
-                "pmap maps over the leading axis (axis 0), not the last one: the copies go first, (n,) + x.shape",
+                f"result shape {out.shape}, expected {x.shape}",
+                "return one normalised row per input row",
             )
-        if shape != (n,) + x.shape:
+        want = _normalized(x.reshape(n * b, f).astype(np.float64), eps).reshape(n, b, f)
+        if not np.allclose(out, want, rtol=1e-4, atol=1e-4):
+            _diagnose_normalize(out, x.astype(np.float64), eps)
+        if any(p == "all_gather" for p, _, _ in jaxpr_collectives(jax.make_jaxpr(mapped)(x))):
             fail(
-                f"leaf {name!r} has shape {shape}, expected {(n,) + x.shape}",
-                "add one leading axis of size n",
+                "the values are right, but every row is gathered onto every device (all_gather)",
+                "the normalisation needs 2 statistics per feature from each device: lax.pmean the mean and "
+                "the mean of squares (or of squared deviations), not the rows",
             )
-        if not np.array_equal(np.asarray(y), np.broadcast_to(np.asarray(x), shape)):
-            fail(
-                f"the copies of leaf {name!r} differ from the original",
-                "every device needs an identical copy: broadcast the leaf, don't split or reshape it",
-            )
-    # The replicated tree really feeds pmap: each device sees the original shapes.
-    seen = jax.pmap(lambda t: jax.tree.map(jnp.sum, t), devices=list(devices))(out)
-    assert np.allclose(np.asarray(seen["w"]), float(tree["w"].sum()))
     return passed(
-        f"every leaf has a leading axis of {n} identical copies; pmap gives each device the original shapes"
+        f"every device normalises with the global batch's statistics on {n} device(s), "
+        "communicating only the statistics"
     )
 
 
-@checker
-def check_device_noise(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(key, x, axis_name)`` inside pmap must return ``x + normal(fold_in(key, axis_index), x.shape)``."""
-    n = len(devices)
-    key = jax.random.key(42)
-    xs = jnp.arange(n * 5, dtype=jnp.float32).reshape(n, 5)
-    mapped = jax.pmap(
-        partial(fn, axis_name=DATA), axis_name=DATA, in_axes=(None, 0), devices=list(devices)
-    )
-    out = np.asarray(_call("your function under pmap", mapped, key, xs))
-    if out.shape != xs.shape:
-        fail(
-            f"result has shape {out.shape}, expected {xs.shape}",
-            "return x + noise, the noise with x's shape",
-        )
-    noise = out - np.asarray(xs)
-    if n > 1 and np.allclose(noise, noise[0:1]):
-        fail(
-            "every device drew the same numbers",
-            "one replicated key gives identical noise on every device: give device i its own key with "
-            "jax.random.fold_in(key, lax.axis_index(axis_name))",
-        )
-    expected = np.stack(
-        [np.asarray(jax.random.normal(jax.random.fold_in(key, i), (5,))) for i in range(n)]
-    )
-    if np.allclose(out, expected, atol=1e-6):
-        fail("the result is the noise alone", "return x plus the noise, not the noise")
-    if not np.allclose(noise, expected, atol=1e-5):
-        fail(
-            "the noise is not jax.random.normal(jax.random.fold_in(key, i), x.shape) on device i",
-            "derive the key with jax.random.fold_in(key, lax.axis_index(axis_name)) and draw one normal of x's shape",
-        )
-    return passed(f"each of the {n} devices drew its own noise from fold_in(key, axis_index)")
+# ---- exercise 3: gradient accumulation over micro-batches ------------------------------------------
+
+MICRO = (3, 4)
+"""The micro-batch counts the checker tries (12 rows per device)."""
 
 
-def _mse(params, batch):
+def _mlp_loss(params, batch, seen: list):
     x, y = batch
-    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+    seen.append(int(x.shape[0]))  # the batch size this loss is traced with: a trace-time record
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def _accumulation_inputs(n: int):
+    kx, ky, k1, k2 = jax.random.split(jax.random.key(3), 4)
+    params = {
+        "w1": jax.random.normal(k1, (3, 6)) * 0.5,
+        "b1": jnp.linspace(-1.0, 1.0, 6),
+        "w2": jax.random.normal(k2, (6, 2)) * 0.5,
+    }
+    return params, jax.random.normal(kx, (n * 12, 3)), jax.random.normal(ky, (n * 12, 2))
+
+
+def _diagnose_scale(ratios: list[float], n_micro: int, n: int) -> None:
+    if np.allclose(ratios, n_micro, rtol=1e-3):
+        also = f" (or lax.psum over the {n} devices)" if n == n_micro else ""
+        fail(
+            f"gradients are {n_micro}x too large with n_micro={n_micro}{also}",
+            "the sum of the micro-batch gradients is n_micro times the mean's gradient: divide by n_micro"
+            + ("; and lax.pmean, not lax.psum, averages over devices" if also else ""),
+        )
+    if n > 1 and np.allclose(ratios, n, rtol=1e-3):
+        fail(
+            f"gradients are {n}x (the device count) too large",
+            "lax.psum adds the devices' gradients; lax.pmean averages them",
+        )
+    fail(
+        "gradients differ from the single-device gradient of the whole batch",
+        "accumulate jax.grad(loss_fn)(params, micro_batch) over the micro-batches, divide by n_micro, then "
+        "lax.pmean over axis_name",
+    )
+
+
+def _trace(fn, devices, params, batch, n_micro):
+    """The answer under pmap with ``n_micro``, traced: (mapped function, batch sizes loss_fn saw, psums)."""
+    seen: list[int] = []
+    loss_fn = partial(_mlp_loss, seen=seen)
+    mapped = jax.pmap(
+        lambda p, b: fn(loss_fn, p, b, DATA, n_micro),
+        axis_name=DATA,
+        in_axes=(None, 0),
+        devices=list(devices),
+    )
+    jaxpr = _call(
+        f"accumulated_grads(..., n_micro={n_micro}) under pmap",
+        jax.make_jaxpr(mapped),
+        params,
+        batch,
+        hint="split the local batch into n_micro micro-batches, add their gradients, then average once "
+        "over devices",
+    )
+    if seen and sorted(set(seen)) != [12 // n_micro]:
+        fail(
+            f"loss_fn was called on batches of {sorted(set(seen))} rows; with n_micro={n_micro} each call "
+            f"should see {12 // n_micro}",
+            "split this device's batch into n_micro micro-batches (reshape the leading axis to "
+            "[n_micro, b // n_micro]) and differentiate each one",
+        )
+    return mapped, [(ops, loop) for p, ops, loop in jaxpr_collectives(jaxpr) if p == "psum"]
 
 
 @checker
-def check_data_parallel_grads(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(loss_fn, params, batch, axis_name)`` inside pmap must return the full-batch gradient on every device."""
+def check_accumulated_grads(fn: Callable, devices: Sequence[Any]) -> bool:
+    """``fn(loss_fn, params, batch, axis_name, n_micro)`` under ``pmap`` must return, on every device, the
+    gradient of the global batch's mean loss, computed from micro-batches of ``b // n_micro`` rows, with one
+    cross-device average after the loop (not one per micro-batch). Values are checked with 3 micro-batches;
+    the traced programs with 3 and with 4."""
     n = len(devices)
-    kx, ky, kw = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(kx, (4 * n, 3))
-    y = jax.random.normal(ky, (4 * n, 2))
-    params = {"w": jax.random.normal(kw, (3, 2)), "b": jnp.zeros(2)}
-    expected = jax.grad(_mse)(params, (x, y))
-    batch = (x.reshape(n, 4, 3), y.reshape(n, 4, 2))
-    mapped = jax.pmap(
-        partial(fn, _mse, axis_name=DATA), axis_name=DATA, in_axes=(None, 0), devices=list(devices)
-    )
-    out = _call("your function under pmap", mapped, params, batch)
-    if jax.tree.structure(out) != jax.tree.structure(params):
+    params, x, y = _accumulation_inputs(n)
+    batch = (x.reshape(n, 12, 3), y.reshape(n, 12, 2))
+    lo, hi = MICRO
+    mapped, psums = _trace(fn, devices, params, batch, lo)
+    out = _call("accumulated_grads under pmap", mapped, params, batch, hint="")
+    if not isinstance(out, dict) or jax.tree.structure(out) != jax.tree.structure(params):
         fail(
             f"returned {jax.tree.structure(out)}",
-            "return the gradient pytree, same structure as params",
+            "return the gradient pytree, with the structure of params",
         )
     got = jax.tree.map(np.asarray, out)
-    if n > 1 and not all(np.allclose(g, g[0:1], atol=1e-6) for g in jax.tree.leaves(got)):
+    if n > 1 and not all(
+        np.allclose(g, g[0:1], rtol=1e-5, atol=1e-6) for g in jax.tree.leaves(got)
+    ):
         fail(
             "devices return different gradients",
-            "each device differentiated only its own shard: average them with lax.pmean(grads, axis_name)",
+            "each device only saw its own shard: average the accumulated gradient over axis_name",
         )
-    first = jax.tree.map(lambda g: g[0], got)
-    ok = all(
-        np.allclose(a, b, rtol=1e-5, atol=1e-6)
-        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(expected), strict=True)
-    )
-    if not ok:
-        too_big = all(
-            np.allclose(a, n * np.asarray(b), rtol=1e-5, atol=1e-6)
-            for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(expected), strict=True)
-        )
-        if too_big and n > 1:
-            fail(
-                f"gradients are {n}x (n_devices x) too large",
-                "lax.psum adds the per-device gradients; lax.pmean averages them",
-            )
+    expected = jax.grad(lambda p: _mlp_loss(p, (x, y), []))(params)
+    pairs = list(zip(jax.tree.leaves(jax.tree.map(lambda g: g[0], got)), jax.tree.leaves(expected)))
+    if not all(np.allclose(a, e, rtol=1e-4, atol=1e-6) for a, e in pairs):
+        _diagnose_scale([float(np.median(a / np.asarray(e))) for a, e in pairs], lo, n)
+    if any(loop for _, loop in psums):
         fail(
-            "gradients differ from the single-device gradient of the whole batch",
-            "differentiate loss_fn(params, batch) on the local shard, then lax.pmean the gradients over axis_name",
+            "a cross-device reduction runs inside the loop over micro-batches",
+            "that communicates once per micro-batch; add the micro-batch gradients locally and lax.pmean "
+            "once, after the loop",
         )
-    return passed(f"every device holds the full-batch gradient (averaged over {n} devices)")
+    more = _trace(fn, devices, params, batch, hi)[1]
+    comm_lo, comm_hi = (sum(ops for ops, _ in found) for found in (psums, more))
+    if comm_hi > comm_lo or any(loop for _, loop in more):
+        fail(
+            f"the program reduces {comm_lo} array(s) across devices with {lo} micro-batches and {comm_hi} "
+            f"with {hi}",
+            "communication grows with n_micro: reduce across devices once, after adding the micro-batch "
+            "gradients",
+        )
+    return passed(
+        f"full-batch gradient on all {n} device(s) from micro-batches of {12 // lo} rows, and the same "
+        f"communication with {hi} micro-batches ({comm_lo} array(s) reduced once)"
+    )
