@@ -1,177 +1,400 @@
-"""Checkers for ``05_sharding.ipynb``: placing a batch, shard shapes, a layout that needs no communication."""
+"""Checkers for ``05_sharding.ipynb``: predicting the collectives of five sharded programs, a data-parallel
+loop with two silent bugs, and a tensor-parallel MLP train step on Explicit axes.
+
+The programs run on meshes of the notebook's devices; collectives are read from the compiled program (which
+op, over which mesh axes: :func:`course_lib.programs.collectives`); values are compared with the same
+computation on one device; what a step is compiled for is recorded while it is traced.
+"""
 
 from __future__ import annotations
 
-import math
+import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import P
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from course_lib.measure import count_collectives
-from course_lib.meshes import DATA, MODEL, data_model_mesh
+from course_lib import programs
+from course_lib.meshes import DATA, MODEL, choose_mesh_shape, data_mesh, data_model_mesh
 
-from ._common import as_ints, checker, fail, passed
-from ._common import call_answer as _call
+from ._common import ExerciseError, NotWritten, call_answer, checker, fail, not_written, passed
+
+# ---- exercise 1: predict the collectives ------------------------------------------------------------
+
+SHARDED_PROGRAMS = {
+    "a": (lambda x, w: x @ w, ((DATA, None), (None, MODEL))),
+    "b": (lambda x: x.sum(axis=1), ((DATA, MODEL),)),
+    "c": (lambda x: x.T, ((DATA, None),)),
+    "d": (lambda x: jax.nn.softmax(x, axis=0), ((DATA, MODEL),)),
+    "e": (lambda x: jnp.mean(x), ((DATA, MODEL),)),
+}
+"""name -> (program, the specs of its arguments); ``x: [B, D]``, ``w: [D, H]`` (the notebook's table)."""
+
+_WHY_COLLECTIVES = {
+    "a": "x's rows are split over data and w's columns over model; the contracted D is whole on both, so "
+    "each device computes its own [B/data, H/model] block: no communication",
+    "b": "a sum along the model-split columns: each device adds its own columns, then an all-reduce over "
+    "model adds the partial row sums (the result, [B@data], is replicated over model)",
+    "c": "a transpose only relabels the axes: each device transposes its block in place and the sharding "
+    "moves with its dimension, P('data', None) -> P(None, 'data')",
+    "d": "softmax over axis 0 normalises each column over the rows, and the rows are split over data: the "
+    "max and the sum of each column need an all-reduce over data (the model-split columns are independent)",
+    "e": "a mean of every element: each device reduces its block, then the partial sums are added over "
+    "both axes (the compiler may do it in one all-reduce or two)",
+}
+
+_OP_WORDS = {op.replace("-", ""): op for op in programs.HLO_COLLECTIVES} | {
+    op: op for op in programs.HLO_COLLECTIVES
+}
+_PREDICTION_HINT = (
+    "write 'none', or 'OP over AXIS' with OP one of all-reduce, all-gather, all-to-all, reduce-scatter, "
+    "collective-permute and AXIS data and/or model; separate several with ';'"
+)
 
 
-def _spec_of(x) -> Any:
-    return getattr(getattr(x, "sharding", None), "spec", "no NamedSharding")
+def measure_collectives(name: str, mesh) -> set[tuple[str, str]]:
+    """``{(op, axis)}`` of the compiled program ``name`` on ``mesh`` (axes of size 1 never appear); a
+    repeated check on the same mesh reuses the measurement."""
+    return set(_measure(name, mesh))
+
+
+@functools.cache
+def _measure(name: str, mesh) -> frozenset:
+    fn, specs = SHARDED_PROGRAMS[name]
+    size = 4 * mesh.size
+    kx, kw = jax.random.split(jax.random.key(0))
+    inputs = (
+        jax.random.normal(kx, (size, size)),
+        jax.random.normal(kw, (size, 2 * mesh.shape[MODEL])),
+    )
+    args = [jax.device_put(a, NamedSharding(mesh, P(*s))) for a, s in zip(inputs, specs)]
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(fn).lower(*args).compile()
+    found = programs.collectives(compiled.as_text(), dict(mesh.shape))
+    return frozenset((op, axis) for op, axes in found for axis in axes)
+
+
+def _parse_text(value: str) -> set[tuple[str, str]]:
+    out = set()
+    for part in re.split(r"[;\n]", value.lower()):
+        part = part.strip()
+        if part in ("", "none", "no communication", "nothing"):
+            continue
+        words = [w.replace("_", "-") for w in re.findall(r"[a-z_-]+", part)]
+        ops = [_OP_WORDS[w] for w in words if w in _OP_WORDS]
+        axes = [a for a in (DATA, MODEL) if re.search(rf"\b{a}\b", part)]
+        if len(ops) != 1 or not axes:
+            raise ValueError(part)
+        out |= {(ops[0], a) for a in axes}
+    return out
+
+
+def _parse_prediction(value: Any) -> set[tuple[str, str]]:
+    """None / "none" / set() | "all-reduce over model; all-gather over data" | ("all-reduce", "model") |
+    ("all-reduce", ("data", "model")) | a list or set of such pairs -> {(op, axis)}."""
+    if value is None:
+        return set()
+    if isinstance(value, str):
+        return _parse_text(value)
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
+        op, axes = _OP_WORDS.get(value[0].lower().replace("_", "-")), value[1]
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        if op is None or any(a not in (DATA, MODEL) for a in axes):
+            raise ValueError(value)
+        return {(op, a) for a in axes}
+    if isinstance(value, set | frozenset | list | tuple):
+        return set().union(*(_parse_prediction(item) for item in value))
+    raise ValueError(value)
+
+
+def _say(found: set) -> str:
+    return "; ".join(f"{op} over {axis}" for op, axis in sorted(found)) or "no communication"
 
 
 @checker
-def check_place_batch(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(x, mesh)`` must put ``x``'s rows over ``data``, replicated over ``model``, on a 2-D mesh."""
+def check_collective_predictions(predictions: dict | None, devices: Sequence[Any]) -> bool:
+    """``predictions[name]`` for each of :data:`SHARDED_PROGRAMS` must name the collectives (op and mesh
+    axis) of its compiled program on an Explicit ``data × model`` mesh of ``devices``."""
+    if (
+        predictions is None
+        or isinstance(predictions, dict)
+        and all(v is ... for v in predictions.values())
+    ):
+        not_written(
+            "your predictions", "predict each program's collectives: 'none' or 'OP over AXIS'"
+        )
+    if not isinstance(predictions, dict) or set(predictions) != set(SHARDED_PROGRAMS):
+        keys = sorted(predictions) if isinstance(predictions, dict) else type(predictions).__name__
+        fail(
+            f"predictions has keys {keys}",
+            f"give a dict with exactly the keys {list(SHARDED_PROGRAMS)}",
+        )
     mesh = data_model_mesh(devices, axis_type="explicit")
-    rows = (
-        2 * mesh.shape[DATA]
-    )  # a multiple of the data-axis size, so the rows divide evenly (8 on 4 x 2)
-    x = jnp.arange(rows * 6, dtype=jnp.float32).reshape(rows, 6)
-    out = _call("place_batch(x, mesh)", fn, x, mesh)
-    if not isinstance(out, jax.Array) or not np.array_equal(np.asarray(out), np.asarray(x)):
+    sizes = dict(mesh.shape)
+    wrong = []
+    for name in SHARDED_PROGRAMS:
+        try:
+            guess = _parse_prediction(predictions[name])
+        except ValueError:
+            fail(f"prediction {name!r} is {predictions[name]!r}", _PREDICTION_HINT)
+        guess = {
+            (op, a) for op, a in guess if sizes[a] > 1
+        }  # an axis of size 1 communicates nothing
+        got = measure_collectives(name, mesh)
+        if guess != got:
+            wrong.append((name, guess, got))
+    if wrong:
+        name, guess, got = wrong[0]
+        more = f"; {len(wrong) - 1} more prediction(s) wrong" if len(wrong) > 1 else ""
         fail(
-            "the values changed (or the result is not a jax.Array)",
-            "only move the data: jax.device_put(x, sharding)",
+            f"program {name!r} on the mesh {sizes}: you predicted {_say(guess)}, the compiled program has "
+            f"{_say(got)}{more}",
+            _WHY_COLLECTIVES[name],
         )
-    s = out.sharding
-    want = NamedSharding(mesh, P(DATA))
-    if s.is_equivalent_to(want, x.ndim):
-        return passed(
-            f"rows split over {DATA!r} ({mesh.shape[DATA]} ways), replicated over {MODEL!r}: {jax.typeof(out)}"
+    note = (
+        ""
+        if min(sizes.values()) > 1
+        else f" (on this {sizes} mesh an axis of size 1 never communicates)"
+    )
+    return passed(f"all {len(SHARDED_PROGRAMS)} predictions match the compiled programs{note}")
+
+
+# ---- exercise 2: debug this - the data-parallel loop that is not ------------------------------------
+
+
+def lr_schedule(i: int) -> float:
+    """The learning rate of step ``i`` (a decaying schedule, different every step)."""
+    return 0.1 / (1.0 + i)
+
+
+def _make_step(record: list):
+    def step(w, batch, lr):
+        x, y = batch
+        record.append((jax.typeof(w), jax.typeof(x)))  # one entry per trace, with the shardings
+        loss, g = jax.value_and_grad(lambda v: jnp.mean((jnp.tanh(x @ v) - y) ** 2))(w)
+        return w - lr * g, loss
+
+    return step
+
+
+def _loop_inputs(n: int, n_steps: int):
+    rng = np.random.default_rng(5)
+    d = (
+        2 * n
+    )  # features: a multiple of the device count, so that a wrong split along them also runs
+    w0 = (rng.normal(size=(d, 3)) / np.sqrt(d)).astype(np.float32)
+    rows = lambda k: rng.normal(size=(4 * n, k)).astype(np.float32)  # noqa: E731
+    return w0, [(rows(d), rows(3)) for _ in range(n_steps)]
+
+
+def _run_loop(fn, mesh, w0, batches, record):
+    try:
+        out = call_answer(
+            "train(step, state, batches, mesh, lr_schedule)",
+            fn,
+            *(_make_step(record), w0, batches, mesh, lr_schedule),
         )
-    if s.is_fully_replicated:
+    except NotWritten:
+        not_written(
+            "train",
+            "copy train_as_given and fix it: one jax.jit outside the loop (the learning rate as an "
+            "argument), and every batch put on the mesh split over data",
+        )
+    except ExerciseError as e:
+        cause = e.__context__
+        if type(cause).__name__ == "ShardingTypeError" and "Contracting" in str(cause):
+            fail(
+                "train raised ShardingTypeError: the gradient contracts the data-split batch, and the "
+                "state has no sharding to give the result",
+                "place the state on the mesh, replicated, before the loop: "
+                "jax.device_put(state, NamedSharding(mesh, P()))",
+            )
+        raise
+    try:
+        state, losses = out
+        return state, [float(v) for v in losses]
+    except (TypeError, ValueError):
+        fail(f"returned {type(out).__name__}", "return (state, losses), losses one float per batch")
+
+
+def _judge_traces(record: list, n_steps: int) -> Any:
+    """The traces the step went through: one, with the batch split over data along its rows."""
+    if len(record) == 2 and record[0][0] != record[1][0]:
         fail(
-            "every device holds the whole batch",
-            f"split the rows: jax.device_put(x, NamedSharding(mesh, jax.P({DATA!r})))",
+            f"the step was compiled twice: the state's type changed from {record[0][0]} to "
+            f"{record[1][0]} after the first step",
+            "a NumPy (or single-device) state is placed by the first call and comes back on the mesh: "
+            "put it on the mesh before the loop, jax.device_put(state, NamedSharding(mesh, P()))",
         )
-    if s.is_equivalent_to(NamedSharding(mesh, P(DATA, MODEL)), x.ndim):
+    if len(record) > 1:
         fail(
-            "the columns are split over 'model' as well",
-            "a batch is split over data only; leave the feature dimension whole: jax.P('data')",
+            f"the step was traced and compiled {len(record)} times for {n_steps} batches",
+            "jax.jit(partial(step, lr=...)) makes a new function every step, with an empty cache (and a "
+            "static learning rate compiles once per value): jit step once, outside the loop, and pass lr "
+            "as an ordinary argument",
         )
-    if s.is_equivalent_to(NamedSharding(mesh, P(MODEL)), x.ndim):
+    x_type = record[0][1]
+    spec = tuple(getattr(x_type.sharding, "spec", ()) or ())
+    if spec and spec[0] == DATA and all(s is None for s in spec[1:]):
+        return x_type
+    if any(s is not None for s in spec):
         fail(
-            "the rows are split over the 'model' axis",
-            "use the data axis for the batch dimension: jax.P('data')",
+            f"the batch's type in the compiled step is {x_type}: split, but not along the rows",
+            "axis 0 is the batch: NamedSharding(mesh, P('data')) splits the rows; splitting the "
+            "features makes every layer communicate",
         )
     fail(
-        f"got spec {_spec_of(out)}",
-        "use NamedSharding(mesh, jax.P('data')) on the mesh you were given",
-    )
-
-
-_CASES = [
-    ((8, 6), P(DATA), {DATA: 4, MODEL: 2}),
-    ((8, 6), P(None, MODEL), {DATA: 4, MODEL: 2}),
-    ((8, 6), P(DATA, MODEL), {DATA: 4, MODEL: 2}),
-    ((8, 6), P(), {DATA: 4, MODEL: 2}),
-    ((8, 4), P(MODEL, DATA), {DATA: 2, MODEL: 4}),
-    ((16, 4), P((DATA, MODEL)), {DATA: 4, MODEL: 2}),
-    ((12, 6, 4), P(None, DATA, MODEL), {DATA: 3, MODEL: 2}),
-]
-
-
-def reference_shard_shape(global_shape: tuple, spec: P, mesh_shape: dict) -> tuple:
-    """Per-device shard shape of an array of ``global_shape`` laid out by ``spec`` on a mesh of ``mesh_shape``."""
-    out = list(global_shape)
-    for dim, entry in enumerate(tuple(spec)):
-        if entry is None:
-            continue
-        axes = entry if isinstance(entry, tuple) else (entry,)
-        out[dim] //= math.prod(mesh_shape[a] for a in axes)
-    return tuple(out)
-
-
-@checker
-def check_shard_shape(fn: Callable) -> bool:
-    """``fn(global_shape, spec, mesh_shape)`` must return the per-device shard shape, as a tuple of ints."""
-    for shape, spec, mesh_shape in _CASES:
-        got = _call(f"shard_shape({shape}, {spec}, {mesh_shape})", fn, shape, spec, mesh_shape)
-        want = reference_shard_shape(shape, spec, mesh_shape)
-        got = as_ints(
-            "shard_shape", got, "return a tuple of ints, one per dimension of global_shape"
-        )
-        if got == want:
-            continue
-        case = f"shard_shape({shape}, {spec}, {mesh_shape}) returned {got}, expected {want}"
-        if len(got) != len(want):
-            fail(
-                case,
-                "return one size per dimension of global_shape; a spec shorter than the shape leaves the rest whole",
-            )
-        if any(isinstance(e, tuple) for e in tuple(spec)):
-            fail(
-                case,
-                "a tuple of axes splits one dimension over all of them: divide by the product of their sizes",
-            )
-        if len(tuple(spec)) == 0 or any(e is None for e in tuple(spec)):
-            fail(
-                case,
-                "None (or a missing entry) means that dimension is not split: keep its full size",
-            )
-        fail(
-            case,
-            "divide each dimension by the size of the mesh axis named at that position in the spec",
-        )
-    return passed(
-        f"all {len(_CASES)} shard shapes right (a tuple of axes divides by the product of their sizes)"
+        f"the batch's type in the compiled step is {x_type}: every device computes the whole batch",
+        "a NumPy batch (or a replicated one) is copied whole to every device: place it with "
+        "jax.device_put(batch, NamedSharding(mesh, P('data'))) before the step. (On Explicit axes "
+        "jit(in_shardings=...) is not enough: the step is traced for the type of what you pass)",
     )
 
 
 @checker
-def check_no_comm_placement(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(x, w, mesh)`` must place x [batch, d] and w [d, h] so that ``x @ w`` splits its work over every
-    device and the compiled program has no collective. The mesh has Auto axes (the compiler may insert
-    communication)."""
-    mesh = data_model_mesh(devices, axis_type="auto")
-    kx, kw = jax.random.split(jax.random.key(0))
-    x = jax.random.normal(kx, (2 * mesh.shape[DATA], 6))  # rows: a multiple of the data-axis size
-    w = jax.random.normal(
-        kw, (6, 2 * mesh.shape[MODEL])
-    )  # columns: a multiple of the model-axis size
-    placed = _call("place(x, w, mesh)", fn, x, w, mesh)
-    try:
-        xp, wp = placed
-    except (TypeError, ValueError):
-        fail(f"returned {type(placed).__name__}", "return the pair (x_placed, w_placed)")
-    matmul = jax.jit(lambda a, b: a @ b)
-    compiled = matmul.lower(xp, wp).compile()
-    counts = {k: v for k, v in count_collectives(compiled.as_text()).items() if v}
-    out = compiled(xp, wp)
-    if not np.allclose(np.asarray(out), np.asarray(x @ w), atol=1e-5):
-        fail("x @ w changed value", "only move the arrays with jax.device_put; don't change them")
-    w_spec = tuple(_spec_of(wp)) if isinstance(_spec_of(wp), P) else ()
-    if counts:
-        if len(w_spec) >= 1 and w_spec[0] is not None:
-            fail(
-                f"the compiled program communicates: {counts}",
-                "w's contracted (row) dimension is split, so each device holds partial sums that XLA must "
-                "all-reduce; split w's columns over 'model' instead: jax.P(None, 'model')",
-            )
+def check_data_parallel_loop(fn: Callable, devices: Sequence[Any], n_steps: int = 3) -> bool:
+    """``fn(step, state, batches, mesh, lr_schedule)`` must run ``step(state, batch, lr)`` over the NumPy
+    ``batches`` on an Explicit data mesh, compiled once, with every batch split over ``data`` along its
+    rows, and return ``(state, losses)`` equal to the single-device run."""
+    n = len(devices)
+    w0, batches = _loop_inputs(n, n_steps)
+    record: list = []
+    state, losses = _run_loop(fn, data_mesh(devices, axis_type="explicit"), w0, batches, record)
+    ref_step, w, ref_losses = jax.jit(_make_step([])), jnp.asarray(w0), []  # the run on one device
+    for i, b in enumerate(batches):
+        w, loss = ref_step(w, b, lr_schedule(i))
+        ref_losses.append(float(loss))
+    if len(losses) != n_steps or not np.allclose(losses, ref_losses, rtol=1e-5, atol=1e-6):
         fail(
-            f"the compiled program communicates: {counts}",
-            "place x's rows over 'data' (jax.P('data', None)) and w's columns over 'model' (jax.P(None, 'model'))",
+            f"losses {np.round(losses, 6).tolist()} differ from the single-device run "
+            f"{np.round(ref_losses, 6).tolist()}",
+            "use lr_schedule(i) for step i and the given step unchanged; only how it is compiled and "
+            "where the data lives should change",
         )
-    s = out.sharding
-    if not s.is_equivalent_to(NamedSharding(mesh, P(DATA, MODEL)), 2):
-        if (
-            mesh.shape[DATA] > 1
-            and s.is_equivalent_to(NamedSharding(mesh, P(None, MODEL)), 2)
-            or s.is_fully_replicated
-        ):
-            fail(
-                f"the output's spec is {s.spec}: the batch is not split",
-                "x is replicated, so every data shard computes the same rows; put x's rows on 'data'",
-            )
+    if not np.allclose(np.asarray(state), np.asarray(w), rtol=1e-5, atol=1e-6):
         fail(
-            f"the output's spec is {s.spec}: the columns are not split over 'model'",
-            "w is replicated over 'model', so both model shards compute the same columns; "
-            "split w's columns over 'model'",
+            "the final state differs from the single-device run",
+            "return the state after the last step",
         )
+    x_type = _judge_traces(record, n_steps)
     return passed(
-        f"x @ w runs as {s.spec} on a {dict(mesh.shape)} mesh with no collective in the compiled program"
+        f"one compile for {n_steps} steps, each batch {x_type} split over {n} device(s), losses equal "
+        "to one device's"
+    )
+
+
+# ---- exercise 3: a tensor-parallel MLP train step on Explicit axes ----------------------------------
+
+
+def _reference_step(params, x, y, lr):  # the same math, written for one device
+    def loss_fn(p):
+        return jnp.mean((jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
+
+    loss, g = jax.value_and_grad(loss_fn)(params)
+    return {k: params[k] - lr * g[k] for k in params}, loss
+
+
+def _mesh_shapes(n: int) -> list[tuple[int, int]]:
+    """The notebook's data × model split, every device on model, and every device on data when no other
+    shape has a data axis (so that a layout that gathers the batch is always caught)."""
+    shapes = [choose_mesh_shape(n), (1, n)]
+    if n > 1 and shapes[0][0] == 1:
+        shapes.append((n, 1))
+    return list(dict.fromkeys(shapes))
+
+
+def _tp_inputs(n: int):
+    k = jax.random.split(jax.random.key(11), 6)
+    d, h, o, b = 5, 4 * n, 3, 2 * n  # the same shapes on every mesh: the reference compiles once
+    params = {
+        "w1": jax.random.normal(k[0], (d, h)) * 0.5,
+        "b1": jax.random.normal(k[1], (h,)) * 0.1,
+        "w2": jax.random.normal(k[2], (h, o)) * 0.5,
+        "b2": jax.random.normal(k[3], (o,)) * 0.1,
+    }
+    return params, jax.random.normal(k[4], (b, d)), jax.random.normal(k[5], (b, o))
+
+
+def _run_tp(fn, mesh, params, x, y, where):
+    s = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    specs = {"w1": s(None, MODEL), "b1": s(MODEL), "w2": s(MODEL, None), "b2": s()}
+    placed = {name: jax.device_put(v, specs[name]) for name, v in params.items()}
+    xs, ys = jax.device_put(x, s(DATA, None)), jax.device_put(y, s(DATA, None))
+    with jax.set_mesh(mesh):
+        try:
+            lowered = call_answer(
+                f"jax.jit(tp_train_step) {where}", lambda: jax.jit(fn).lower(placed, xs, ys, 0.1)
+            )
+        except NotWritten:
+            not_written(
+                "tp_train_step",
+                "write loss_fn: x @ w1 + b1, relu, then a matmul with out_sharding=P('data', None); "
+                "take its gradient; p - lr * g",
+            )
+        compiled = lowered.compile()
+        new, loss = compiled(placed, xs, ys, 0.1)
+    return specs, new, loss, programs.collectives(compiled.as_text(), dict(mesh.shape))
+
+
+def _judge_tp(params, specs, new, found, n_model, where):
+    moved = [k for k in params if not new[k].sharding.is_equivalent_to(specs[k], new[k].ndim)]
+    if moved:
+        fail(
+            f"after the step {moved} changed sharding "
+            f"({', '.join(str(new[m].sharding.spec) for m in moved)}) {where}",
+            "the gradient of a parameter has the parameter's sharding: update it in place (p - lr * g) "
+            "and don't reshard the result",
+        )
+    gathers = sorted({(op, axes) for op, axes in found if op in ("all-gather", "all-to-all")})
+    if gathers:
+        fail(
+            f"the compiled step moves whole arrays between devices {where}: {gathers}",
+            "you resharded a weight or an activation (e.g. jax.reshard(..., P()) or out_sharding=P()): "
+            "contract the model-split hidden dimension where it lies, with "
+            "jnp.matmul(h, w2, out_sharding=P('data', None)); its partial sums become one all-reduce",
+        )
+    if n_model > 1 and ("all-reduce", (MODEL,)) not in found:
+        fail(
+            f"no all-reduce over 'model' {where}",
+            "the second matmul's partial sums must be added over model",
+        )
+
+
+@checker
+def check_tp_train_step(fn: Callable, devices: Sequence[Any]) -> bool:
+    """``fn(params, x, y, lr)``, jitted under ``jax.set_mesh(mesh)`` with Explicit axes, must return
+    ``(new_params, loss)`` equal to one device's SGD step on the MLP ``relu(x @ w1 + b1) @ w2 + b2`` with
+    mean squared error, keep every parameter's sharding, and communicate only with all-reduces."""
+    n = len(devices)
+    params, x, y = _tp_inputs(n)
+    ref, ref_loss = None, None
+    for n_data, n_model in _mesh_shapes(n):
+        mesh = data_model_mesh(devices, (n_data, n_model), axis_type="explicit")
+        where = f"on a data={n_data} x model={n_model} mesh"
+        specs, new, loss, found = _run_tp(fn, mesh, params, x, y, where)
+        if ref is None:
+            ref, ref_loss = jax.jit(_reference_step)(params, x, y, 0.1)
+        if not isinstance(new, dict) or set(new) != set(params):
+            keys = sorted(new) if isinstance(new, dict) else type(new).__name__
+            fail(f"new_params has keys {keys}", "return a dict with the same keys as params")
+        if not np.isclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-6):
+            fail(
+                f"loss {float(loss):.6f} {where}, one device gives {float(ref_loss):.6f}",
+                "loss = mean((relu(x @ w1 + b1) @ w2 + b2 - y) ** 2), computed before the update",
+            )
+        bad = [k for k in params if not np.allclose(new[k], ref[k], rtol=1e-4, atol=1e-5)]
+        if bad:
+            fail(
+                f"updated {bad} differ from one device's SGD step {where}",
+                "new_p = p - lr * grad, for every p",
+            )
+        _judge_tp(params, specs, new, found, n_model, where)
+    return passed(
+        f"tensor-parallel step equals one device's on {len(_mesh_shapes(n))} mesh shape(s); parameters "
+        "keep their shardings; only all-reduces in the compiled program"
     )
