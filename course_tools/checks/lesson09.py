@@ -1,97 +1,162 @@
-"""Checkers for ``09_multihost.ipynb``: a process's rows of the global batch, a process-aware device order
-for the mesh, and assembling a global batch from process-local data.
+"""Checkers for ``09_multihost.ipynb``: which rows each process loads under three mesh layouts (predict, then
+run), a process-aware device order for a ``data × model`` mesh, and a loader that reads each block of a
+global batch once.
 
-They run in one process (the notebook's kernel); the multi-process behaviour they stand for is exercised by
-:mod:`course_lib.distributed` and ``tests/test_launcher.py``.
+They run in the notebook's one process. Exercise 1 measures a group of processes by splitting the kernel's
+devices into consecutive groups, one per process, the way ``jax.devices()`` orders a real group on CPU and
+GPU; exercise 2 uses stand-in devices that carry a ``process_index``; exercise 3 hands the loader a source
+that records what is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
-from unittest import mock
 
 import jax
 import numpy as np
+from jax import P
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from course_lib.distributed import local_rows
-from course_lib.meshes import DATA, data_mesh
+from course_lib.meshes import DATA, MODEL, choose_mesh_shape, data_mesh, data_model_mesh
 
-from ._common import as_ints, checker, fail, passed
-from ._common import call_answer as _call
-
-# ---- exercise 1: which rows does a process load? ---------------------------------------------------------
-
-_ROW_CASES = [(32, 2, 0), (32, 2, 1), (24, 3, 2), (8, 1, 0), (12, 4, 3), (64, 8, 5)]
+from ._common import NotWritten, call_answer, checker, fail, not_written, passed
 
 
-def rows_held(global_batch: int, n_processes: int, process_index: int, devices: Sequence[Any]):
-    """The rows the devices of process ``process_index`` hold when ``n_processes`` processes of k devices
-    each split a batch over a ``data`` mesh, k as large as ``devices`` and the batch allow; None when
-    ``devices`` are fewer than the processes. Read from the sharding itself (its ``devices_indices_map``)."""
-    fits = [
-        k
-        for k in range(1, len(devices) // n_processes + 1)
-        if global_batch % (n_processes * k) == 0
-    ]
-    if not fits:
-        return None
-    k = max(fits)
-    group = list(devices)[: n_processes * k]
-    sharding = NamedSharding(data_mesh(group), P(DATA))
-    mine = group[process_index * k : (process_index + 1) * k]
-    return local_rows(sharding, (global_batch,), devices=mine)
+def _call(what: str, fn: Callable, *args, hint: str):
+    """``call_answer`` with this exercise's own "not written yet" hint."""
+    try:
+        return call_answer(what, fn, *args)
+    except NotWritten:
+        not_written(what, hint)
+
+
+# ---- exercise 1: predict each process's rows ---------------------------------------------------------------
+
+LAYOUTS = ("a", "b", "c")
+"""a: a ``data`` mesh over ``jax.devices()``; b: a ``data × model`` mesh over ``jax.devices()``; c: the same
+``data × model`` mesh built from the devices in transposed order."""
+
+
+def layout_mesh(name: str, devices: Sequence[Any]):
+    """The mesh of layout ``name`` (see :data:`LAYOUTS`) on ``devices``."""
+    if name == "a":
+        return data_mesh(devices, axis_type="explicit")
+    n_data, n_model = choose_mesh_shape(len(devices))
+    if name == "b":
+        return data_model_mesh(devices, (n_data, n_model), axis_type="explicit")
+    order = np.array(list(devices), dtype=object).reshape(n_model, n_data).T.ravel()
+    return data_model_mesh(list(order), (n_data, n_model), axis_type="explicit")
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [tuple(s) for s in out]
+
+
+def measure_process_rows(
+    name: str, devices: Sequence[Any], n_processes: int, global_batch: int
+) -> list:
+    """Rows of a ``global_batch`` split over ``data`` that each of ``n_processes`` processes holds under layout
+    ``name``: ``[(start, stop), ...]`` per process (one pair when contiguous), read from JAX's own
+    ``devices_indices_map``, process ``p`` owning the ``p``-th block of consecutive devices."""
+    devices = list(devices)
+    local = len(devices) // n_processes
+    index_map = NamedSharding(layout_mesh(name, devices), P(DATA)).devices_indices_map(
+        (global_batch,)
+    )
+    out = []
+    for p in range(n_processes):
+        spans = []
+        for d in devices[p * local : (p + 1) * local]:
+            s = index_map[d][0]
+            spans.append((s.start or 0, global_batch if s.stop is None else s.stop))
+        merged = _merge(spans)
+        out.append(merged[0] if len(merged) == 1 else merged)
+    return out
+
+
+_WHY_ROWS = {
+    "a": "the data axis runs over jax.devices(), process 0's devices first: each process holds one contiguous "
+    "block of global_batch / n_processes rows",
+    "b": "model varies fastest along jax.devices(), so a model group is neighbouring devices of one process and "
+    "a process holds whole data rows of the mesh: with data >= n_processes, still one contiguous block per "
+    "process",
+    "c": "transposed, a model group takes one device from each process, so every process holds a device in each "
+    "data block: each process must load every row it has a device for — here, all of them",
+}
+
+
+def _as_rows(value: Any):
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, (int, np.integer)) for v in value)
+    ):
+        return (int(value[0]), int(value[1]))
+    if (
+        isinstance(value, (tuple, list))
+        and value
+        and all(isinstance(v, (tuple, list)) for v in value)
+    ):
+        merged = _merge([(int(a), int(b)) for a, b in value])
+        return merged[0] if len(merged) == 1 else merged
+    raise ValueError
 
 
 @checker
-def check_process_rows(fn: Callable) -> bool:
-    """``fn(global_batch, n_processes, process_index)`` must return ``(start, stop)``, stop exclusive, and raise
-    ``ValueError`` when the batch does not split evenly over the processes.
-
-    The expected rows are those a process's devices really hold under a data-parallel sharding
-    (:func:`rows_held`), on this kernel's devices: a case needs at least as many devices as processes."""
-    cases = [(case, rows_held(*case, jax.devices())) for case in _ROW_CASES]
-    cases = [(case, want) for case, want in cases if want is not None]
-    for case, want in cases:
-        got = _call(f"process_rows{case}", fn, *case)
-        got = as_ints(f"process_rows{case}", got, "return a pair of ints (start, stop)")
-        if got == want:
-            continue
-        msg = f"process_rows{case} returned {got}, expected {want}"
-        B, n, i = case
-        if len(got) == 2 and got[1] == want[1] - 1:
-            fail(msg, "stop is exclusive, like a Python slice: rows start, start+1, …, stop-1")
-        if len(got) == 2 and got[1] - got[0] != B // n:
+def check_process_rows(
+    predictions: dict | None, devices: Sequence[Any], n_processes: int, global_batch: int
+) -> bool:
+    """``predictions[layout]`` must list, per process, the rows ``(start, stop)`` it holds under each layout."""
+    if (
+        predictions is None
+        or isinstance(predictions, dict)
+        and all(v is ... for v in predictions.values())
+    ):
+        not_written(
+            "your predictions", "give each process's rows as (start, stop), e.g. [(0, 8), (8, 16)]"
+        )
+    if not isinstance(predictions, dict) or set(predictions) != set(LAYOUTS):
+        fail(
+            f"predictions has keys {sorted(predictions) if isinstance(predictions, dict) else type(predictions)}",
+            f"give a dict with exactly the keys {list(LAYOUTS)}",
+        )
+    for name in LAYOUTS:
+        want = measure_process_rows(name, devices, n_processes, global_batch)
+        try:
+            got = [_as_rows(v) for v in predictions[name]]
+        except (TypeError, ValueError):
             fail(
-                msg,
-                f"a process loads global_batch // n_processes rows ({B // n} here), not one device's share",
+                f"prediction {name!r} is {predictions[name]!r}",
+                f"give a list of {n_processes} pair(s) (start, stop), one per process, stop exclusive",
             )
-        fail(
-            msg,
-            "process p owns the p-th contiguous block: start = p * (global_batch // n_processes)",
-        )
-    try:
-        bad = fn(30, 4, 0)
-    except ValueError:
-        pass
-    except Exception as e:  # noqa: BLE001
-        fail(
-            f"process_rows(30, 4, 0) raised {type(e).__name__}",
-            "raise ValueError naming the numbers",
-        )
-    else:
-        fail(
-            f"process_rows(30, 4, 0) returned {bad!r}: 30 rows do not split over 4 processes",
-            "raise ValueError when global_batch % n_processes != 0; every process must load the same number of rows",
-        )
-    return passed(f"all {len(cases)} cases right, and an uneven split raises ValueError")
+        if len(got) != n_processes:
+            fail(
+                f"prediction {name!r} has {len(got)} entries for {n_processes} process(es)",
+                "one pair per process",
+            )
+        if got != want:
+            fail(
+                f"layout {name!r}: you predicted {got}, the processes hold {want} "
+                f"({n_processes} x {len(devices) // n_processes} devices, batch {global_batch})",
+                _WHY_ROWS[name],
+            )
+    note = (
+        ""
+        if n_processes > 1
+        else " (one process holds every row: run with an even n_devices to see a split)"
+    )
+    return passed(f"the rows of all {len(LAYOUTS)} layouts match JAX's index maps{note}")
 
 
-# ---- exercise 2: a device order for the mesh that respects processes ---------------------------------------
+# ---- exercise 2: a device order that keeps every model group inside one process -------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,37 +165,46 @@ class FakeDevice:
 
     id: int
     process_index: int
+    platform: str = "cpu"
+    device_kind: str = "cpu"
 
     def __repr__(self) -> str:
         return f"dev{self.id}@p{self.process_index}"
 
 
-def fake_devices(n_processes: int, local: int, interleave: bool = True) -> list[FakeDevice]:
-    """``n_processes × local`` fake devices; ``interleave`` lists them round-robin over processes (a listing
-    order a launcher or a sort by another key can give you)."""
-    devs = [FakeDevice(p * 1000 + k, p) for p in range(n_processes) for k in range(local)]
-    if interleave:
-        devs = [devs[p * local + k] for k in range(local) for p in range(n_processes)]
-    return devs
+def fake_devices(
+    n_processes: int, local: int, interleave: bool = True, seed: int = 0
+) -> list[FakeDevice]:
+    """``n_processes × local`` stand-in devices; ``interleave`` lists them round-robin over processes and
+    shuffles each process's ids (a listing order a launcher or a sort by another key can give you)."""
+    rng = np.random.default_rng(seed)
+    per = [
+        [FakeDevice(p * 1000 + int(k), p) for k in rng.permutation(local)]
+        for p in range(n_processes)
+    ]
+    if not interleave:
+        return [d for devs in per for d in sorted(devs, key=lambda d: d.id)]
+    return [per[p][k] for k in range(local) for p in range(n_processes)]
 
 
-def reference_mesh_devices(devices: Sequence[Any], n_data: int, n_model: int) -> np.ndarray:
-    """Devices sorted by (process, id), laid out [n_data, n_model]: a model group never spans processes."""
-    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-    return np.array(ordered, dtype=object).reshape(n_data, n_model)
-
-
-_MESH_CASES = [(2, 4, 4, 2), (4, 2, 4, 2), (2, 4, 2, 4), (2, 2, 4, 1)]
+_MESH_CASES = [(2, 4, 4, 2), (4, 2, 4, 2), (2, 4, 2, 4), (2, 2, 4, 1), (3, 2, 3, 2), (1, 4, 2, 2)]
 
 
 @checker
 def check_mesh_devices(fn: Callable) -> bool:
     """``fn(devices, n_data, n_model)`` must return a ``[n_data, n_model]`` array of the devices in which every
-    model group (a row) lies inside one process, and process 0's rows come first (process-major)."""
+    model group (a row) lies inside one process, process 0's rows first, each process's devices in id order."""
     for P_, local, n_data, n_model in _MESH_CASES:
-        devs = fake_devices(P_, local)
+        devs = fake_devices(P_, local, seed=P_ * 10 + local)
         case = f"{P_} processes x {local} devices as [{n_data}, {n_model}]"
-        got = _call(f"mesh_devices(devices, {n_data}, {n_model})", fn, list(devs), n_data, n_model)
+        got = _call(
+            f"mesh_devices(devices, {n_data}, {n_model})",
+            fn,
+            list(devs),
+            n_data,
+            n_model,
+            hint="order the devices so that each row of the [n_data, n_model] array is one process's",
+        )
         got = np.asarray(got, dtype=object)
         if got.shape != (n_data, n_model):
             fail(
@@ -147,9 +221,9 @@ def check_mesh_devices(fn: Callable) -> bool:
         if spans:
             fail(
                 f"{case}: a model group spans processes {spans[0]} (rows of the mesh: {got.tolist()})",
-                "the model axis communicates every layer: keep each row inside one process (host). Sort the devices "
-                "by (process_index, id) before reshaping; reshaping to (n_model, n_data) and transposing puts "
-                "neighbours on different rows",
+                "the model axis communicates every layer: keep each row inside one process (host). Sort the "
+                "devices by (process_index, id) before reshaping; reshaping to (n_model, n_data) and transposing "
+                "puts neighbours on different rows",
             )
         firsts = procs[:, 0].tolist()
         if firsts != sorted(firsts):
@@ -157,65 +231,141 @@ def check_mesh_devices(fn: Callable) -> bool:
                 f"{case}: rows are not in process order ({firsts})",
                 "put process 0's devices first: each process then owns one contiguous block of the batch",
             )
+        ids = [d.id for d in got.ravel()]
+        if ids != sorted(ids):
+            fail(
+                f"{case}: inside a process the devices are not in id order",
+                "sort by (process_index, id): neighbouring ids are usually the best-connected devices",
+            )
     return passed(
-        f"all {len(_MESH_CASES)} layouts keep every model group inside one process, in process order"
+        f"all {len(_MESH_CASES)} layouts keep every model group inside one process, in process order "
+        "(JAX's mesh_utils.create_hybrid_device_mesh(..., process_is_granule=True) builds such meshes)"
     )
 
 
-# ---- exercise 3: a global batch from each process's rows ----------------------------------------------------
+# ---- exercise 3: read each block of a global batch once ----------------------------------------------------
+
+
+class RecordingSource:
+    """A NumPy array stand-in (like a memory-mapped file) that records every read.
+
+    Attributes:
+      reads: the ``(start, stop)`` ranges of each read, one pair per dimension; a conversion of the whole
+        array (``np.asarray(source)``) is recorded as the full range.
+    """
+
+    def __init__(self, data: np.ndarray):
+        self._data = data
+        self.shape, self.dtype, self.ndim = data.shape, data.dtype, data.ndim
+        self.reads: list[tuple] = []
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        block = self._data[index]
+        spans = []
+        for dim, size in enumerate(self.shape):
+            s = index[dim] if dim < len(index) else slice(None)
+            if isinstance(s, slice):
+                start, stop, _ = s.indices(size)
+            else:
+                start, stop = int(s), int(s) + 1
+            spans.append((start, stop))
+        self.reads.append(tuple(spans))
+        return np.array(block)
+
+    def __array__(self, dtype=None, copy=None):
+        self.reads.append(tuple((0, s) for s in self.shape))
+        return np.array(self._data, dtype=dtype)
+
+    def __len__(self):
+        return self.shape[0]
+
+
+def _blocks(sharding, shape) -> set[tuple]:
+    out = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        out.add(
+            tuple(
+                ((s.start or 0), (size if s.stop is None else s.stop))
+                for s, size in zip(index, shape)
+            )
+        )
+    return out
+
+
+def _loader_cases(devices):
+    n_data, n_model = choose_mesh_shape(len(devices))
+    grid = data_model_mesh(devices, (n_data, n_model), axis_type="explicit")
+    flat = data_mesh(devices, axis_type="explicit")
+    return [
+        ("rows over data", NamedSharding(flat, P(DATA))),
+        (f"rows over data, copies over model ({n_model})", NamedSharding(grid, P(DATA))),
+        ("rows over data, columns over model", NamedSharding(grid, P(DATA, MODEL))),
+        ("fully replicated", NamedSharding(grid, P())),
+    ]
 
 
 @checker
-def check_to_global_batch(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(local_batch, sharding, global_batch)`` must return ``(images, labels)`` as global ``jax.Array``s laid
-    out by ``sharding``, built with ``jax.make_array_from_process_local_data`` (in this one-process kernel the
-    local rows are the whole batch)."""
-    mesh = data_mesh(devices, axis_type="explicit")
-    n = len(devices)
-    B = 4 * n
-    rng = np.random.default_rng(0)
-    local = (
-        rng.normal(size=(B, 4, 4, 3)).astype(np.float32),
-        rng.integers(0, 10, size=(B,)).astype(np.int32),
-    )
-    sharding = NamedSharding(mesh, P(DATA))
-    real = jax.make_array_from_process_local_data
-    with mock.patch.object(jax, "make_array_from_process_local_data", wraps=real) as spy:
-        out = _call("to_global_batch(local_batch, sharding, global_batch)", fn, local, sharding, B)
-    try:
-        images, labels = out
-    except (TypeError, ValueError):
-        fail(f"returned {type(out).__name__}", "return the pair (images, labels)")
-    for name, x, ref in (("images", images, local[0]), ("labels", labels, local[1])):
-        if not isinstance(x, jax.Array):
-            fail(
-                f"{name} is a {type(x).__name__}, not a jax.Array",
-                "build it with jax.make_array_from_process_local_data",
-            )
-        if x.shape != ref.shape or not np.array_equal(np.asarray(x), ref):
-            fail(
-                f"{name}: shape {x.shape} or values differ from the input ({ref.shape})",
-                "pass the global shape (global_batch,) + local.shape[1:]; the data itself is not changed",
-            )
-        if isinstance(x.sharding, NamedSharding) and x.sharding.is_fully_replicated and n > 1:
-            fail(
-                f"{name}: every device holds the whole batch (replicated)",
-                "lay it out by the sharding you were given: its rows are split over the data axis",
-            )
-        if not x.sharding.is_equivalent_to(sharding, x.ndim):
-            fail(
-                f"{name} is laid out as {x.sharding}, not by the sharding given",
-                "pass the sharding argument to jax.make_array_from_process_local_data",
-            )
-    try:
-        source = inspect.getsource(fn)
-    except (OSError, TypeError):
-        source = ""
-    if not spy.called and "make_array_from_process_local_data" not in source:
-        fail(
-            "the layout is right here, but the function does not use jax.make_array_from_process_local_data",
-            "jax.device_put(x, sharding) treats x as the *global* value: across processes each one would claim its "
-            "own rows are the whole batch. make_array_from_process_local_data(sharding, local, global_shape) "
-            "says 'these are my rows of a bigger array'",
+def check_block_loader(fn: Callable, devices: Sequence[Any]) -> bool:
+    """``fn(source, sharding, global_shape)`` must return the global array laid out by ``sharding``, reading
+    from ``source`` exactly the distinct blocks this process's devices hold, each once."""
+    n_data, n_model = choose_mesh_shape(len(devices))
+    shape = (4 * len(devices), 2 * n_model)
+    data = np.random.default_rng(9).normal(size=shape).astype(np.float32)
+    for what, sharding in _loader_cases(devices):
+        source = RecordingSource(data)
+        out = _call(
+            f"load_global_batch(source, sharding, {shape}) with {what}",
+            fn,
+            source,
+            sharding,
+            shape,
+            hint="read source[index] once per distinct index of sharding.addressable_devices_indices_map, "
+            "put each block on the devices that need it, jax.make_array_from_single_device_arrays",
         )
-    return passed(f"global batch {jax.typeof(images)} assembled from process-local rows")
+        if not isinstance(out, jax.Array) or out.shape != shape:
+            fail(
+                f"{what}: returned {type(out).__name__} of shape {getattr(out, 'shape', None)}",
+                f"return one global jax.Array of shape {shape}",
+            )
+        if not out.sharding.is_equivalent_to(sharding, len(shape)):
+            fail(
+                f"{what}: the result is laid out as {out.sharding}",
+                "lay the result out by the sharding given",
+            )
+        if not np.array_equal(np.asarray(out), data):
+            fail(
+                f"{what}: the values differ from the source",
+                "each device must hold source[index] for its own index; keep the device order of the index map "
+                "when you assemble",
+            )
+        blocks = _blocks(sharding, shape)
+        reads = source.reads
+        full = tuple((0, s) for s in shape)
+        if full in reads and full not in blocks:
+            fail(
+                f"{what}: the whole source was read",
+                "in a group of processes each reads only what its own devices hold: read source[index] for the "
+                "blocks of sharding.addressable_devices_indices_map(global_shape), not np.asarray(source)",
+            )
+        extra = [r for r in reads if r not in blocks]
+        if extra:
+            fail(
+                f"{what}: {len(extra)} read(s) are not blocks of this process's devices, e.g. rows/columns {extra[0]}",
+                "read exactly the blocks the index map names (rows and columns): a contiguous range of local rows "
+                "is not one when a process's devices hold non-neighbouring blocks",
+            )
+        if len(reads) > len(blocks):
+            fail(
+                f"{what}: {len(reads)} reads for {len(blocks)} distinct block(s)",
+                "devices that hold copies of the same block (a replicated axis) need one read, not one each: "
+                "jax.make_array_from_callback calls back once per device; read each distinct index once, "
+                "then jax.device_put the block to every device that needs it",
+            )
+        if len(set(reads)) < len(blocks):
+            fail(
+                f"{what}: some blocks were never read", "read every distinct block of the index map"
+            )
+    return passed(
+        f"all {len(_loader_cases(devices))} layouts assembled with each distinct block read once"
+    )
