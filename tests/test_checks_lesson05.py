@@ -267,102 +267,140 @@ def test_data_parallel_loop(report):
 # ---- exercise 3 ----
 
 
-def tp_ref(params, x, y, lr):
+def _momentum(params, velocity, grads, lr):
+    v = jax.tree.map(lambda v, g: 0.9 * v + g, velocity, grads)
+    return jax.tree.map(lambda p, v: p - lr * v, params, v), v
+
+
+def tp_ref(params, velocity, x, y, lr):
     def loss_fn(p):
         h = jax.nn.relu(x @ p["w1"] + p["b1"])  # [B@data, H@model]: no communication
-        out = (
-            jnp.matmul(h, p["w2"], out_sharding=P(DATA, None)) + p["b2"]
+        out = jnp.matmul(
+            h, p["w2"], out_sharding=P(DATA, None)
         )  # contracts H: all-reduce over model
-        return jnp.mean((out - y) ** 2)
+        return jnp.mean((out + p["b2"] - y) ** 2)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
-    return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
+    new_params, new_velocity = _momentum(params, velocity, grads, lr)
+    return new_params, new_velocity, loss
 
 
-def tp_einsum(
-    params, x, y, lr
-):  # other correct form: einsum with out_sharding, optax-free SGD, sum/size
+def tp_einsum(params, velocity, x, y, lr):  # other correct form: einsum, sum / size, a dict loop
     def loss_fn(p):
         h = jnp.maximum(jnp.einsum("bd,dh->bh", x, p["w1"]) + p["b1"], 0.0)
         out = jnp.einsum("bh,ho->bo", h, p["w2"], out_sharding=P(DATA, None)) + p["b2"]
         return jnp.sum((out - y) ** 2) / y.size
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
-    return {k: params[k] - lr * grads[k] for k in params}, loss
+    v = {k: 0.9 * velocity[k] + grads[k] for k in params}
+    return {k: params[k] - lr * v[k] for k in params}, v, loss
 
 
-def tp_auto(params, x, y, lr):  # other correct form: let the compiler choose inside auto_axes
+def tp_auto(
+    params, velocity, x, y, lr
+):  # other correct form: the compiler chooses inside auto_axes
     def loss_fn(p):
         h = jax.nn.relu(x @ p["w1"] + p["b1"])
         out = auto_axes(lambda h, w: h @ w, out_sharding=P(DATA, None))(h, p["w2"]) + p["b2"]
         return jnp.mean((out - y) ** 2)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
-    return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
+    return (*_momentum(params, velocity, grads, lr), loss)
 
 
-def tp_no_out_sharding(params, x, y, lr):
-    def loss_fn(p):
-        h = jax.nn.relu(x @ p["w1"] + p["b1"])
-        return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
+def _with_loss(loss_fn):
+    def step(params, velocity, x, y, lr):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, x, y))(params)
+        return (*_momentum(params, velocity, grads, lr), loss)
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
-
-
-def tp_gather_w2(params, x, y, lr):
-    def loss_fn(p):
-        h = jax.reshard(jax.nn.relu(x @ p["w1"] + p["b1"]), P(DATA, None))
-        return jnp.mean((h @ jax.reshard(p["w2"], P()) + p["b2"] - y) ** 2)
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
+    return step
 
 
-def tp_replicated_out(params, x, y, lr):
-    def loss_fn(p):
-        h = jax.nn.relu(x @ p["w1"] + p["b1"])
-        out = jnp.matmul(h, p["w2"], out_sharding=P()) + p["b2"]
-        return jnp.mean((out - jax.reshard(y, P())) ** 2)
+tp_no_out_sharding = _with_loss(
+    lambda p, x, y: jnp.mean((jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
+)
+tp_gather_w2 = _with_loss(
+    lambda p, x, y: jnp.mean(
+        (
+            jax.reshard(jax.nn.relu(x @ p["w1"] + p["b1"]), P(DATA, None))
+            @ jax.reshard(p["w2"], P())
+            + p["b2"]
+            - y
+        )
+        ** 2
+    )
+)
+tp_replicated_out = _with_loss(
+    lambda p, x, y: jnp.mean(
+        (
+            jnp.matmul(jax.nn.relu(x @ p["w1"] + p["b1"]), p["w2"], out_sharding=P())
+            + p["b2"]
+            - jax.reshard(y, P())
+        )
+        ** 2
+    )
+)
+tp_sum_loss = _with_loss(
+    lambda p, x, y: jnp.sum(
+        (
+            jnp.matmul(jax.nn.relu(x @ p["w1"] + p["b1"]), p["w2"], out_sharding=P(DATA, None))
+            + p["b2"]
+            - y
+        )
+        ** 2
+    )
+)
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
+
+def tp_resharded_params(params, velocity, x, y, lr):
+    new, v, loss = tp_ref(params, velocity, x, y, lr)
+    return jax.tree.map(lambda p: jax.reshard(p, P()), new), v, loss
 
 
-def tp_resharded_params(params, x, y, lr):
-    new, loss = tp_ref(params, x, y, lr)
-    return jax.tree.map(lambda p: jax.reshard(p, P()), new), loss
+def tp_resharded_velocity(params, velocity, x, y, lr):
+    new, v, loss = tp_ref(params, velocity, x, y, lr)
+    return new, jax.tree.map(lambda a: jax.reshard(a, P()), v), loss
 
 
-def tp_sum_loss(params, x, y, lr):
-    def loss_fn(p):
-        h = jax.nn.relu(x @ p["w1"] + p["b1"])
-        out = jnp.matmul(h, p["w2"], out_sharding=P(DATA, None)) + p["b2"]
-        return jnp.sum((out - y) ** 2)
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
+def tp_plain_sgd(params, velocity, x, y, lr):  # ignores the momentum
+    new, _, loss = tp_ref(params, jax.tree.map(jnp.zeros_like, velocity), x, y, lr)
+    return new, velocity, loss
 
 
-def tp_loss_after(params, x, y, lr):
-    new, _ = tp_ref(params, x, y, lr)
-    _, loss = tp_ref(new, x, y, lr)
-    return new, loss
+def tp_loss_after(params, velocity, x, y, lr):
+    new, v, _ = tp_ref(params, velocity, x, y, lr)
+    return new, v, tp_ref(new, v, x, y, lr)[2]
 
 
 def test_tp_train_step(report):
     devs = report.devices
-    n = len(devs)
     assert lesson05.check_tp_train_step(tp_ref, devs)
     assert lesson05.check_tp_train_step(tp_einsum, devs)
     assert lesson05.check_tp_train_step(tp_auto, devs)
-    if n > 1:
-        rejects(lesson05.check_tp_train_step, tp_no_out_sharding, devs, match="ShardingTypeError")
-        rejects(lesson05.check_tp_train_step, tp_gather_w2, devs, match="moves whole arrays")
-        rejects(lesson05.check_tp_train_step, tp_replicated_out, devs, match="moves whole arrays")
-        rejects(lesson05.check_tp_train_step, tp_resharded_params, devs, match="changed sharding")
+    rejects(lesson05.check_tp_train_step, tp_no_out_sharding, devs, match="ShardingTypeError")
+    rejects(lesson05.check_tp_train_step, tp_gather_w2, devs, match="moves whole arrays")
+    rejects(lesson05.check_tp_train_step, tp_replicated_out, devs, match="moves whole arrays")
+    rejects(
+        lesson05.check_tp_train_step,
+        tp_resharded_params,
+        devs,
+        match="parameters .* changed sharding",
+    )
+    rejects(
+        lesson05.check_tp_train_step,
+        tp_resharded_velocity,
+        devs,
+        match="velocity .* changed sharding",
+    )
+    rejects(lesson05.check_tp_train_step, tp_plain_sgd, devs, match="velocity of")
     rejects(lesson05.check_tp_train_step, tp_sum_loss, devs, match="loss .* one device gives")
     rejects(lesson05.check_tp_train_step, tp_loss_after, devs, match="before the update")
+    rejects(
+        lesson05.check_tp_train_step,
+        lambda p, v, x, y, lr: tp_ref(p, v, x, y, lr)[0],
+        devs,
+        match="new_params, new_velocity, loss",
+    )
     _not_written(lesson05.check_tp_train_step, stub, devs)
 
 

@@ -290,13 +290,17 @@ def check_data_parallel_loop(fn: Callable, devices: Sequence[Any], n_steps: int 
 
 # ---- exercise 3: a tensor-parallel MLP train step on Explicit axes ----------------------------------
 
+MOMENTUM = 0.9
+"""The momentum of exercise 3's SGD: ``v <- MOMENTUM * v + g``, ``p <- p - lr * v``."""
 
-def _reference_step(params, x, y, lr):  # the same math, written for one device
+
+def _reference_step(params, velocity, x, y, lr):  # the same math, written for one device
     def loss_fn(p):
         return jnp.mean((jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
 
     loss, g = jax.value_and_grad(loss_fn)(params)
-    return {k: params[k] - lr * g[k] for k in params}, loss
+    v = {k: MOMENTUM * velocity[k] + g[k] for k in params}
+    return {k: params[k] - lr * v[k] for k in params}, v, loss
 
 
 def _mesh_shapes(n: int) -> list[tuple[int, int]]:
@@ -309,47 +313,61 @@ def _mesh_shapes(n: int) -> list[tuple[int, int]]:
 
 
 def _tp_inputs(n: int):
-    k = jax.random.split(jax.random.key(11), 6)
+    k = jax.random.split(jax.random.key(11), 7)
     d, h, o, b = 5, 4 * n, 3, 2 * n  # the same shapes on every mesh: the reference compiles once
+    shapes = {"w1": (d, h), "b1": (h,), "w2": (h, o), "b2": (o,)}
+    scale = {"w1": 0.5, "b1": 0.1, "w2": 0.5, "b2": 0.1}
     params = {
-        "w1": jax.random.normal(k[0], (d, h)) * 0.5,
-        "b1": jax.random.normal(k[1], (h,)) * 0.1,
-        "w2": jax.random.normal(k[2], (h, o)) * 0.5,
-        "b2": jax.random.normal(k[3], (o,)) * 0.1,
+        name: jax.random.normal(k[i], shape) * scale[name]
+        for i, (name, shape) in enumerate(shapes.items())
     }
-    return params, jax.random.normal(k[4], (b, d)), jax.random.normal(k[5], (b, o))
+    velocity = {
+        name: 0.1 * jax.random.normal(jax.random.fold_in(k[6], i), shape)
+        for i, (name, shape) in enumerate(shapes.items())
+    }
+    return params, velocity, jax.random.normal(k[4], (b, d)), jax.random.normal(k[5], (b, o))
 
 
-def _run_tp(fn, mesh, params, x, y, where):
+def _run_tp(fn, mesh, params, velocity, x, y, where):
     s = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
     specs = {"w1": s(None, MODEL), "b1": s(MODEL), "w2": s(MODEL, None), "b2": s()}
-    placed = {name: jax.device_put(v, specs[name]) for name, v in params.items()}
-    xs, ys = jax.device_put(x, s(DATA, None)), jax.device_put(y, s(DATA, None))
+    args = (
+        {name: jax.device_put(v, specs[name]) for name, v in params.items()},
+        {name: jax.device_put(v, specs[name]) for name, v in velocity.items()},
+        jax.device_put(x, s(DATA, None)),
+        jax.device_put(y, s(DATA, None)),
+        0.1,
+    )
     with jax.set_mesh(mesh):
         try:
             lowered = call_answer(
-                f"jax.jit(tp_train_step) {where}", lambda: jax.jit(fn).lower(placed, xs, ys, 0.1)
+                f"jax.jit(tp_train_step) {where}", lambda: jax.jit(fn).lower(*args)
             )
         except NotWritten:
             not_written(
                 "tp_train_step",
                 "write loss_fn: x @ w1 + b1, relu, then a matmul with out_sharding=P('data', None); "
-                "take its gradient; p - lr * g",
+                "take its gradient; v <- 0.9 v + g, p <- p - lr v",
             )
         compiled = lowered.compile()
-        new, loss = compiled(placed, xs, ys, 0.1)
-    return specs, new, loss, programs.collectives(compiled.as_text(), dict(mesh.shape))
+        out = compiled(*args)
+    try:
+        new, new_v, loss = out
+    except (TypeError, ValueError):
+        fail(f"returned {type(out).__name__}", "return (new_params, new_velocity, loss)")
+    return specs, new, new_v, loss, programs.collectives(compiled.as_text(), dict(mesh.shape))
 
 
-def _judge_tp(params, specs, new, found, n_model, where):
-    moved = [k for k in params if not new[k].sharding.is_equivalent_to(specs[k], new[k].ndim)]
-    if moved:
-        fail(
-            f"after the step {moved} changed sharding "
-            f"({', '.join(str(new[m].sharding.spec) for m in moved)}) {where}",
-            "the gradient of a parameter has the parameter's sharding: update it in place (p - lr * g) "
-            "and don't reshard the result",
-        )
+def _judge_layout(specs, trees, found, n_model, where):
+    for what, tree in trees.items():
+        moved = [k for k in specs if not tree[k].sharding.is_equivalent_to(specs[k], tree[k].ndim)]
+        if moved:
+            fail(
+                f"after the step the {what} {moved} changed sharding "
+                f"({', '.join(str(tree[m].sharding.spec) for m in moved)}) {where}",
+                "a gradient has its parameter's sharding, and so has the velocity built from it: update "
+                "both in place and don't reshard the results",
+            )
     gathers = sorted({(op, axes) for op, axes in found if op in ("all-gather", "all-to-all")})
     if gathers:
         fail(
@@ -365,36 +383,49 @@ def _judge_tp(params, specs, new, found, n_model, where):
         )
 
 
+def _judge_values(params, new, new_v, loss, ref, where):
+    ref_p, ref_v, ref_loss = ref
+    for what, tree in (("new_params", new), ("new_velocity", new_v)):
+        if not isinstance(tree, dict) or set(tree) != set(params):
+            keys = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
+            fail(f"{what} has keys {keys}", "return dicts with the same keys as params")
+    if not np.isclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-6):
+        fail(
+            f"loss {float(loss):.6f} {where}, one device gives {float(ref_loss):.6f}",
+            "loss = mean((relu(x @ w1 + b1) @ w2 + b2 - y) ** 2), computed before the update",
+        )
+    bad_v = [k for k in params if not np.allclose(new_v[k], ref_v[k], rtol=1e-4, atol=1e-5)]
+    if bad_v:
+        fail(
+            f"the new velocity of {bad_v} differs from one device's {where}",
+            "v_new = 0.9 * v + grad",
+        )
+    bad = [k for k in params if not np.allclose(new[k], ref_p[k], rtol=1e-4, atol=1e-5)]
+    if bad:
+        fail(
+            f"updated {bad} differ from one device's step {where}",
+            "p_new = p - lr * v_new, for every p",
+        )
+
+
 @checker
 def check_tp_train_step(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(params, x, y, lr)``, jitted under ``jax.set_mesh(mesh)`` with Explicit axes, must return
-    ``(new_params, loss)`` equal to one device's SGD step on the MLP ``relu(x @ w1 + b1) @ w2 + b2`` with
-    mean squared error, keep every parameter's sharding, and communicate only with all-reduces."""
+    """``fn(params, velocity, x, y, lr)``, jitted under ``jax.set_mesh(mesh)`` with Explicit axes, must return
+    ``(new_params, new_velocity, loss)`` equal to one device's momentum-SGD step on the MLP
+    ``relu(x @ w1 + b1) @ w2 + b2`` with mean squared error, keep the shardings of the parameters and of
+    the velocity, and communicate only with all-reduces."""
     n = len(devices)
-    params, x, y = _tp_inputs(n)
-    ref, ref_loss = None, None
+    params, velocity, x, y = _tp_inputs(n)
+    ref = None
     for n_data, n_model in _mesh_shapes(n):
         mesh = data_model_mesh(devices, (n_data, n_model), axis_type="explicit")
         where = f"on a data={n_data} x model={n_model} mesh"
-        specs, new, loss, found = _run_tp(fn, mesh, params, x, y, where)
+        specs, new, new_v, loss, found = _run_tp(fn, mesh, params, velocity, x, y, where)
         if ref is None:
-            ref, ref_loss = jax.jit(_reference_step)(params, x, y, 0.1)
-        if not isinstance(new, dict) or set(new) != set(params):
-            keys = sorted(new) if isinstance(new, dict) else type(new).__name__
-            fail(f"new_params has keys {keys}", "return a dict with the same keys as params")
-        if not np.isclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-6):
-            fail(
-                f"loss {float(loss):.6f} {where}, one device gives {float(ref_loss):.6f}",
-                "loss = mean((relu(x @ w1 + b1) @ w2 + b2 - y) ** 2), computed before the update",
-            )
-        bad = [k for k in params if not np.allclose(new[k], ref[k], rtol=1e-4, atol=1e-5)]
-        if bad:
-            fail(
-                f"updated {bad} differ from one device's SGD step {where}",
-                "new_p = p - lr * grad, for every p",
-            )
-        _judge_tp(params, specs, new, found, n_model, where)
+            ref = jax.jit(_reference_step)(params, velocity, x, y, 0.1)
+        _judge_values(params, new, new_v, loss, ref, where)
+        _judge_layout(specs, {"parameters": new, "velocity": new_v}, found, n_model, where)
     return passed(
         f"tensor-parallel step equals one device's on {len(_mesh_shapes(n))} mesh shape(s); parameters "
-        "keep their shardings; only all-reduces in the compiled program"
+        "and velocity keep their shardings; only all-reduces in the compiled program"
     )
