@@ -356,4 +356,3 @@ def y_block_cols(y_block, model_axis):  # this model shard's columns of y
 
 def mlp_layout_replicated(data_axis, model_axis):  # wrong: nothing split
     return {"w1": P(), "b1": P(), "w2": P(), "b2": P()}
-
