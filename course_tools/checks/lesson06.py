@@ -1,205 +1,223 @@
-"""Checkers for ``06_shard_map.ipynb``: an all-reduce mean, a ring shift, data-parallel gradients, a
-row-parallel dense layer. Each runs the learner's per-shard body in ``jax.shard_map`` with ``check_vma=True``."""
+"""Checkers for ``06_shard_map.ipynb``: predicted shapes and vma, a ring all-reduce built from ``ppermute``,
+a vocabulary-parallel cross-entropy (debug this), and a tensor-parallel MLP gradient with the fewest
+collectives. Each runs the learner's per-shard body in ``jax.shard_map`` with ``check_vma=True``.
+
+None of them holds an answer: shapes and vma are measured by tracing the lesson's body; the ring is compared
+with ``lax.psum`` and its traffic read from its jaxpr; the cross-entropy with optax on the whole logits; the
+MLP with ``jax.value_and_grad`` on one device.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from course_lib.meshes import DATA, MODEL, data_mesh, data_model_mesh
+from course_lib.meshes import DATA, MODEL
+from course_lib.programs import jaxpr_equations
 
 from ._common import call_answer, checker, fail, passed
+from ._lesson06_tp import check_tp_cross_entropy, check_tp_mlp
+from ._spmd import abstract, communicates, run_mapped
 
-_VMA_WORDS = ("out_specs", "replicat", "vma", "varying")
+__all__ = [
+    "check_ring_all_reduce",
+    "check_shapes_and_vma",
+    "check_tp_cross_entropy",
+    "check_tp_mlp",
+]
 
-
-def _run(what: str, fn: Callable, *args, varies_hint: str):
-    def explain(e: Exception):
-        if isinstance(e, NameError):
-            return (
-                f"{what} raised NameError: {e}",
-                "use the axis name passed in as `axis_name`, the mesh's axis",
-            )
-        if any(w in str(e) for w in _VMA_WORDS):
-            return (
-                f"{what}: shard_map says the result varies across devices, but out_specs=P() promises one value",
-                varies_hint,
-            )
-        return None
-
-    return call_answer(what, fn, *args, explain=explain)
+# ---- exercise 1: predict shapes and vma ------------------------------------------------------------------
 
 
-@checker
-def check_allreduce_mean(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(x_block, axis_name)`` must return the mean of the *whole* array, the same on every device."""
-    mesh = data_mesh(devices, axis_type="auto")
-    n = len(devices)
-    x = jnp.arange(4 * n, dtype=jnp.float32) ** 1.5
+def lesson_body(x_block, w_block, record):
+    """The body of exercise 1 (the question, as the notebook shows it): x f32[8·nd, 4·nm] with
+    P(DATA, MODEL), w f32[4·nm, 6] with P(MODEL, None)."""
+    xw = x_block @ w_block
+    y = lax.psum(xw, MODEL)
+    record(
+        x=x_block,
+        w=w_block,
+        xw=xw,
+        y=y,
+        g=lax.all_gather(x_block, MODEL, axis=1, tiled=True),
+        s=lax.psum_scatter(y, DATA, scatter_dimension=0, tiled=True),
+        i=lax.axis_index(MODEL),
+        wy=w_block + y.sum(),
+    )
+    return y
+
+
+_PREDICT_MESHES = ((1, 1), (2, 2), (4, 2), (2, 3), (8, 1))
+_PREDICT_HINTS = {
+    "x": "a block is the global shape divided, dimension by dimension, by the size of the mesh axis the spec "
+    "names there: [8·nd, 4·nm] with P(DATA, MODEL) gives [8, 4]; an input varies over the axes its spec names",
+    "w": "w is [4·nm, 6] with P(MODEL, None): only the first dimension is split, and only over MODEL",
+    "xw": "an operation's result varies over the union of its inputs' vma; the matmul of [8, 4] and [4, 6] is [8, 6]",
+    "y": "psum over MODEL leaves the shape alone and removes MODEL from the vma: every model shard holds the same sum",
+    "g": "all_gather(tiled=True) concatenates the n_model blocks along axis 1 ([8, 4·nm]); its result counts as "
+    "varying over MODEL unless you pass to='invarying'",
+    "s": "psum_scatter(tiled=True) sums over DATA, then splits dimension 0 into n_data pieces: each device keeps "
+    "8 / n_data rows, a different piece on each device (so it varies over DATA)",
+    "i": "axis_index is a scalar (shape ()) that differs from model shard to model shard",
+    "wy": "w varies over MODEL, y.sum() over DATA: the sum varies over both; the shape is w's",
+}
+
+
+def _measure_shapes_and_vma(n_data: int, n_model: int) -> dict:
+    seen = {}
+
+    def record(**values):
+        for k, v in values.items():
+            t = jax.typeof(v)
+            seen[k] = (tuple(t.shape), frozenset(t.manual_axis_type.varying))
+
+    mesh = abstract((n_data, n_model), (DATA, MODEL))
     mapped = jax.shard_map(
-        partial(fn, axis_name=DATA), mesh=mesh, in_specs=P(DATA), out_specs=P(), check_vma=True
-    )
-    got = np.asarray(
-        _run(
-            "your body",
-            mapped,
-            x,
-            varies_hint="each device computed only its own block's mean; "
-            "combine across devices with lax.pmean(…, axis_name)",
-        )
-    )
-    want = float(np.mean(np.asarray(x)))
-    if got.shape != ():
-        fail(f"result has shape {got.shape}", "return one scalar: the mean over the whole array")
-    if np.isclose(got, want, rtol=1e-5):
-        return passed(f"the mean over all {n} shards, {want:.4f}, on every device")
-    if n > 1 and np.isclose(got, n * want, rtol=1e-5):
-        fail(
-            f"{n}x (n_devices x) too large",
-            "lax.psum adds the per-device means; lax.pmean averages them",
-        )
-    fail(
-        f"got {float(got):.4f}, expected {want:.4f}",
-        "take the local mean, then lax.pmean it over axis_name",
-    )
-
-
-@checker
-def check_ring_shift(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(x_block, axis_name)`` must send each device's block to the next device (i → i+1, the last to 0)."""
-    mesh = data_mesh(devices, axis_type="auto")
-    n = len(devices)
-    k = 3
-    x = jnp.arange(k * n, dtype=jnp.float32)
-    mapped = jax.shard_map(
-        partial(fn, axis_name=DATA), mesh=mesh, in_specs=P(DATA), out_specs=P(DATA), check_vma=True
-    )
-    got = np.asarray(
-        _run(
-            "your body", mapped, x, varies_hint="return the received block, which varies per device"
-        )
-    )
-    want = np.roll(np.asarray(x), k)
-    if got.shape != want.shape:
-        fail(
-            f"result has shape {got.shape}, expected {want.shape}",
-            "return a block of the same shape as x_block",
-        )
-    if np.array_equal(got, want):
-        return passed(f"every block moved one device forward around a ring of {n}")
-    if n > 1 and np.array_equal(got, np.roll(np.asarray(x), -k)):
-        fail(
-            "the blocks moved backwards (i → i-1)",
-            "ppermute's perm lists (source, destination) pairs: use [(i, (i + 1) % n) for i in range(n)]",
-        )
-    if np.array_equal(got, np.asarray(x)):
-        fail(
-            "nothing moved",
-            "send with lax.ppermute(x_block, axis_name, perm=[(i, (i + 1) % n) for i in range(n)])",
-        )
-    fail(
-        "the blocks are not where they should be",
-        "device i's block must arrive on device (i + 1) % n",
-    )
-
-
-def _local_loss(params, x, y):
-    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
-
-
-@checker
-def check_dp_grad(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(loss_fn, params, x_block, y_block, axis_name)`` inside shard_map (params ``P()``, batch ``P(data)``,
-    out ``P()``, check_vma=True) must return the gradient of the mean loss over the *whole* batch."""
-    mesh = data_mesh(devices, axis_type="auto")
-    n = len(devices)
-    kx, ky, kw = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(kx, (4 * n, 3))
-    y = jax.random.normal(ky, (4 * n, 2))
-    params = {"w": jax.random.normal(kw, (3, 2)), "b": jnp.ones(2)}
-    want = jax.grad(_local_loss)(params, x, y)
-    mapped = jax.shard_map(
-        partial(fn, _local_loss, axis_name=DATA),
-        mesh=mesh,
-        in_specs=(P(), P(DATA), P(DATA)),
-        out_specs=P(),
-        check_vma=True,
-    )
-    got = _run(
-        "your body",
-        mapped,
-        params,
-        x,
-        y,
-        varies_hint="the gradients differ per device: the result must be the one global gradient",
-    )
-    if jax.tree.structure(got) != jax.tree.structure(params):
-        fail(
-            f"returned {jax.tree.structure(got)}",
-            "return the gradient pytree, same structure as params",
-        )
-    pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
-    if all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in pairs):
-        return passed(f"the full-batch gradient, from {n} data shards (check_vma=True)")
-    if n > 1 and all(np.allclose(a, n * np.asarray(b), rtol=1e-5, atol=1e-6) for a, b in pairs):
-        fail(
-            f"gradient is n_data× too large ({n}×): you pmean'd gradients of a local loss inside shard_map",
-            "for a replicated (P()) parameter, grad already sums the shards' gradients over the data axis; "
-            "differentiate the global loss instead: jax.grad(lambda p: lax.pmean(loss_fn(p, x, y), axis_name))(params)",
-        )
-    fail(
-        "gradients differ from the single-device gradient",
-        "differentiate lax.pmean(loss_fn(p, x_block, y_block), axis_name)",
-    )
-
-
-@checker
-def check_row_parallel(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(x_block, w_block, axis_name)`` on a 2-D mesh: x [b, d/m] split over model, w [d/m, h] row-split;
-    must return the full ``x @ w`` rows [b, h], the same on every model shard."""
-    mesh = data_model_mesh(devices, axis_type="auto")
-    kx, kw = jax.random.split(jax.random.key(2))
-    rows, d = (
-        2 * mesh.shape[DATA],
-        4 * mesh.shape[MODEL],
-    )  # multiples of the axis sizes (8 x 8 on 4 x 2)
-    x = jax.random.normal(kx, (rows, d))
-    w = jax.random.normal(kw, (d, 4))
-    mapped = jax.shard_map(
-        partial(fn, axis_name=MODEL),
+        partial(lesson_body, record=record),
         mesh=mesh,
         in_specs=(P(DATA, MODEL), P(MODEL, None)),
         out_specs=P(DATA, None),
-        check_vma=True,
     )
-    got = np.asarray(
-        _run(
-            "your body",
-            mapped,
-            x,
-            w,
-            varies_hint="each model shard holds a partial sum over its slice of d: "
-            "add them with lax.psum(…, axis_name)",
-        )
+    jax.eval_shape(
+        mapped,
+        jax.ShapeDtypeStruct((8 * n_data, 4 * n_model), jnp.float32),
+        jax.ShapeDtypeStruct((4 * n_model, 6), jnp.float32),
     )
-    want = np.asarray(x @ w)
-    if got.shape != want.shape:
+    return seen
+
+
+def _as_vma(value) -> frozenset:
+    if isinstance(value, str):
+        return frozenset({value})
+    return frozenset(str(a) for a in value)
+
+
+@checker
+def check_shapes_and_vma(predict: Callable[[int, int], dict]) -> bool:
+    """``predict(n_data, n_model)`` returns ``{name: (block shape, set of axes it varies over)}`` for each
+    value of :func:`lesson_body`; compared with what tracing the body on meshes of several shapes shows."""
+    for n_data, n_model in _PREDICT_MESHES:
+        got = call_answer("predict", predict, n_data, n_model)
+        truth = _measure_shapes_and_vma(n_data, n_model)
+        if not isinstance(got, dict) or set(got) != set(truth):
+            fail(
+                f"predict({n_data}, {n_model}) returned {type(got).__name__} with keys "
+                f"{sorted(got) if isinstance(got, dict) else '-'}",
+                f"return a dict with exactly the keys {sorted(truth)}, each (shape tuple, set of axis names)",
+            )
+        for name, (shape, vma) in truth.items():
+            try:
+                p_shape, p_vma = got[name]
+                p_shape, p_vma = tuple(int(d) for d in p_shape), _as_vma(p_vma)
+            except (TypeError, ValueError):
+                fail(
+                    f"{name!r}: {got[name]!r} is not (shape, axes)",
+                    "write e.g. ((8, 4), {DATA, MODEL})",
+                )
+            if p_shape != shape or p_vma != vma:
+                part = "shape" if p_shape != shape else "vma"
+                fail(
+                    f"on a mesh data={n_data} x model={n_model}, {name!r} has {part} "
+                    f"{shape if part == 'shape' else set(vma) or '{}'}, you predicted "
+                    f"{p_shape if part == 'shape' else set(p_vma) or '{}'}",
+                    _PREDICT_HINTS[name],
+                )
+    return passed(
+        f"shapes and vma of all {len(_PREDICT_HINTS)} values, on meshes {list(_PREDICT_MESHES)}"
+    )
+
+
+# ---- exercise 2: a ring all-reduce -----------------------------------------------------------------------
+
+_RING = "ring"
+
+
+def _ring_traffic(fn: Callable, n: int, block_shape: tuple[int, ...]) -> tuple[float, set]:
+    """Bytes each device sends, read from the jaxpr on an n-device abstract mesh; and the collectives used."""
+    mesh = abstract((n,), (_RING,))
+    mapped = jax.shard_map(
+        partial(fn, axis_name=_RING), mesh=mesh, in_specs=P(_RING), out_specs=P(_RING)
+    )
+    x = jax.ShapeDtypeStruct((n * block_shape[0], *block_shape[1:]), jnp.float32)
+    hint = "return the summed block (lax.ppermute's result varies, like the block)"
+    jaxpr = run_mapped(
+        "ring_all_reduce under shard_map", jax.make_jaxpr(mapped), x, varies_hint=hint
+    )
+    sent, used = 0.0, set()
+    for eqn, times in jaxpr_equations(jaxpr):
+        name = eqn.primitive.name
+        if communicates(eqn):
+            used.add(name)
+        if name == "ppermute":
+            sent += times * sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.invars)
+    return sent, used
+
+
+def _ring_values(fn: Callable, rng) -> None:
+    """psum's values on rings of 3, 4 and 8, simulated with vmap (any number of devices)."""
+    for n, block in ((3, (6,)), (4, (4, 3)), (8, (16,))):
+        x = jnp.asarray(rng.standard_normal((n, *block)), jnp.float32)
+        ring = jax.jit(jax.vmap(partial(fn, axis_name=_RING), axis_name=_RING))
+        got = np.asarray(call_answer("ring_all_reduce", ring, x))
+        want = np.broadcast_to(np.asarray(x).sum(0), x.shape)
+        if got.shape != want.shape:
+            fail(
+                f"on a ring of {n}, a block {block} came back as {got.shape[1:]}",
+                "return an array of the block's shape: every device ends with the whole sum",
+            )
+        if np.allclose(got, want, rtol=1e-5, atol=1e-5):
+            continue
+        if n > 1 and np.allclose(got, np.asarray(x), atol=1e-6):
+            fail(
+                f"on a ring of {n}, every device still holds its own block",
+                "send with lax.ppermute, and add",
+            )
+        chunk_ok = np.isclose(got.reshape(n, n, -1), want.reshape(n, n, -1), atol=1e-5).all(-1)
+        if chunk_ok.sum(1).max() == 1:
+            fail(
+                f"on a ring of {n}, each device holds the complete sum of one chunk only",
+                "that is the reduce-scatter half: pass the complete chunks on around the ring n-1 more "
+                "times (the all-gather half) so that every device gets all n",
+            )
         fail(
-            f"result has shape {got.shape}, expected {want.shape}",
-            "return x_block @ w_block summed over the model axis",
+            f"on a ring of {n}, the result differs from psum by up to {np.abs(got - want).max():.3g}",
+            "each chunk must collect all n contributions: n-1 steps that add what arrives to your own "
+            "copy of that chunk; track which chunk index arrives at step s from device i-1",
         )
-    if np.allclose(got, want, atol=1e-5):
-        return passed(f"row-parallel x @ w on a {dict(mesh.shape)} mesh: one psum over {MODEL!r}")
-    m = mesh.shape[MODEL]
-    if m > 1 and np.allclose(got * m, want, atol=1e-5):
-        fail(f"{m}x too small", "lax.pmean averages the partial sums; they must be added: lax.psum")
-    fail(
-        "x @ w is wrong",
-        "multiply the local blocks, then lax.psum the partial products over axis_name",
+
+
+@checker
+def check_ring_all_reduce(fn: Callable) -> bool:
+    """``fn(x_block, axis_name)`` must return ``lax.psum(x_block, axis_name)`` (every device: the sum of all
+    blocks), built from ``lax.ppermute`` alone, each device sending about ``2 (n-1)/n`` of its block."""
+    _ring_values(fn, np.random.default_rng(6))
+    block = (
+        16,
+        3,
+    )  # shard_map's vma check and the communication, from the program on an 8-device ring
+    sent, used = _ring_traffic(fn, 8, block)
+    if used - {"ppermute"}:
+        fail(
+            f"the ring uses {sorted(used - {'ppermute'})}",
+            "build it from lax.ppermute (and local arithmetic) only: psum, psum_scatter and all_gather "
+            "are what you are re-implementing",
+        )
+    block_bytes = int(np.prod(block)) * 4
+    ideal = 2 * 7 / 8 * block_bytes
+    if sent > ideal * 1.01:
+        fail(
+            f"on 8 devices each device sends {sent / block_bytes:.2f}× its block; a ring all-reduce sends "
+            f"2·(n-1)/n = {ideal / block_bytes:.2f}×",
+            "split the block into n chunks and send one chunk per step: n-1 steps to sum "
+            "(reduce-scatter), n-1 steps to share the sums (all-gather)",
+        )
+    return passed(
+        f"equals psum on rings of 3, 4 and 8; on 8 devices (shard_map, check_vma=True) each sends "
+        f"{sent / block_bytes:.3f}× its block, by ppermute only"
     )
