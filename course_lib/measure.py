@@ -11,13 +11,11 @@ which work on every backend; on GPUs the allocator's ``Device.memory_stats()`` i
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -106,58 +104,6 @@ class CompiledStats:
 def count_collectives(hlo_text: str) -> dict[str, int]:
     """Count collective ops in compiled HLO text (``Compiled.as_text()``), one per instruction."""
     return {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo_text)) for op in COLLECTIVES}
-
-
-_NOT_KERNELS = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast"})
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\([^=]*?\)|\S+)\s+([\w\-]+)\(")
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-"""The ``jax.monitoring`` event JAX records once per XLA compilation (what :func:`count_compiles` counts)."""
-
-
-def hlo_kernels(hlo_text: str) -> collections.Counter:
-    """Count the operations of a compiled program's entry computation, by kind.
-
-    Args:
-      hlo_text: ``jax.jit(f).lower(...).compile().as_text()`` (the optimised HLO).
-
-    Returns:
-      A ``Counter`` such as ``{"fusion": 6, "dot": 3}``: what the program launches, one entry per operation
-      of its ``ENTRY`` computation (parameters, constants, tuples and bitcasts, which launch nothing, are
-      left out). Taught in ``notebooks/02_jit.ipynb`` (and used in ``01_grad.ipynb``).
-
-    Raises:
-      ValueError: the text has no ``ENTRY`` computation (it is not HLO text).
-    """
-    start = hlo_text.find("\nENTRY ")
-    if start < 0:
-        raise ValueError(
-            "no ENTRY computation in this text; pass compiled.as_text() of a jitted function"
-        )
-    body = hlo_text[start:].split("\n}", 1)[0].splitlines()[1:]
-    ops = (m.group(1) for m in map(_INSTRUCTION.match, body) if m)
-    return collections.Counter(op for op in ops if op not in _NOT_KERNELS)
-
-
-@contextlib.contextmanager
-def count_compiles() -> Iterator[dict]:
-    """Count XLA compilations (``jax.monitoring``'s :data:`COMPILE_EVENT`) inside a ``with`` block.
-
-    Yields:
-      A dict whose ``"n"`` is the number of programs compiled so far in the block. Eager operations compile
-      too (once per new shape), so create a call's inputs before the block. Taught in
-      ``notebooks/02_jit.ipynb``.
-    """
-    counter = {"n": 0}
-
-    def listener(event: str, duration_secs: float, **_: Any) -> None:
-        if event == COMPILE_EVENT:
-            counter["n"] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield counter
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def compile_and_analyse(lower: Callable[[], Any]) -> tuple[Any, CompiledStats]:

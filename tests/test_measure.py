@@ -71,36 +71,3 @@ def test_count_collectives_text():
 def test_human_bytes_and_peak_memory(report):
     assert measure.human_bytes(1536) == "1.5 KiB" and measure.human_bytes(None) == "n/a"
     assert measure.peak_device_memory(report.devices) is None  # CPU has no allocator stats
-
-
-def test_hlo_kernels_counts_what_the_entry_computation_launches():
-    def scaled_norm(x, scale):
-        return scale * jnp.sqrt(jnp.sum(x**2))
-
-    hlo = jax.jit(scaled_norm).lower(jnp.arange(4.0), 1.0).compile().as_text()
-    assert measure.hlo_kernels(hlo) == {"fusion": 1}  # five operations, one fused kernel (XLA:CPU)
-
-    def two_matmuls(a, b):
-        return (a @ b) @ b.T
-
-    ops = measure.hlo_kernels(
-        jax.jit(two_matmuls).lower(jnp.ones((8, 8)), jnp.ones((8, 8))).compile().as_text()
-    )
-    assert sum(ops.values()) >= 2 and "parameter" not in ops
-    with pytest.raises(ValueError, match="no ENTRY computation"):
-        measure.hlo_kernels("not HLO")
-
-
-def test_count_compiles_counts_each_new_program_once():
-    f = jax.jit(lambda v: 2 * v)
-    x4, x5 = jnp.arange(4.0), jnp.arange(5.0)  # made before counting: eager operations compile too
-    with measure.count_compiles() as counted:
-        f(x4)
-        f(x4 + 0)  # the add compiles eagerly (a new program), the call does not
-        f(x5)
-    assert counted["n"] == 3
-    with measure.count_compiles() as counted:
-        f(x4)
-    assert counted["n"] == 0  # cached
-    f(jnp.arange(6.0))  # outside the block: not counted, and the listener is gone
-    assert counted["n"] == 0

@@ -1,8 +1,8 @@
 """Checkers for ``02_jit.ipynb``: predicting compiles, padding a ragged batch, a timing bug, a scan loop.
 
-Compiles are counted with ``jax.monitoring`` (``course_lib.measure.count_compiles``), traces with a counter
-inside the jitted function, timings against a stand-in step whose compute time is known, and the scan loop
-against a Python loop of jitted steps (another algorithm) and by its program size.
+Compiles are counted with ``course_lib.programs.CompileLog`` (``jax.log_compiles``), traces with a
+counter inside the jitted function, timings against a stand-in step whose compute time is known, and the
+scan loop against a Python loop of jitted steps (another algorithm) and by its program size.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from functools import partial
 
 import numpy as np
 
-from course_lib.measure import count_compiles
+from course_lib.programs import CompileLog
 
 from ._common import call_answer, checker, fail, not_written, passed
 
@@ -59,9 +59,9 @@ def measure_compiles() -> dict[str, bool]:
     out = {}
     for case in COMPILE_CASES:
         arg = eval(case, scope)  # built before counting: eager operations compile too
-        with count_compiles() as counted:
+        with CompileLog() as log:
             jax.block_until_ready(f(arg))
-        out[case] = counted["n"] > 0
+        out[case] = bool(log.compiled)
     return out
 
 
@@ -416,12 +416,12 @@ def check_train_scan(train_scan: Callable) -> bool:
             "a Python loop over the steps is traced once per step; use lax.scan over xs, ys",
         )
     params, xs, ys = _problem(24, 2)  # new data of the same shapes, made before counting
-    with count_compiles() as counted:
+    with CompileLog() as log:
         jax.block_until_ready(train_scan(_loss_fn, params, xs, ys, lr))
         jax.block_until_ready(train_scan(_loss_fn, params, xs, ys, 0.1))
-    if counted["n"]:
+    if log.compiled:
         fail(
-            f"two more calls (new data, then a new learning rate) compiled {counted['n']} program(s)",
+            f"two more calls (new data, then a new learning rate) compiled {len(log.compiled)} program(s)",
             "jit the whole loop once (loss_fn static, everything else traced: the learning rate is data)",
         )
     seconds = _compile_seconds(train_scan, lr)
