@@ -194,6 +194,28 @@ def _unbound_axis(e: BaseException):
     return None
 
 
+def _agrees_under_pmap(batch_norm: Callable, devices, rng) -> None:
+    """Run ``batch_norm`` under ``jax.pmap`` (one example per device) and compare with ``jax.vmap``."""
+    import jax
+    import jax.numpy as jnp
+
+    X = jnp.asarray(rng.normal(size=(len(devices), 6)).astype(np.float32) * 3 + 1)
+    by_pmap = np.asarray(
+        call_answer(
+            "jax.pmap(batch_norm, axis_name='batch')(X)",
+            jax.pmap(batch_norm, axis_name="batch", devices=list(devices)),
+            X,
+            explain=_unbound_axis,
+        )
+    )
+    by_vmap = np.asarray(jax.vmap(batch_norm, axis_name="batch")(X))
+    if not np.allclose(by_pmap, by_vmap, rtol=1e-4, atol=1e-4):
+        fail(
+            "under pmap (one example per device) the result differs from vmap's",
+            "use only the named-axis collectives for batch statistics, nothing that sees the whole array",
+        )
+
+
 @checker
 def check_batch_norm(batch_norm: Callable, devices=None) -> bool:
     """Exercise 3: ``batch_norm(x)`` for ONE example x: f32[features], normalised with the BATCH's statistics.
@@ -257,18 +279,8 @@ def check_batch_norm(batch_norm: Callable, devices=None) -> bool:
             "the mean and the variance are both averages over the named axis, feature by feature",
         )
     if devices is not None:
-        n = len(devices)
-        X = rng.normal(size=(n, 6)).astype(np.float32) * 3 + 1
-        by_pmap = np.asarray(
-            jax.pmap(batch_norm, axis_name="batch", devices=list(devices))(jnp.asarray(X))
-        )
-        by_vmap = np.asarray(jax.vmap(batch_norm, axis_name="batch")(jnp.asarray(X)))
-        if not np.allclose(by_pmap, by_vmap, rtol=1e-4, atol=1e-4):
-            fail(
-                "under pmap (one example per device) the result differs from vmap's",
-                "use only the named-axis collectives for batch statistics, nothing that sees the whole array",
-            )
-        where = f"; the same function under pmap on {n} device(s) agrees"
+        _agrees_under_pmap(batch_norm, devices, rng)
+        where = f"; the same function under pmap on {len(devices)} device(s) agrees"
     else:
         where = ""
     return passed(f"batch_norm uses the batch's statistics through the named axis{where}")
