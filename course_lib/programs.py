@@ -4,7 +4,8 @@ and the programs compiled while a block of code runs.
 
 Taught in ``notebooks/04_pmap.ipynb`` (a traced program's collectives), ``notebooks/05_sharding.ipynb``
 (compiled collectives and their mesh axes; one compile per input placement) and
-``notebooks/06_shard_map.ipynb`` (a jaxpr read line by line; collectives with their groups); the lab
+``notebooks/06_shard_map.ipynb`` (a jaxpr read line by line; collectives with their groups), and
+``notebooks/02_jit.ipynb`` (the kernels a compiled program launches; compiles counted); the lab
 sizes its communication with :func:`collective_ops`, and the exercise checkers use the same functions.
 
 A compiled program (``jax.jit(f).lower(...).compile().as_text()``) writes each collective's device groups
@@ -18,6 +19,7 @@ order; the functions here turn each group back into the axes of *your* mesh alon
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import re
@@ -238,6 +240,34 @@ def collectives(hlo_text: str, mesh_shape: Any) -> list[tuple[str, tuple[str, ..
       mesh_shape: that mesh's ``dict(mesh.shape)`` (or the mesh), e.g. ``{"data": 4, "model": 2}``.
     """
     return [(c.op, c.axes) for c in collective_ops(hlo_text, mesh_shape)]
+
+
+_NOT_KERNELS = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast"})
+_ENTRY_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\([^=]*?\)|\S+)\s+([\w\-]+)\(")
+
+
+def hlo_kernels(hlo_text: str) -> collections.Counter:
+    """Count the operations of a compiled program's entry computation, by kind.
+
+    Args:
+      hlo_text: ``jax.jit(f).lower(...).compile().as_text()`` (the optimised HLO).
+
+    Returns:
+      A ``Counter`` such as ``{"fusion": 6, "dot": 3}``: what the program launches, one entry per operation
+      of its ``ENTRY`` computation (parameters, constants, tuples and bitcasts, which launch nothing, are
+      left out). Taught in ``notebooks/02_jit.ipynb`` (and used in ``01_grad.ipynb``).
+
+    Raises:
+      ValueError: the text has no ``ENTRY`` computation (it is not HLO text).
+    """
+    start = hlo_text.find("\nENTRY ")
+    if start < 0:
+        raise ValueError(
+            "no ENTRY computation in this text; pass compiled.as_text() of a jitted function"
+        )
+    body = hlo_text[start:].split("\n}", 1)[0].splitlines()[1:]
+    ops = (m.group(1) for m in map(_ENTRY_INSTR.match, body) if m)
+    return collections.Counter(op for op in ops if op not in _NOT_KERNELS)
 
 
 class CompileLog(logging.Handler):

@@ -1,55 +1,36 @@
-"""The exercise checkers of lesson 01 (course_tools.checks.lesson01) accept the reference solutions and
-reject typical wrong answers.
-
-Each wrong answer is one a learner plausibly writes; the test asserts on the hint the checker gives.
-"""
+"""The checkers of lesson 01 (course_tools.checks.lesson01) accept correct answers in several forms and
+reject typical wrong ones, each with its own hint; an unwritten answer prints its hint (or raises under
+COURSE_STRICT_CHECKS=1)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from course_tools.checks import ExerciseError, lesson01
+from course_tools.checks import ExerciseError, NotWritten, lesson01
 
 
-def rejects(check, answer, *args, match: str):
-    with pytest.raises(ExerciseError, match=match):
-        check(answer, *args)
+def rejects(check, *args, match):
+    with pytest.raises(ExerciseError, match=match) as e:
+        check(*args)
+    assert not isinstance(e.value, NotWritten)
 
 
-def test_loss_and_grad():
-    def loss(w, x, y):
-        return jnp.mean((x @ w - y) ** 2)
-
-    assert lesson01.check_loss_and_grad(jax.value_and_grad(loss))
-    rejects(lesson01.check_loss_and_grad, jax.value_and_grad(loss, argnums=1), match="argnums=0")
-    rejects(
-        lesson01.check_loss_and_grad,
-        jax.value_and_grad(lambda w, x, y: jnp.sum((x @ w - y) ** 2)),
-        match="use the mean, not the sum",
-    )
-    rejects(lesson01.check_loss_and_grad, jax.grad(loss), match=r"expected a pair|scalar")
+def not_written(check, *args, monkeypatch, capsys):
+    monkeypatch.setenv("COURSE_STRICT_CHECKS", "1")  # as the test suite runs the solution notebooks
+    with pytest.raises(NotWritten):
+        check(*args)
+    monkeypatch.delenv("COURSE_STRICT_CHECKS", raising=False)
+    assert check(*args) is False
+    out = capsys.readouterr().out
+    assert "not written yet" in out and "hint:" in out
 
 
-def test_sgd_update():
-    assert lesson01.check_sgd_update(lambda p, g, lr: jax.tree.map(lambda a, b: a - lr * b, p, g))
-    rejects(
-        lesson01.check_sgd_update,
-        lambda p, g, lr: jax.tree.map(lambda a, b: a + lr * b, p, g),
-        match="uphill",
-    )
-    rejects(
-        lesson01.check_sgd_update,
-        lambda p, g, lr: [
-            a - lr * b for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(g), strict=True)
-        ],
-        match="jax.tree.map",
-    )
-    rejects(
-        lesson01.check_sgd_update,
-        lambda p, g, lr: jax.tree.map(lambda a, b: a - b, p, g),
-        match="p - lr",
-    )
+def _stub(*args):
+    raise NotImplementedError("Exercise: write this part")
+
+
+# ---------------------------------------------------------------- exercise 1
 
 
 def _dropout(key, x, rate):
@@ -57,18 +38,37 @@ def _dropout(key, x, rate):
     return jnp.where(keep, x / (1 - rate), 0)
 
 
-def test_dropout():
+def _dropout_uniform(key, x, rate):  # another correct form: a uniform draw and a multiply
+    keep = jax.random.uniform(key, x.shape) >= rate
+    return x * keep.astype(x.dtype) / (1 - rate)
+
+
+def test_dropout_accepts_correct_forms():
     assert lesson01.check_dropout(_dropout)
+    assert lesson01.check_dropout(_dropout_uniform)
+
+
+def test_dropout_stub(monkeypatch, capsys):
+    not_written(lesson01.check_dropout, _stub, monkeypatch=monkeypatch, capsys=capsys)
+
+
+def test_dropout_wrong_answers():
+    # the hole of the old checker (its x was all ones): an answer that ignores x
+    rejects(
+        lesson01.check_dropout,
+        lambda k, x, r: jnp.where(jax.random.bernoulli(k, 1 - r, x.shape), 1 / (1 - r), 0.0),
+        match="does not depend on x",
+    )
     rng = np.random.default_rng()
     rejects(
         lesson01.check_dropout,
         lambda k, x, r: x * (rng.random(x.shape) > r) / (1 - r),
-        match="not pure",
+        match="not pure|dtype",
     )
     rejects(
         lesson01.check_dropout,
         lambda k, x, r: jnp.where(jax.random.bernoulli(k, 1 - r, x.shape), x, 0),
-        match=r"1 / \(1 - rate\)",
+        match="not rescaled",
     )
     rejects(
         lesson01.check_dropout,
@@ -79,4 +79,203 @@ def test_dropout():
         lesson01.check_dropout,
         lambda k, x, r: jnp.where(jax.random.bernoulli(k, r, x.shape), x / r, 0),
         match="probability 1 - rate",
+    )
+    rejects(lesson01.check_dropout, lambda k, x, r: _dropout(k, x[0], r), match="output shape")
+
+
+# ---------------------------------------------------------------- exercise 2
+
+RIGHT = {
+    "three eager gradients": 3,
+    "one vjp, two backward passes": 1,
+    "a Hessian": 1,
+    "vmap over 4 rows": 1,
+    "jit, then grad of the jitted f": 1,
+    "jit(vmap(grad)) on 4 rows, then 5": 2,
+    "grad of a checkpointed f": 1,
+}
+
+
+def test_trace_counts_measured():
+    assert lesson01.measure_traces() == RIGHT
+    assert (
+        lesson01.measure_traces() == RIGHT
+    )  # fresh functions: the second measurement is not a cache hit
+
+
+def test_trace_counts_accept_correct_forms():
+    assert lesson01.check_trace_counts(RIGHT)
+    assert lesson01.check_trace_counts(
+        {k: float(v) for k, v in RIGHT.items()}
+    )  # 1.0 is a whole number
+    assert lesson01.check_trace_counts({k: np.int64(v) for k, v in RIGHT.items()})
+
+
+def test_trace_counts_stub(monkeypatch, capsys):
+    not_written(
+        lesson01.check_trace_counts, dict.fromkeys(RIGHT), monkeypatch=monkeypatch, capsys=capsys
+    )
+
+
+def test_trace_counts_wrong_answers():
+    rejects(
+        lesson01.check_trace_counts,
+        {**RIGHT, "one vjp, two backward passes": 3},
+        match="f_vjp hold",
+    )  # a tape replayed
+    rejects(
+        lesson01.check_trace_counts, {**RIGHT, "vmap over 4 rows": 4}, match="one row"
+    )  # a loop over rows
+    rejects(
+        lesson01.check_trace_counts, {**RIGHT, "a Hessian": 2}, match="compose"
+    )  # one trace per derivative
+    rejects(
+        lesson01.check_trace_counts,
+        {**RIGHT, "jit, then grad of the jitted f": 2},
+        match="grad transforms a program",
+    )
+    rejects(
+        lesson01.check_trace_counts, {**RIGHT, "grad of a checkpointed f": 2}, match="recomputes"
+    )
+    rejects(lesson01.check_trace_counts, {**RIGHT, "three eager gradients": 1}, match="survive")
+    rejects(lesson01.check_trace_counts, {**RIGHT, "a Hessian": 1.5}, match="whole number")
+
+
+# ---------------------------------------------------------------- exercise 3
+
+
+def _double_where(p, q):
+    d2 = jnp.sum((p - q) ** 2)
+    ok = d2 > 0
+    return jnp.where(ok, jnp.sqrt(jnp.where(ok, d2, 1.0)), 0.0)
+
+
+def _clamped(p, q):  # another correct form: keep sqrt's input off 0
+    return jnp.sqrt(jnp.maximum(jnp.sum((p - q) ** 2), 1e-30))
+
+
+def _tiny_eps(p, q):  # another correct form: an epsilon small enough not to bias the value
+    return jnp.sqrt(jnp.sum((p - q) ** 2) + 1e-20)
+
+
+def test_safe_distance_accepts_correct_forms():
+    assert lesson01.check_safe_distance(_double_where)
+    assert lesson01.check_safe_distance(_clamped)
+    assert lesson01.check_safe_distance(_tiny_eps)
+
+
+def test_safe_distance_stub(monkeypatch, capsys):
+    not_written(lesson01.check_safe_distance, _stub, monkeypatch=monkeypatch, capsys=capsys)
+
+
+def test_safe_distance_wrong_answers():
+    rejects(lesson01.check_safe_distance, lambda p, q: jnp.sqrt(jnp.sum((p - q) ** 2)), match="NaN")
+    single_where = lambda p, q: jnp.where(
+        jnp.sum((p - q) ** 2) > 0, jnp.sqrt(jnp.sum((p - q) ** 2)), 0.0
+    )  # noqa: E731
+    rejects(lesson01.check_safe_distance, single_where, match=r"0 x inf = NaN")
+    rejects(lesson01.check_safe_distance, lambda p, q: jnp.linalg.norm(p - q), match="NaN")
+    rejects(
+        lesson01.check_safe_distance,
+        lambda p, q: jnp.sqrt(jnp.sum((p - q) ** 2) + 1e-6),
+        match="sqrt\\(eps\\)",
+    )
+    rejects(
+        lesson01.check_safe_distance,
+        lambda p, q: jnp.nan_to_num(jnp.sqrt(jnp.sum((p - q) ** 2))),
+        match="NaN",
+    )
+    rejects(
+        lesson01.check_safe_distance,
+        lambda p, q: jnp.sum((p - q) ** 2),
+        match="different points is wrong",
+    )
+    rejects(lesson01.check_safe_distance, lambda p, q: jnp.abs(p - q), match="scalar")
+
+
+# ---------------------------------------------------------------- exercise 4
+
+
+def _accumulate(loss_fn, params, x, y, micro):
+    total = x.shape[0]
+    loss_sum, grad_sum = 0.0, jax.tree.map(jnp.zeros_like, params)
+    for start in range(0, total, micro):
+        xb, yb = x[start : start + micro], y[start : start + micro]
+        loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
+        w = xb.shape[0] / total
+        loss_sum = loss_sum + w * loss
+        grad_sum = jax.tree.map(lambda a, g, w=w: a + w * g, grad_sum, grads)
+    return loss_sum, grad_sum
+
+
+def _accumulate_sums(
+    loss_fn, params, x, y, micro
+):  # another correct form: sum of (rows x mean), divide once
+    parts = []
+    for start in range(0, x.shape[0], micro):
+        xb, yb = x[start : start + micro], y[start : start + micro]
+        parts.append(
+            jax.value_and_grad(lambda p, xb=xb, yb=yb: len(xb) * loss_fn(p, xb, yb))(params)
+        )
+    loss = sum(value for value, _ in parts) / x.shape[0]
+    grads = jax.tree.map(lambda *gs: sum(gs) / x.shape[0], *[g for _, g in parts])
+    return [loss, grads]  # a list instead of a tuple
+
+
+def _unweighted(loss_fn, params, x, y, micro):
+    parts = [
+        jax.value_and_grad(loss_fn)(params, x[s : s + micro], y[s : s + micro])
+        for s in range(0, x.shape[0], micro)
+    ]
+    k = len(parts)
+    return sum(value for value, _ in parts) / k, jax.tree.map(
+        lambda *gs: sum(gs) / k, *[g for _, g in parts]
+    )
+
+
+def _summed(loss_fn, params, x, y, micro):
+    parts = [
+        jax.value_and_grad(loss_fn)(params, x[s : s + micro], y[s : s + micro])
+        for s in range(0, x.shape[0], micro)
+    ]
+    return sum(value for value, _ in parts), jax.tree.map(
+        lambda *gs: sum(gs), *[g for _, g in parts]
+    )
+
+
+def _drops_the_rest(loss_fn, params, x, y, micro):
+    k = x.shape[0] // micro
+    parts = [
+        jax.value_and_grad(loss_fn)(
+            params, x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
+        )
+        for i in range(k)
+    ]
+    return sum(value for value, _ in parts) / k, jax.tree.map(
+        lambda *gs: sum(gs) / k, *[g for _, g in parts]
+    )
+
+
+def test_accumulate_accepts_correct_forms():
+    assert lesson01.check_accumulate(_accumulate)
+    assert lesson01.check_accumulate(_accumulate_sums)
+
+
+def test_accumulate_stub(monkeypatch, capsys):
+    not_written(lesson01.check_accumulate, _stub, monkeypatch=monkeypatch, capsys=capsys)
+
+
+def test_accumulate_wrong_answers():
+    rejects(
+        lesson01.check_accumulate,
+        lambda f, p, x, y, m: jax.value_and_grad(f)(p, x, y),
+        match="rows at once",
+    )
+    rejects(lesson01.check_accumulate, _summed, match="3x the full-batch")
+    rejects(lesson01.check_accumulate, _unweighted, match="last micro-batch has 2 rows")
+    rejects(lesson01.check_accumulate, _drops_the_rest, match="do not drop it")
+    rejects(
+        lesson01.check_accumulate,
+        lambda f, p, x, y, m: jax.tree.leaves(_accumulate(f, p, x, y, m)[1]),
+        match="expected a pair|structure",
     )

@@ -215,3 +215,31 @@ def test_compile_log_counts_one_program_per_placement_and_restores_the_logger(re
     assert logger.propagate == propagate and log not in logger.handlers
     f(v * 3)
     assert log.count("plus_one") == 3  # nothing is collected after the block
+
+
+def test_hlo_kernels_counts_what_the_entry_computation_launches():
+    def scaled_norm(x, scale):
+        return scale * jnp.sqrt(jnp.sum(x**2))
+
+    hlo = jax.jit(scaled_norm).lower(jnp.arange(4.0), 1.0).compile().as_text()
+    assert programs.hlo_kernels(hlo) == {"fusion": 1}  # five operations, one fused kernel (XLA:CPU)
+
+    def two_matmuls(a, b):
+        return (a @ b) @ b.T
+
+    ops = programs.hlo_kernels(
+        jax.jit(two_matmuls).lower(jnp.ones((8, 8)), jnp.ones((8, 8))).compile().as_text()
+    )
+    assert sum(ops.values()) >= 2 and "parameter" not in ops
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        programs.hlo_kernels("not HLO")
+
+
+def test_compile_log_counts_eager_operations_too():
+    f = jax.jit(lambda v: 2 * v)
+    x4 = jnp.arange(4.0)  # made before the block: eager operations compile too
+    f(x4)
+    with programs.CompileLog() as log:
+        f(x4)  # cached: nothing compiled
+        f(x4 + 1)  # the eager add compiles (a new program), the call does not
+    assert log.compiled == ["jit(add)"]
