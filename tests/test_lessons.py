@@ -82,20 +82,8 @@ def test_exercises_are_marked(name):
     assert "BEGIN SOLUTION" not in "".join(c.source for c in student.cells)
 
 
-# Lessons whose checkers still treat the stub as a wrong answer (being rewritten); strict: a fixed one fails here.
-_STUB_NOT_YET_PRINTED: set[str] = set()
-
-
 @pytest.mark.notebook
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="checker rewrite pending"))
-        if n in _STUB_NOT_YET_PRINTED
-        else n
-        for n in LESSONS
-    ],
-)
+@pytest.mark.parametrize("name", LESSONS)
 def test_student_version_runs_to_the_end_with_every_check_printing_its_hint(name, monkeypatch):
     from nbclient import NotebookClient
 
