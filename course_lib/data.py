@@ -14,6 +14,7 @@ global batches.
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 from typing import Any
 
@@ -112,13 +113,19 @@ def _generate(ds: SyntheticImages, batch_size: int, key: jax.Array):
     proto_key = jax.random.key(ds.seed)
     shape = (ds.num_classes, ds.image_size, ds.image_size, ds.channels)
     # Low-frequency prototypes (a 4x4 grid of random colours, resized): class structure survives pooling.
-    coarse = jax.random.normal(proto_key, (ds.num_classes, 4, 4, ds.channels), jnp.float32)
+    coarse = _normal(proto_key, (ds.num_classes, 4, 4, ds.channels))
     prototypes = jax.image.resize(coarse, shape, method="linear")
     k_label, k_noise = jax.random.split(key)
     labels = jax.random.randint(k_label, (batch_size,), 0, ds.num_classes, dtype=jnp.int32)
-    noise = jax.random.normal(k_noise, (batch_size,) + shape[1:], jnp.float32)
+    noise = _normal(k_noise, (batch_size,) + shape[1:])
     images = ds.signal * prototypes[labels] + noise
     return images, labels
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``jax.random.normal(key, shape)`` bit for bit, drawn flat and reshaped (the partitionable PRNG gives
+    the same numbers): XLA:CPU compiles the 1-D draw about four times faster than the 4-D one."""
+    return jax.random.normal(key, (math.prod(shape),), jnp.float32).reshape(shape)
 
 
 _CACHE: dict[Any, Any] = {}

@@ -60,3 +60,13 @@ def test_pmap_layout(report):
     assert np.array_equal(x.reshape(16, 8, 8, 3), b[0])
     with pytest.raises(ValueError, match="16 is not divisible by 3"):
         data.to_pmap_layout(b, 3)
+
+
+def test_noise_drawn_flat_equals_the_shaped_draw():
+    from course_lib.data import _normal
+
+    key = jax.random.key(11)
+    for shape in [(10, 4, 4, 3), (16, 32, 32, 3)]:
+        np.testing.assert_array_equal(
+            np.asarray(_normal(key, shape)), np.asarray(jax.random.normal(key, shape, jnp.float32))
+        )

@@ -77,3 +77,26 @@ def test_the_cnn_learns_the_synthetic_data():
         state, m = step(state, ds.batch(jax.random.fold_in(jax.random.key(1), i), 32))
     last = float(steps.cross_entropy(model.apply(g, state.params, fixed[0]), fixed[1]))
     assert last < 0.6 * first, (first, last)
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 3, 16), (3, 3, 16, 32), (512, 64), (64, 10)])
+def test_the_flat_initializer_is_flax_lecun_normal_bit_for_bit(shape):
+    key = jax.random.key(7)
+    expected = nnx.initializers.lecun_normal()(key, shape)
+    np.testing.assert_array_equal(np.asarray(model.lecun_normal(key, shape)), np.asarray(expected))
+
+
+def test_every_kernel_is_initialised_as_flax_would():
+    _, params = model.init_model(jax.random.key(0), model.TINY)
+    # the same layers, in the same order from the same key, with Flax's default initializer
+    rngs = nnx.Rngs(params=jax.random.key(0))
+    c1, c2, c3 = model.TINY.channels
+    layers = {
+        "conv1": nnx.Conv(3, c1, kernel_size=(3, 3), padding="SAME", rngs=rngs),
+        "conv2": nnx.Conv(c1, c2, kernel_size=(3, 3), padding="SAME", rngs=rngs),
+        "conv3": nnx.Conv(c2, c3, kernel_size=(3, 3), padding="SAME", rngs=rngs),
+        "dense1": nnx.Linear(model.TINY.flat_features, model.TINY.hidden, rngs=rngs),
+        "dense2": nnx.Linear(model.TINY.hidden, model.TINY.num_classes, rngs=rngs),
+    }
+    for name, layer in layers.items():
+        np.testing.assert_array_equal(params[name]["kernel"], np.asarray(layer.kernel.value))
