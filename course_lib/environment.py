@@ -21,40 +21,24 @@ from .devices import DeviceSetupError
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 """The matplotlib backend that puts figures into the notebook (ipykernel's default when MPLBACKEND is unset)."""
 
-_RANDOM = (
-    "other random numbers for the same key: other initial parameters and data than the course's"
-)
+_RANDOM = "other random numbers for the same key: other parameters and data than the course's runs"
 COURSE_DEFAULTS = (
-    (
-        "jax_enable_x64",
-        False,
-        "JAX would compute in float64; the lessons' values and bytes are float32",
-    ),
-    (
-        "jax_disable_jit",
-        False,
-        "nothing would be compiled, and the lessons count and time compilations",
-    ),
+    ("jax_enable_x64", False, "JAX computes in float64; the lessons' values and bytes are float32"),
+    ("jax_disable_jit", False, "nothing is compiled, and the lessons count and time compilations"),
     (
         "jax_debug_nans",
         False,
-        "the lessons' deliberate NaNs would raise (07_debugging enables it locally)",
+        "the lessons' deliberate NaNs raise (07_debugging turns it on locally)",
     ),
-    ("jax_debug_infs", False, "the lessons' deliberate infinities would raise"),
-    ("jax_debug_key_reuse", False, "the lessons reuse keys on purpose to show what that does"),
+    ("jax_debug_key_reuse", False, "the lessons reuse a key on purpose, to show what that does"),
     (
         "jax_numpy_rank_promotion",
         "allow",
-        "the course's models broadcast ranks (a bias over a batch)",
+        "the course's CNN adds a bias over a batch (rank promotion)",
     ),
-    ("jax_numpy_dtype_promotion", "standard", "the lessons mix Python scalars and arrays"),
-    ("jax_threefry_partitionable", True, _RANDOM + " reference runs in data/"),
-    ("jax_default_prng_impl", "threefry2x32", _RANDOM + " reference runs in data/"),
-    (
-        "jax_default_matmul_precision",
-        None,
-        "matrix products at another precision change the numbers",
-    ),
+    ("jax_threefry_partitionable", True, _RANDOM),
+    ("jax_default_prng_impl", "threefry2x32", _RANDOM),
+    ("jax_default_matmul_precision", None, "every matrix product runs at another precision"),
 )
 """``(JAX option, the value the course is written for, what another value does)``: an option that differs
 stops the setup cell. Each is read from the environment variable of the same name in capitals."""

@@ -33,9 +33,10 @@ def test_the_course_defaults_pass():
     "option, value, text",
     [
         ("jax_enable_x64", True, "float64"),
-        ("jax_disable_jit", True, "compil"),
+        ("jax_disable_jit", True, "compilations"),
         ("jax_debug_nans", True, "NaNs"),
-        ("jax_numpy_rank_promotion", "raise", "broadcast"),
+        ("jax_numpy_rank_promotion", "raise", "rank promotion"),
+        ("jax_debug_key_reuse", True, "reuse a key"),
         ("jax_threefry_partitionable", False, "random numbers"),
         ("jax_default_prng_impl", "rbg", "random numbers"),
         ("jax_default_matmul_precision", "bfloat16", "precision"),
