@@ -85,7 +85,9 @@ class _Run:
         if self.cell is None:
             return "before its first cell"
         _, cell = self.cell
-        number = cell.execution_count or self.counts + 1  # not echoed yet when the kernel died at once
+        number = (
+            cell.execution_count or self.counts + 1
+        )  # not echoed yet when the kernel died at once
         first = next((line for line in cell.source.splitlines() if line.strip()), "").strip()
         return f"in cell [{number}] `{first[:60]}`"
 

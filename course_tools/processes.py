@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -116,9 +117,9 @@ def check_folder(path: str | os.PathLike, what: str = "build folder", fix: str =
         raise FolderError(f"the {what} is empty; give a folder such as 'build'")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
     except FileExistsError:
         raise FolderError(f"the {what} {path} is a file, not a folder: {fix}") from None
     except OSError as e:

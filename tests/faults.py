@@ -38,7 +38,8 @@ def make_notebook(path: Path, *cells: str, parameters: str = PARAMETERS) -> Path
 
 
 def command_driver(tmp: Path, module: str = "course_tools.run") -> list[str]:
-    """``python driver.py NOTEBOOKS ARGS…``: the real ``main`` of ``module``, on another notebook folder."""
+    """``python driver.py NOTEBOOKS ARGS…``: the real command line of ``module`` (its ``command``, what
+    ``python -m`` runs), on another notebook folder."""
     driver = tmp / "driver.py"
     driver.write_text(
         textwrap.dedent(f"""
@@ -46,7 +47,7 @@ def command_driver(tmp: Path, module: str = "course_tools.run") -> list[str]:
         from pathlib import Path
         import {module} as m
         m.NOTEBOOKS = Path(sys.argv[1])
-        sys.exit(m.main(sys.argv[2:]))
+        m.command(sys.argv[2:])
         """)
     )
     return [sys.executable, str(driver)]
