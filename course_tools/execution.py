@@ -344,20 +344,25 @@ def execute(
             raise
         raise _kernel_died(notebook, output, run, str(e)) from None
     except KeyboardInterrupt as e:
-        sigterm = isinstance(e, Terminated)
-        code, what = (143, "stopped by SIGTERM") if sigterm else (130, "interrupted")
-        raise RunInterrupted(
-            f"{notebook.name} {what} {run.where()} after {time.perf_counter() - t0:.0f} s; the kernel was "
-            f"stopped; the executed notebook up to that cell is {output}",
-            output,
-            code,
-        ) from None
+        raise _interrupted(notebook, output, run, e, time.perf_counter() - t0) from None
     finally:
         papermill_log.removeHandler(handler)
         handler.close()
         with ignoring_sigint():
             run.stop_kernels()
     return time.perf_counter() - t0
+
+
+def _interrupted(notebook: Path, output: Path, run: _Run, error: BaseException, seconds: float):
+    code, what = (
+        (143, "stopped by SIGTERM") if isinstance(error, Terminated) else (130, "interrupted")
+    )
+    return RunInterrupted(
+        f"{notebook.name} {what} {run.where()} after {seconds:.0f} s; the kernel was stopped; the executed "
+        f"notebook up to that cell is {output}",
+        output,
+        code,
+    )
 
 
 _NOT_THE_KERNELS = ("without encryption", "Kernel died", "Error occurred while starting new kernel")
