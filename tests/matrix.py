@@ -27,8 +27,9 @@ COUNTS = tuple(int(c) for c in os.environ.get("COURSE_MATRIX_COUNTS", "1 2 4 8")
 NOTEBOOKS = {p.stem: p for p in run.course_notebooks()}
 LAB, MULTIHOST = "08_lab", "09_multihost"
 DEFAULTS_COUNT = 8
-"""At this count every notebook also runs exactly as committed (no parameter injected): what a learner
-gets by opening it, and what nbmake used to check."""
+"""At this count every notebook runs exactly as committed (no parameter injected): what a learner gets by
+opening it, and what nbmake used to check. A lesson whose defaults are this count on the CPU is not run a
+second time with the parameters injected; the lab is (its tiny profile is the one compared across counts)."""
 PRESET_ENV = {1: {"MPLBACKEND": "Agg"}, 4: {"JAX_NUM_CPU_DEVICES": "2"}}
 """Variables a user may bring, preset for the runs at a count: a non-inline plot backend (the plots must
 still appear, see test_invariance) and another device count (setup_devices must override it)."""
@@ -103,6 +104,8 @@ def notebook_run(stem: str, n: int, defaults: bool = False) -> Path:
     """
     if n == 2 and stem in ("00_setup", LAB) and not defaults:
         return course_run()
+    if n == DEFAULTS_COUNT and stem != LAB and not defaults and _defaults_are(stem, n):
+        defaults = True  # the same run: share it
     name = f"n{n}{'-defaults' if defaults else ''}/{stem}"
 
     def produce(folder: Path):
@@ -116,6 +119,19 @@ def notebook_run(stem: str, n: int, defaults: bool = False) -> Path:
         )
 
     return ensure(name, produce)
+
+
+def _defaults_are(stem: str, n: int) -> bool:
+    """True when ``stem`` as committed runs on ``n`` simulated CPU devices (no GPU in the test session)."""
+    import jax
+    import papermill as pm
+
+    declared = {name: p["default"] for name, p in pm.inspect_notebook(str(NOTEBOOKS[stem])).items()}
+    cpu = (
+        declared.get("platform", "'auto'").strip("'\"") in ("auto", "cpu")
+        and jax.default_backend() == "cpu"
+    )
+    return cpu and declared.get("n_devices") == str(n)
 
 
 def lab_results(n: int) -> Path:
