@@ -354,6 +354,11 @@ def execute(
 
 
 def _interrupted(notebook: Path, output: Path, run: _Run, error: BaseException, seconds: float):
+    # The cell that was running ends later with DeadKernelError (its kernel is stopped); when its event loop
+    # is collected, asyncio logs "Task exception was never retrieved" with a traceback. Into the run's log.
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.addHandler(logging.FileHandler(run.log_path, delay=True))
+    asyncio_log.propagate = False
     code, what = (
         (143, "stopped by SIGTERM") if isinstance(error, Terminated) else (130, "interrupted")
     )
