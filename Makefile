@@ -9,7 +9,7 @@ BUILD ?= build
 PYTEST_ARGS ?=
 JUPYTER_DIR ?= notebooks
 
-.PHONY: help setup lab course scaling site test jupyter student bench reference clean-venv
+.PHONY: help setup lab course scaling site test matrix jupyter student bench reference clean-venv
 
 help:
 	@echo "make lab       set up, then run the capstone lab (08_lab) into a new folder under $(BUILD)/"
@@ -17,6 +17,8 @@ help:
 	@echo "make course    run every notebook in order into a new folder under $(BUILD)/course, with a time table"
 	@echo "make scaling   run the lab at 1, 2, 4, 8 devices (COUNTS=...) and draw the scaling study"
 	@echo "make test      set up, then lint (ruff) and run the whole test suite (what CI runs)"
+	@echo "make matrix    every notebook under papermill at MATRIX='1 2 4' devices, results compared across"
+	@echo "               them and 8 (part of make test; MATRIX=3 checks the odd-count promise)"
 	@echo "make jupyter   set up, then open JupyterLab on notebooks/ (localhost only, token auth);"
 	@echo "               JUPYTER_DIR=build/student opens the student notebooks (after make student)"
 	@echo "make student   write the student notebooks (solutions removed) to $(BUILD)/student and a zip to hand out"
@@ -57,6 +59,10 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+MATRIX ?= 1 2 4
+matrix: setup
+	COURSE_MATRIX_COUNTS="$(MATRIX)" $(PY) -m pytest tests/test_invariance.py $(PYTEST_ARGS)
 
 jupyter: setup
 	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False --ServerApp.root_dir=$(JUPYTER_DIR) $(if $(filter 0,$(shell id -u)),--allow-root,)

@@ -41,6 +41,8 @@ class DeviceReport:
       n_available: devices of this platform that JAX sees (may exceed ``n_devices`` on a GPU host).
       jax_version, jaxlib_version, python_version: versions, for results metadata.
       host_cpus: ``os.cpu_count()`` of this machine.
+      notes: what the setup changed or wants known about the environment (e.g. an ``MPLBACKEND`` replaced
+        by the inline backend), printed with the report.
     """
 
     platform: str
@@ -53,11 +55,13 @@ class DeviceReport:
     jaxlib_version: str
     python_version: str
     host_cpus: int
+    notes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The report without the device objects: plain values for a table or a CSV row."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["devices"] = ", ".join(str(x) for x in self.devices)
+        d["notes"] = "; ".join(self.notes)
         return d
 
     def __str__(self) -> str:
@@ -73,6 +77,7 @@ class DeviceReport:
             lines.append(
                 "note         : simulated devices share this machine's cores; timings are relative, not speedups"
             )
+        lines += [f"note         : {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -164,6 +169,12 @@ def _backends_started() -> bool:
 def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
     """Make ``n_devices`` JAX devices available and verify the count; call before any JAX operation.
 
+    It first checks the environment the notebook inherited (:mod:`course_lib.environment`): a text encoding
+    other than UTF-8, a ``PYTHONPATH`` that imports another copy of ``course_lib``, JAX options that break
+    the lessons or change their numbers (``JAX_ENABLE_X64``, ``JAX_DISABLE_JIT``, ``JAX_DEFAULT_PRNG_IMPL``
+    …) stop here with the variable named; in a Jupyter kernel an inherited ``MPLBACKEND`` is replaced by the
+    inline backend, so plots show in the notebook.
+
     Args:
       n_devices: how many devices to use: an int, or a decimal string such as ``"8"``.
       platform: ``"auto"`` (GPUs if JAX has a GPU backend, else simulated CPU devices), ``"cpu"``
@@ -174,16 +185,22 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
 
     Raises:
       ValueError: ``n_devices`` is not a positive integer, or ``platform`` is not one of ``PLATFORMS``.
-      DeviceSetupError: ``XLA_FLAGS`` is malformed; JAX already started with another device count
-        (restart the kernel); more GPUs asked for than exist; ``platform="gpu"`` without a GPU backend.
+      DeviceSetupError: ``XLA_FLAGS`` is malformed; the environment is one the course cannot run in (see
+        above); JAX already started with another device count (restart the kernel); more GPUs asked for
+        than exist; ``platform="gpu"`` without a GPU backend.
     """
+    from . import environment
+
+    flags = check_xla_flags()
+    environment.check_encoding()
+    environment.check_checkout()
+    notes = [environment.use_inline_plots()]
+    jax = environment.import_jax()  # first: course_lib.config imports JAX too
+    notes += environment.check_jax_options(jax.config)
     from .config import PLATFORM, coerce
 
     n = parse_n_devices(n_devices)
     platform = coerce(PLATFORM, platform)
-    flags = check_xla_flags()
-
-    import jax
 
     started = _backends_started()
     if flags and not started:
@@ -197,30 +214,7 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
             started = True  # a JAX operation ran before this call
     if started:
         _check_running_backend(jax, n, platform)
-
-    try:
-        backend = jax.default_backend()
-    except Exception as e:  # e.g. JAX_PLATFORMS names a backend that is not installed
-        env = {
-            k: os.environ[k]
-            for k in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME", "CUDA_VISIBLE_DEVICES")
-            if k in os.environ
-        }
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DeviceSetupError(
-            f"JAX could not start a backend ({type(e).__name__}: {first}); "
-            f"environment: {env or 'no JAX_PLATFORMS set'}. "
-            f"Unset JAX_PLATFORMS / JAX_PLATFORM_NAME (or set JAX_PLATFORMS=cpu) and restart the kernel, or install "
-            f"the backend you asked for."
-        ) from e
-
-    if platform == "gpu" and backend != "gpu":
-        raise DeviceSetupError(
-            f"platform='gpu' but JAX's backend is {backend!r}: no GPU is visible to JAX. Install the CUDA build "
-            f"of the same JAX (pip install 'jax[cuda12]==0.12.0.1'), check nvidia-smi and CUDA_VISIBLE_DEVICES, "
-            f"or use platform='auto' / 'cpu' to run on simulated CPU devices."
-        )
-
+    backend = _start_backend(jax, platform)
     available = jax.devices()
     devices = select_devices(n, available, backend)
 
@@ -237,7 +231,34 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
         jaxlib_version=getattr(jaxlib, "__version__", "unknown"),
         python_version=_platform.python_version(),
         host_cpus=os.cpu_count() or 1,
+        notes=tuple(note for note in notes if note),
     )
+
+
+def _start_backend(jax: Any, platform: str) -> str:
+    """Start JAX's default backend; a backend that cannot start, or no GPU for platform='gpu', is named."""
+    try:
+        backend = jax.default_backend()
+    except Exception as e:  # e.g. JAX_PLATFORMS names a backend that is not installed
+        env = {
+            k: os.environ[k]
+            for k in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME", "CUDA_VISIBLE_DEVICES")
+            if k in os.environ
+        }
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DeviceSetupError(
+            f"JAX could not start a backend ({type(e).__name__}: {first}); "
+            f"environment: {env or 'no JAX_PLATFORMS set'}. "
+            f"Unset JAX_PLATFORMS / JAX_PLATFORM_NAME (or set JAX_PLATFORMS=cpu) and restart the kernel, or install "
+            f"the backend you asked for."
+        ) from e
+    if platform == "gpu" and backend != "gpu":
+        raise DeviceSetupError(
+            f"platform='gpu' but JAX's backend is {backend!r}: no GPU is visible to JAX. Install the CUDA build "
+            f"of the same JAX (pip install 'jax[cuda12]==0.12.0.1'), check nvidia-smi and CUDA_VISIBLE_DEVICES, "
+            f"or use platform='auto' / 'cpu' to run on simulated CPU devices."
+        )
+    return backend
 
 
 def _check_running_backend(jax: Any, n: int, platform: str) -> None:

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,10 +27,24 @@ from course_lib.config import MULTIHOST_PARAMS, PROFILES, Param, arg_type, coerc
 from course_lib.distributed import MULTIHOST_STRATEGIES
 
 from . import worker
-from .processes import REPO_ROOT, free_port, stop, survivors, tail, worker_env
+from .processes import (
+    REPO_ROOT,
+    Terminated,
+    check_folder,
+    claim_run_dir,
+    describe_exit,
+    free_port,
+    ignoring_sigint,
+    stop,
+    survivors,
+    tail,
+    terminate_as_interrupt,
+    worker_env,
+)
 from .worker import FAIL_STAGES, PARENT_ENV, PROFILE
 
 __all__ = [
+    "LaunchInterrupted",
     "MultiProcessError",
     "MultiProcessRun",
     "WorkerFailed",
@@ -68,6 +83,15 @@ class WorkerFailed(MultiProcessError):
 
 class WorkerTimeout(MultiProcessError):
     """The workers did not all finish within ``timeout_s``; the message names the ones still running."""
+
+
+class LaunchInterrupted(KeyboardInterrupt):
+    """Ctrl-C (a notebook's stop button) or SIGTERM during a launch: every worker was stopped and reaped.
+    Attributes ``pids`` (none left running), ``log_dir`` and ``exit_code`` (130 Ctrl-C, 143 SIGTERM)."""
+
+    def __init__(self, message: str, pids=(), log_dir=None, exit_code: int = 130):
+        super().__init__(message)
+        self.pids, self.log_dir, self.exit_code = tuple(pids), log_dir, exit_code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,15 +179,25 @@ def launch(
         global batch the data shards do not divide), before anything starts.
       WorkerFailed: a worker exited non-zero; names it, its exit status and its last output lines.
       WorkerTimeout: the run passed ``timeout_s``; names the processes still running.
+      LaunchInterrupted: Ctrl-C or SIGTERM (a ``KeyboardInterrupt``); every worker was stopped.
     """
     opts = _validate(locals())
     out, procs, logs = opts["out"], [], []
     t0 = time.perf_counter()
     try:
-        procs, logs = _spawn(opts)
+        _spawn(opts, procs, logs)
         _wait(procs, opts, deadline=t0 + opts["timeout_s"])
-    finally:
-        # Also on KeyboardInterrupt (a notebook's stop button) or an error while starting.
+    except KeyboardInterrupt as e:
+        with ignoring_sigint():
+            stop(procs)
+        what = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
+        raise LaunchInterrupted(
+            f"{what}: all {len(procs)} worker(s) stopped, none is left; their logs are in {out}",
+            pids=[p.pid for p in procs],
+            log_dir=str(out),
+            exit_code=143 if isinstance(e, Terminated) else 130,
+        ) from None
+    finally:  # also on an error while starting
         stop(procs)
         for log in logs:
             log.close()
@@ -189,23 +223,18 @@ def _validate(args: dict) -> dict:
     from course_lib.lab import check_divisibility
 
     config, inputs = PROFILES[profile], args["inputs"]
-    if (
-        inputs is not None
-    ):  # prepared inputs may carry their own global batch (prepare_inputs(global_batch=...))
+    # Prepared inputs may carry their own global batch (prepare_inputs(global_batch=...)).
+    if inputs is not None:
         batch = json.loads((Path(inputs) / "inputs.json").read_text()).get("global_batch")
         if batch is not None:
             config = dataclasses.replace(config, global_batch=batch)
     check_divisibility(config, n * opts["local_devices"], strategies)
 
-    from .results import prepare_results_dir
+    from course_lib import environment
 
-    out_dir = args["out_dir"]
-    if out_dir is None:
-        import tempfile
-
-        out_dir = tempfile.mkdtemp(prefix="course-multihost-")
-    # An earlier launch's logs and outputs are kept: a used folder gets a sibling.
-    opts["out"] = out = prepare_results_dir(out_dir)
+    # The workers inherit this environment: options that change the numbers stop here, not in a worker.
+    environment.check_jax_options(environment.import_jax().config)
+    opts["out"] = out = _output_folder(args["out_dir"])
     if not args["check_only"]:
         if inputs is None:
             inputs = distributed.prepare_inputs(
@@ -221,32 +250,37 @@ def _validate(args: dict) -> dict:
     return opts
 
 
+def _output_folder(out_dir) -> Path:
+    """A folder for this launch alone: an earlier launch's logs and outputs are kept (a used folder gets a
+    sibling), and a launch started at the same moment into the same folder gets another one."""
+    import tempfile
+
+    from .results import prepare_results_dir, resolve_results_dir
+
+    base = resolve_results_dir(
+        tempfile.mkdtemp(prefix="course-multihost-") if out_dir is None else out_dir
+    )
+    check_folder(base.parent, "output folder", "give another out_dir")
+    return claim_run_dir(lambda: prepare_results_dir(base), "output folder")
+
+
 def _worker_command(opts: dict, i: int, coordinator: str) -> list[str]:
     inputs = "" if opts["inputs"] is None else str(Path(opts["inputs"]).resolve())
-    cmd = [sys.executable, "-m", "course_tools.launcher", "worker", "--coordinator", coordinator]
-    cmd += ["--num-processes", str(opts["n_processes"]), "--process-id", str(i)]
-    cmd += [
-        "--local-devices",
-        str(opts["local_devices"]),
-        "--strategies",
-        ",".join(opts["strategies"]),
-    ]
-    cmd += [
-        "--steps",
-        str(opts["steps"]),
-        "--profile",
-        opts["profile"],
-        "--seed",
-        str(opts["seed"]),
-    ]
-    cmd += [
-        "--out",
-        str(opts["out"]),
-        "--inputs",
-        inputs,
-        "--init-timeout-s",
-        str(opts["timeout_s"]),
-    ]
+    flags = {
+        "--coordinator": coordinator,
+        "--num-processes": opts["n_processes"],
+        "--process-id": i,
+        "--local-devices": opts["local_devices"],
+        "--strategies": ",".join(opts["strategies"]),
+        "--steps": opts["steps"],
+        "--profile": opts["profile"],
+        "--seed": opts["seed"],
+        "--out": opts["out"],
+        "--inputs": inputs,
+        "--init-timeout-s": opts["timeout_s"],
+    }
+    cmd = [sys.executable, "-m", "course_tools.launcher", "worker"]
+    cmd += [str(x) for flag in flags.items() for x in flag]
     if opts["check_only"]:
         cmd.append("--check-only")
     if opts["fail_process"] == i:
@@ -254,33 +288,26 @@ def _worker_command(opts: dict, i: int, coordinator: str) -> list[str]:
     return cmd
 
 
-def _spawn(opts: dict) -> tuple[list[subprocess.Popen], list]:
-    """Start every worker in its own process group, its output in ``process_<i>.log``."""
+def _spawn(opts: dict, procs: list[subprocess.Popen], logs: list) -> None:
+    """Start every worker in its own process group, its output in ``process_<i>.log``; ``procs`` and
+    ``logs`` grow as they start, so the caller stops and closes whatever started, whatever happens."""
     coordinator = f"127.0.0.1:{free_port()}"
     env = worker_env()
     env[PARENT_ENV] = str(os.getpid())
-    procs, logs = [], []
-    try:
-        for i in range(opts["n_processes"]):
-            log = open(opts["out"] / f"process_{i}.log", "w")  # closed by launch()
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    _worker_command(opts, i, coordinator),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    cwd=str(REPO_ROOT),
-                    start_new_session=True,
-                )
+    for i in range(opts["n_processes"]):
+        logs.append(open(opts["out"] / f"process_{i}.log", "w"))
+        cmd = _worker_command(opts, i, coordinator)
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdout=logs[-1],
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=str(REPO_ROOT),
+                start_new_session=True,
             )
-    except BaseException:
-        stop(procs)
-        for log in logs:
-            log.close()
-        raise
-    return procs, logs
+        )
 
 
 def _wait(procs: list[subprocess.Popen], opts: dict, deadline: float) -> None:
@@ -295,7 +322,7 @@ def _wait(procs: list[subprocess.Popen], opts: dict, deadline: float) -> None:
             log = out / f"process_{i}.log"
             last = tail(log, lines)
             msg = (
-                f"process {i} of {n} failed (exit status {codes[i]}); all {n} worker(s) were stopped. "
+                f"process {i} of {n} failed ({describe_exit(codes[i])}); all {n} worker(s) were stopped. "
                 f"Last output lines of process {i} (full log: {log}):\n" + _indent(last)
             )
             stop(procs)
@@ -378,15 +405,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=arg_type(MULTIHOST_PARAMS["steps"]), default=3)
     p.add_argument("--timeout-s", type=arg_type(MULTIHOST_PARAMS["timeout_s"]), default=180.0)
     p.add_argument("--check-only", action="store_true")
+    p.add_argument("--out", help="folder for the logs and outputs (default: a new temporary one)")
     args = p.parse_args(argv)
     try:
-        run = launch(
-            args.n_processes,
-            args.local_devices,
-            steps=args.steps,
-            timeout_s=args.timeout_s,
-            check_only=args.check_only,
-        )
+        with terminate_as_interrupt():
+            run = launch(
+                args.n_processes,
+                args.local_devices,
+                steps=args.steps,
+                timeout_s=args.timeout_s,
+                check_only=args.check_only,
+                out_dir=args.out,
+            )
+    except LaunchInterrupted as e:
+        with ignoring_sigint():
+            print(str(e), file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt as e:  # before any worker started (preparing the inputs)
+        print(f"{e or 'interrupted'} before any worker started", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     except (ValueError, MultiProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -402,10 +439,11 @@ def _print_run(run: MultiProcessRun, check_only: bool) -> None:
             print("\n".join(line for line in log if line.startswith("[process")))
     for k, v in run.losses.items():
         print(f"{k}: {v}")
-    print(
-        f"{run.n_processes} x {run.local_devices} in {run.wall_s:.1f} s; outputs in {run.out_dir}"
-    )
+    shape = f"{run.n_processes} x {run.local_devices}"
+    print(f"{shape} in {run.wall_s:.1f} s; outputs in {run.out_dir}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting changes nothing
+    sys.exit(code)

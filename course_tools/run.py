@@ -3,54 +3,93 @@
 ``python -m course_tools.run lab --n-devices 8`` executes ``notebooks/08_lab.ipynb`` into a new run folder
 under the build folder (``build/lab``, or ``build/lab-2``, … when an earlier run is there: nothing is
 overwritten) and leaves in it the executed notebook, the results CSVs and the plots.
+
+Every run folder is claimed before anything starts (:func:`course_tools.processes.claim_run_dir`: two runs
+started at the same moment get two folders), after the build folder was checked writable and with room. A
+Ctrl-C, a SIGTERM or a kernel that dies (killed by the system, out of memory) ends the command within
+seconds with one message naming the notebook and the cell and listing what the run folder keeps; the kernel
+and its processes are stopped (see :mod:`course_tools.execution`). Exit status: 0 done, 1 an error, 130
+Ctrl-C, 143 SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from course_lib.config import LAB_PARAMS, N_DEVICES, PLATFORM, arg_type, coerce
 
 from . import results
+from .execution import (
+    KernelDied,
+    NotebookFailed,
+    RunInterrupted,
+    RunRefused,
+    check_kernel,
+    check_parameters,
+    execute,
+)
+from .processes import (
+    CLAIM_FILE,
+    FolderError,
+    Terminated,
+    check_folder,
+    claim_run_dir,
+    ignoring_sigint,
+    terminate_as_interrupt,
+)
 from .results import PROJECT_ROOT, prepare_results_dir, resolve_results_dir
 
+__all__ = [
+    "KernelDied",
+    "NotebookFailed",
+    "RunInterrupted",
+    "RunRefused",
+    "course_notebooks",
+    "execute",
+    "main",
+    "run_course",
+    "run_lab",
+    "run_scaling",
+]
+
 NOTEBOOKS = PROJECT_ROOT / "notebooks"
+BUILD_FIX = "give a writable folder with --build DIR (make: BUILD=DIR)"
 
 
-class NotebookFailed(RuntimeError):
-    """A notebook raised; the message names the notebook, the cell and the error."""
-
-
-def execute(notebook: Path, output: Path, parameters: dict, progress: bool = True) -> float:
-    """Execute ``notebook`` into ``output`` with papermill; return the seconds it took.
+def run_folder(build: str | os.PathLike, name: str) -> Path:
+    """A new run folder ``<build>/<name>[-k]`` that this run alone owns.
 
     Raises:
-      NotebookFailed: a cell raised (the message names the notebook, the cell number and the error; the
-        partly executed notebook is at ``output``).
+      FolderError: an empty build path, a build folder that cannot be written or has no room (named).
     """
-    import papermill as pm
+    if not str(build).strip():
+        raise FolderError(f"the build folder is empty: {BUILD_FIX}")
+    base = resolve_results_dir(Path(build) / name)
+    check_folder(base.parent, "build folder", BUILD_FIX)
+    return claim_run_dir(lambda: prepare_results_dir(base))
 
-    t0 = time.perf_counter()
-    try:
-        pm.execute_notebook(
-            str(notebook),
-            str(output),
-            parameters=parameters,
-            kernel_name="python3",
-            cwd=str(notebook.parent),
-            progress_bar=progress,
-            log_output=False,
-        )
-    except pm.PapermillExecutionError as e:
-        raise NotebookFailed(
-            f"{notebook.name} failed in cell [{e.exec_count}] with {e.ename}: {e.evalue}\n"
-            f"the executed notebook, up to the failing cell, is {output}"
-        ) from None
-    return time.perf_counter() - t0
+
+def kept(folder: Path) -> str:
+    """What a stopped run leaves in ``folder``, for the message: its notebooks and results files."""
+    files = sorted(
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != CLAIM_FILE and not p.name.startswith(".")
+    )
+    shown = [f for f in files if not f.endswith(".kernel.log")]
+    if not any(f.endswith((".csv", ".png")) for f in shown):
+        return f"kept in {folder}: {', '.join(shown) or 'nothing'} (no results were saved yet)"
+    return f"kept in {folder}: {', '.join(shown)}"
+
+
+def _with_kept(error: BaseException, folder: Path) -> BaseException:
+    error.args = (f"{error}\n{kept(folder)}",)
+    return error
 
 
 def run_lab(
@@ -64,18 +103,26 @@ def run_lab(
     """Run the lab into a fresh folder ``<build>/lab[-k]``; return that folder.
 
     Raises:
-      ValueError: a bad ``n_devices``, ``platform`` or ``profile`` (checked before anything starts).
-      NotebookFailed: the lab raised.
+      ValueError: a bad ``n_devices``, ``platform``, ``profile`` or parameter name, a build folder that
+        cannot be used, a Jupyter kernel of another Python (checked before anything starts).
+      NotebookFailed: the lab raised, or its kernel died (:class:`KernelDied`); RunInterrupted: Ctrl-C or
+        SIGTERM. Their messages list what the run folder keeps.
     """
     n, platform = coerce(N_DEVICES, n_devices), coerce(PLATFORM, platform)
     profile = coerce(LAB_PARAMS["profile"], profile)
-    run_dir = prepare_results_dir(resolve_results_dir(Path(build) / "lab"))
+    lab = NOTEBOOKS / "08_lab.ipynb"
+    check_parameters(lab, _lab_params(n, platform, profile, Path(), **(extra or {})))
+    check_kernel()
+    run_dir = run_folder(build, "lab")
     params = _lab_params(n, platform, profile, run_dir, **(extra or {}))
     shown = ", ".join(
         f"{k}={v!r}" for k, v in params.items() if k not in ("results_dir", "overwrite")
     )
-    print(f"running 08_lab.ipynb ({shown}) into the new folder {run_dir}")
-    seconds = execute(NOTEBOOKS / "08_lab.ipynb", run_dir / "08_lab.ipynb", params, progress)
+    print(f"running 08_lab.ipynb ({shown}) into the new folder {run_dir}", flush=True)
+    try:
+        seconds = execute(lab, run_dir / "08_lab.ipynb", params, progress)
+    except (NotebookFailed, RunInterrupted) as e:
+        raise _with_kept(e, run_dir) from None
     print(f"lab done in {seconds:.0f} s; executed notebook, results and plots in {run_dir}:")
     for p in sorted(run_dir.iterdir()):
         print(f"  {p.name}")
@@ -112,35 +159,55 @@ def run_course(
     if only:
         notebooks = [p for p in notebooks if any(p.name.startswith(o) for o in only)]
         if not notebooks:
-            raise ValueError(f"no notebook matches {list(only)}; names start with 00 … 09")
-    out = prepare_results_dir(resolve_results_dir(Path(build) / "course"))
+            raise ValueError(f"no notebook matches {list(only)}; names start with 00 to 09")
+    plan = [(nb, _course_params(nb, n, platform, Path(), lab_params)) for nb in notebooks]
+    for nb, params in plan:
+        check_parameters(nb, params)
+    check_kernel()
+    out = run_folder(build, "course")
     rows = []
     try:
-        for nb in notebooks:
-            params = {"n_devices": n, "platform": platform}
-            if nb.name == "08_lab.ipynb":
-                params.update(results_dir=str(out / "lab"), overwrite=False, **(lab_params or {}))
+        for i, (nb, params) in enumerate(plan):
+            params = _course_params(nb, n, platform, out, lab_params)
             print(
-                f"[{len(rows) + 1}/{len(notebooks)}] {nb.name} (n_devices={n}, platform={platform})",
-                flush=True,
+                f"[{i + 1}/{len(plan)}] {nb.name} (n_devices={n}, platform={platform})", flush=True
             )
             try:
                 seconds = execute(nb, out / nb.name, params, progress)
-            except NotebookFailed:
-                rows.append({"notebook": nb.name, "seconds": float("nan"), "status": "FAILED"})
-                raise
+            except (NotebookFailed, RunInterrupted) as e:
+                rows.append({"notebook": nb.name, "seconds": float("nan"), "status": _status(e)})
+                raise _with_kept(e, out) from None
             rows.append({"notebook": nb.name, "seconds": round(seconds, 1), "status": "ok"})
     finally:
-        import pandas as pd
-
-        if rows:
-            table = pd.DataFrame(rows)
-            table.to_csv(out / "timings.csv", index=False)
-            print("\n" + table.to_string(index=False))
-            print(f"total {table['seconds'].sum():.0f} s; executed notebooks in {out}")
-            if (out / "lab").is_dir():
-                print(f"the lab's results files and plots: {out / 'lab'}")
+        with ignoring_sigint():
+            _write_timings(out, rows)
     return out
+
+
+def _course_params(nb: Path, n: int, platform: str, out: Path, lab_params: dict | None) -> dict:
+    params = {"n_devices": n, "platform": platform}
+    if nb.name == "08_lab.ipynb":
+        params.update(results_dir=str(out / "lab"), overwrite=False, **(lab_params or {}))
+    return params
+
+
+def _status(error: BaseException) -> str:
+    if isinstance(error, RunInterrupted):
+        return "stopped by SIGTERM" if error.exit_code == 143 else "interrupted"
+    return "kernel died" if isinstance(error, KernelDied) else "FAILED"
+
+
+def _write_timings(out: Path, rows: list[dict]) -> None:
+    """``timings.csv`` and the printed table: every notebook run, the stopped one included."""
+    import pandas as pd
+
+    if rows:
+        table = pd.DataFrame(rows)
+        table.to_csv(out / "timings.csv", index=False)
+        print("\n" + table.to_string(index=False))
+        print(f"total {table['seconds'].sum():.0f} s; executed notebooks in {out}")
+        if (out / "lab").is_dir():
+            print(f"the lab's results files and plots: {out / 'lab'}")
 
 
 def run_scaling(
@@ -159,18 +226,27 @@ def run_scaling(
       ValueError: an invalid count, platform or profile; :class:`course_tools.study.IncomparableRuns` when
         runs do not compare.
     """
-    from . import study
-
     ns = sorted({coerce(N_DEVICES, c) for c in counts})
     platform, profile = coerce(PLATFORM, platform), coerce(LAB_PARAMS["profile"], profile)
-    out = prepare_results_dir(resolve_results_dir(Path(build) / "scaling"))
+    lab = NOTEBOOKS / "08_lab.ipynb"
+    check_parameters(lab, _lab_params(ns[0], platform, profile, Path(), scaling=False))
+    check_kernel()
+    _draw_with_agg()
+    from . import study
+
+    out = run_folder(build, "scaling")
     run_dirs = []
     for n in ns:
         run_dir = out / f"n{n}"
         run_dir.mkdir()
         params = _lab_params(n, platform, profile, run_dir, scaling=False)
         print(f"lab at n_devices={n} ...", flush=True)
-        execute(NOTEBOOKS / "08_lab.ipynb", run_dir / "08_lab.ipynb", params, progress)
+        try:
+            execute(lab, run_dir / "08_lab.ipynb", params, progress)
+        except (NotebookFailed, RunInterrupted) as e:
+            done = ", ".join(str(d) for d in run_dirs) or "none"
+            e.args = (f"{e}\ncompleted runs kept: {done}; no study was written",)
+            raise
         run_dirs.append(run_dir)
     rows = study.aggregate(run_dirs)
     table = study.efficiency(rows)
@@ -191,6 +267,22 @@ def run_scaling(
     print(table.to_string(index=False))
     print(f"scaling study in {out}")
     return out
+
+
+def _draw_with_agg() -> None:
+    """This process only writes PNG files: matplotlib with Agg, whatever ``MPLBACKEND`` the shell set (a
+    misspelt one would otherwise fail at the end, after every run). The kernels keep the environment."""
+    saved = os.environ.get("MPLBACKEND")
+    os.environ["MPLBACKEND"] = "Agg"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+    finally:
+        if saved is None:
+            os.environ.pop("MPLBACKEND")
+        else:
+            os.environ["MPLBACKEND"] = saved
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -230,32 +322,45 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status (0, 1 an error, 130 Ctrl-C, 143 SIGTERM)."""
     try:
-        args = _parser().parse_args(argv)
-        if args.what == "lab":
-            run_lab(args.n_devices, args.platform, args.profile, args.build)
-        elif args.what == "course":
-            run_course(
-                args.n_devices,
-                args.platform,
-                args.build,
-                args.only,
-                lab_params={"profile": args.profile},
+        with terminate_as_interrupt():
+            args = _parser().parse_args(argv)
+            if args.what == "lab":
+                run_lab(args.n_devices, args.platform, args.profile, args.build)
+            elif args.what == "course":
+                lab_params = {"profile": args.profile}
+                run_course(
+                    args.n_devices, args.platform, args.build, args.only, lab_params=lab_params
+                )
+            else:
+                run_scaling(args.counts, args.platform, args.profile, args.build)
+    except RunInterrupted as e:
+        with ignoring_sigint():  # a second Ctrl-C must not cut the message short
+            print(str(e), file=sys.stderr)
+        return e.exit_code
+    except (
+        KeyboardInterrupt
+    ) as e:  # outside a notebook: while choosing folders or drawing the study
+        with ignoring_sigint():
+            print(
+                f"{e or 'interrupted'} before a notebook started or after the last one",
+                file=sys.stderr,
             )
-        else:
-            run_scaling(args.counts, args.platform, args.profile, args.build)
+        return 143 if isinstance(e, Terminated) else 130
     except (argparse.ArgumentError, ValueError, NotebookFailed, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(
-            "interrupted: the partly executed notebook is in the run folder printed above; a new run uses a "
-            "new folder",
-            file=sys.stderr,
-        )
-        return 130
     return 0
 
 
+def command(argv: list[str] | None = None) -> None:
+    """``python -m course_tools.run``: :func:`main`, then exit with its status; a second Ctrl-C while the
+    command exits changes nothing."""
+    code = main(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

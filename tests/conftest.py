@@ -16,3 +16,61 @@ import pytest  # noqa: E402
 def report():
     """The session's :class:`course_lib.devices.DeviceReport` (8 simulated CPU devices)."""
     return REPORT
+
+
+# --- scheduling over pytest-xdist workers (addopts: --dist loadgroup) ----------------------------------
+
+FIRST = (
+    "matrix-n4",
+    "matrix-n2",
+    "matrix-n1",
+    "tests/test_lessons.py",
+    "matrix-n8",
+    "notebooks/08_lab.ipynb",
+)
+"""The longest units of work, longest first (measured), so that both workers start on a long chain: the
+invariance matrix's counts (each count's notebooks run in order on one worker), the student versions, the
+lab's tiny profile and notebook 09 at 8, the lab as committed. Then the other notebooks (nbmake), then the
+rest in collection order; the cross-count comparisons last (they wait for the runs they read: sent early,
+they would hold a worker idle)."""
+LAST = ("matrix-compare",)
+
+
+def _group(item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return mark.args[0] if mark.args else mark.kwargs.get("name", "")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every test without an ``xdist_group`` gets its module's (a module's tests share one worker, as with
+    ``--dist loadfile``: its module-scoped fixtures are made once); the long groups are sent first.
+
+    nbmake's run of notebook 09 (as committed: 8 devices) is also the invariance matrix's run of it at 8
+    (``matrix.nbmake_stands_in``): it joins the group ``matrix-n8``, first, so that it is made before the
+    comparisons ask for it."""
+    import matrix
+
+    for item in items:
+        if item.path.suffix == ".ipynb" and item.path.stem == matrix.MULTIHOST:
+            item.add_marker(pytest.mark.xdist_group(f"matrix-n{matrix.DEFAULTS_COUNT}"))
+            item.runtest = _standing_in(item.runtest, item.path.stem)
+        elif item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+    def rank(item):
+        name = _group(item)
+        first = FIRST.index(name) if name in FIRST else len(FIRST) + LAST.count(name)
+        return first, item.path.suffix != ".ipynb"
+
+    items.sort(key=rank)  # stable: the order within a group and among the other tests is kept
+
+
+def _standing_in(runtest, stem):
+    def run():
+        import matrix
+
+        with matrix.nbmake_stands_in(stem):
+            runtest()
+
+    return run

@@ -8,6 +8,11 @@ agree to float32 rounding, not bit for bit (notebooks/08_lab.ipynb, section 3): 
 final parameters within 1e-5 absolute (measured: ~1e-7), over 3 SGD steps of the tiny profile.
 """
 
+import os
+import signal
+import sys
+import time
+
 import numpy as np
 import pytest
 from flax import traverse_util
@@ -158,3 +163,77 @@ def test_a_used_output_folder_is_kept(inputs, tmp_path):
         launcher.launch(2, 4, inputs=inputs, steps=STEPS, timeout_s=0.5, out_dir=tmp_path)
     assert (tmp_path / "process_0.log").read_text() == "an earlier launch"
     assert _no_survivors(set(info.value.pids))
+
+
+# --- Ctrl-C, a worker killed by the system, output folders, the environment -----------------------------
+
+
+def _launch_job(tmp_path):
+    import faults
+
+    cmd = [sys.executable, "-m", "course_tools.launcher", "launch", "-P", "2", "-D", "2"]
+    job = faults.Job(cmd + ["--out", str(tmp_path / "run")])
+    job.wait_for(lambda: sum(" worker " in c for _, c in faults.leftovers(job.tag, 0)) == 2)
+    return job
+
+
+def test_ctrl_c_stops_every_worker_with_one_message(tmp_path):
+    import faults
+
+    job = _launch_job(tmp_path)
+    job.signal(signal.SIGINT)
+    rc, out, err, took = job.finish()
+    assert rc == 130 and took < 15, (rc, took, err)
+    assert err.strip() == (
+        f"interrupted: all 2 worker(s) stopped, none is left; their logs are in {tmp_path / 'run'}"
+    ), err
+    assert faults.leftovers(job.tag) == []
+
+
+def test_a_worker_killed_by_the_system_is_named_with_its_signal(tmp_path):
+    import faults
+
+    job = _launch_job(tmp_path)
+    job.t_signal = time.monotonic()
+    for pid, cmd in faults.leftovers(job.tag, 0):
+        if "--process-id 1" in cmd:
+            os.kill(pid, signal.SIGKILL)
+    rc, out, err, took = job.finish()
+    assert rc == 2 and took < 15, (rc, took, err)
+    assert (
+        "process 1 of 2 failed (killed by SIGKILL: the operating system does this when memory"
+        in err
+    )
+    assert "Traceback" not in err and faults.leftovers(job.tag) == []
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_anything(inputs, tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(ValueError, match=r"output folder .*afile is a file, not a folder"):
+        launcher.launch(2, 4, inputs=inputs, out_dir=tmp_path / "afile" / "run")
+    with pytest.raises(
+        ValueError, match=r"cannot write the output folder .*afile/sub \(Not a directory"
+    ):
+        launcher.launch(2, 4, inputs=inputs, out_dir=tmp_path / "afile" / "sub" / "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_each_launch_claims_its_own_output_folder(tmp_path):
+    first = launcher._output_folder(tmp_path / "run")
+    second = launcher._output_folder(tmp_path / "run")  # the first is claimed, though still empty
+    assert (first.name, second.name) == ("run", "run-2")
+    assert all((p / "run.json").exists() for p in (first, second))
+
+
+def test_a_jax_option_that_changes_the_numbers_stops_the_launch(inputs, tmp_path):
+    import jax
+
+    from course_lib.devices import DeviceSetupError
+
+    jax.config.update("jax_debug_key_reuse", True)
+    try:
+        with pytest.raises(DeviceSetupError, match=r"jax_debug_key_reuse=True \(set in code\)"):
+            launcher.launch(2, 4, inputs=inputs, out_dir=tmp_path / "run")
+    finally:
+        jax.config.update("jax_debug_key_reuse", False)
+    assert not (tmp_path / "run").exists()

@@ -1,30 +1,35 @@
-"""course_tools.run: the lab run end to end with papermill (as a batch study would), at 1, 2 and 8
-devices, tiny profile; the course run of 00 and 08, rendered as a site and checked in a real
-headless browser (Chromium).
+"""course_tools.run: the course commands end to end with papermill, and how they end when a run cannot
+finish (Ctrl-C, SIGTERM, a kernel killed by the system, a build folder that cannot be used, two runs at the
+same moment); the course run of 00 and 08, rendered as a book and checked in a real headless browser.
+
+The fault cases run the real command line (``main``) in its own process group, as a terminal runs a job,
+on small notebooks that need no JAX; the lab's real runs come from the invariance matrix (tests/matrix.py).
 """
 
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import book_browser
+import faults
+import matrix
 import pandas as pd
 import pytest
 
-from course_tools import results, run, site
+from course_tools import processes, results, run, site
+from course_tools.execution import RunRefused
 
 
 @pytest.fixture(scope="module")
-def course_run(tmp_path_factory):
-    """The 2-device papermill run: 00_setup and the lab (tiny, with the scaling sweep) as ``make course``
-    runs them; the book tests below render the same folder."""
-    tmp = tmp_path_factory.mktemp("course")
-    return run.run_course(
-        2,
-        platform="cpu",
-        build=str(tmp),
-        only=["00", "08"],
-        progress=False,
-        lab_params={"profile": "tiny", "scaling": True},
-    )
+def course_run():
+    """The 2-device papermill run of 00_setup and the lab (tiny, with the scaling sweep) as ``make course``
+    runs them; the book tests below render the same folder, the matrix uses it at 2 devices."""
+    return matrix.course_run()
 
 
 def test_course_run_writes_a_time_table(course_run):
@@ -34,60 +39,33 @@ def test_course_run_writes_a_time_table(course_run):
         and (timings["status"] == "ok").all()
     )
     assert (course_run / "00_setup.ipynb").exists()
+    claim = json.loads((course_run / processes.CLAIM_FILE).read_text())
+    assert claim["pid"] > 0 and claim["started"]
 
 
-@pytest.fixture(scope="module")
-def scaling_run(tmp_path_factory):
-    """The scaling study at 1 and 8 devices: two papermill runs of the lab (separate kernels), aggregated."""
-    tmp = tmp_path_factory.mktemp("scaling")
-    return run.run_scaling(
-        ["1", "8"], platform="cpu", profile="tiny", build=str(tmp), progress=False
+def test_scaling_runs_the_lab_once_per_count_and_draws_the_study(tmp_path, monkeypatch):
+    # The lab's real runs at 1 and 8 devices are the matrix's; this lab notebook hands them over, so what is
+    # tested here is the command: one kernel and one folder per count, the study aggregated and drawn.
+    labs = {n: str(matrix.lab_results(n)) for n in (1, 8)}
+    faults.make_notebook(
+        tmp_path / "notebooks" / "08_lab.ipynb",
+        f"import shutil\nshutil.copytree({labs!r}[n_devices], results_dir, dirs_exist_ok=True)",
+        parameters="n_devices = 8\nplatform = 'auto'\nprofile = 'auto'\nresults_dir = 'auto'\n"
+        "overwrite = False\nscaling = True",
     )
-
-
-def test_scaling_study_aggregates_the_runs(scaling_run):
-    assert sorted(p.name for p in scaling_run.iterdir() if p.is_dir()) == ["n1", "n8"]
-    table = pd.read_csv(scaling_run / "study.csv")
+    monkeypatch.setattr(run, "NOTEBOOKS", tmp_path / "notebooks")
+    out = run.run_scaling(
+        ["1", "8"], platform="cpu", profile="tiny", build=str(tmp_path), progress=False
+    )
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["n1", "n8"]
+    table = pd.read_csv(out / "study.csv")
     assert set(table["strategy"]) == {"pmap", "shard_map", "sharded_jit", "shard_map_article"}
     assert sorted(table["n_devices"].unique()) == [1, 8]
     one = table[table.n_devices == 1]
     assert one["efficiency"].tolist() == pytest.approx(
         [1.0] * len(one)
     )  # by definition at 1 device
-    assert (table["efficiency"] > 0).all() and (scaling_run / "study.png").stat().st_size > 10_000
-
-
-@pytest.mark.parametrize("n", [1, 2, 8])
-def test_lab_with_papermill(n, request):
-    # n=1 and 8 come from the scaling study's runs; n=2 from the course run, whose lab also sweeps 1-2 devices.
-    # The scaling sweep at 8 devices is exercised by the nbmake run of the notebook.
-    if n == 2:
-        out = request.getfixturevalue("course_run") / "lab"
-    else:
-        out = request.getfixturevalue("scaling_run") / f"n{n}"
-    res = pd.read_csv(out / results.RESULTS_FILE)
-    assert set(results.RESULT_COLUMNS) <= set(res.columns)
-    assert list(res["strategy"]) == ["jit", "pmap", "shard_map", "sharded_jit", "shard_map_article"]
-    assert (
-        res.loc[res.strategy != "jit", "n_devices"].eq(n).all() and (res["profile"] == "tiny").all()
-    )
-    assert (
-        (res["steps"] == 6).all()
-        and (res["samples_per_s"] > 0).all()
-        and (res["bytes_per_device"] > 0).all()
-    )
-    curves = pd.read_csv(out / results.CURVES_FILE)
-    assert len(curves) == 5 * 6 and set(curves.columns) == {"strategy", "step", "loss"}
-    for png in ("loss_curves.png", "comparison.png"):
-        assert (out / png).stat().st_size > 10_000
-    assert (out / "08_lab.ipynb").exists() or (n == 2 and (out.parent / "08_lab.ipynb").exists())
-    if n == 2:
-        scaling = pd.read_csv(out / results.SCALING_FILE)
-        assert sorted(scaling["n_devices"].unique()) == [1, 2]
-        assert set(scaling["strategy"]) == {"pmap", "shard_map", "sharded_jit"}
-        assert (out / "scaling.png").stat().st_size > 10_000
-    else:
-        assert not (out / results.SCALING_FILE).exists()
+    assert (table["efficiency"] > 0).all() and (out / "study.png").stat().st_size > 10_000
 
 
 def test_second_run_goes_to_a_new_folder_and_bad_input_is_refused(tmp_path, capsys):
@@ -103,7 +81,7 @@ def test_second_run_goes_to_a_new_folder_and_bad_input_is_refused(tmp_path, caps
 def test_a_failing_lab_names_the_cell(tmp_path):
     with pytest.raises(
         run.NotebookFailed,
-        match=r"08_lab.ipynb failed in cell \[\d+\] with ValueError: .*global batch 9",
+        match=r"08_lab.ipynb failed in cell \[\d+\] with ValueError: .*global batch 9(.|\n)*kept in",
     ):
         run.run_lab(
             2,
@@ -113,6 +91,246 @@ def test_a_failing_lab_names_the_cell(tmp_path):
             extra={"global_batch": 9},
             progress=False,
         )
+
+
+def test_a_misspelt_lab_parameter_is_refused_before_a_folder_is_made(tmp_path):
+    with pytest.raises(
+        RunRefused, match=r"08_lab.ipynb has no parameter 'n_device' \(did you mean 'n_devices'"
+    ):
+        run.run_lab(2, platform="cpu", profile="tiny", build=str(tmp_path), extra={"n_device": 4})
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- build folders --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        ("", "the build folder is empty"),
+        ("{tmp}/afile", "build folder {tmp}/afile is a file, not a folder"),
+        ("{tmp}/afile/sub", "cannot write the build folder {tmp}/afile/sub (Not a directory)"),
+        ("/proc/course-build", "cannot write the build folder /proc/course-build"),
+    ],
+    ids=["empty", "a-file", "under-a-file", "cannot-be-created"],
+)
+def test_a_build_folder_that_cannot_be_used_is_refused_before_anything(
+    tmp_path, capsys, build, message
+):
+    (tmp_path / "afile").write_text("mine")
+    build = build.format(tmp=tmp_path)
+    assert run.main(["course", "--only", "00", "--n-devices", "2", "--build", build]) == 1
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and "--build DIR (make: BUILD=DIR)" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing made
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root writes into a read-only folder; the cases above refuse for root"
+)
+def test_a_read_only_build_folder_is_refused(tmp_path, capsys):
+    (tmp_path / "ro").mkdir(mode=0o500)
+    assert run.main(["lab", "--build", str(tmp_path / "ro")]) == 1
+    assert (
+        f"cannot write the build folder {tmp_path / 'ro'} (Permission denied)"
+        in capsys.readouterr().err
+    )
+
+
+def test_a_build_folder_without_room_is_refused(tmp_path, capsys, monkeypatch):
+    usage = processes.shutil.disk_usage(tmp_path)._replace(free=3 * 2**20)
+    monkeypatch.setattr(processes.shutil, "disk_usage", lambda path: usage)
+    assert run.main(["lab", "--build", str(tmp_path)]) == 1
+    assert "only 3.0 MB free for the build folder" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_runs_started_at_the_same_moment_get_separate_folders(tmp_path):
+    barrier, got = threading.Barrier(6), []
+
+    def start():
+        barrier.wait()
+        got.append(run.run_folder(tmp_path, "lab"))
+
+    threads = [threading.Thread(target=start) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(got)) == 6 and {p.name for p in got} == {
+        "lab",
+        "lab-2",
+        "lab-3",
+        "lab-4",
+        "lab-5",
+        "lab-6",
+    }
+    # and two processes, started together as two terminals would: each waits for the other to be ready
+    code = (
+        "import pathlib, sys, time; from course_tools import run; pathlib.Path(sys.argv[1]).touch()\n"
+        "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.001)\n"
+        "print(run.run_folder(sys.argv[3], 'course'))"
+    )
+    go = tmp_path / "go"
+    procs = []
+    for i in range(2):
+        argv = [sys.executable, "-c", code, str(tmp_path / f"ready-{i}"), str(go), str(tmp_path)]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + 120
+    while (
+        not all((tmp_path / f"ready-{i}").exists() for i in range(2))
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
+    go.touch()
+    folders = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert folders == {str(tmp_path / "course"), str(tmp_path / "course-2")}
+
+
+# --- Ctrl-C, SIGTERM, a kernel killed: one message, the notebook kept, nothing left running ------------
+
+
+@pytest.fixture
+def two_notebooks(tmp_path):
+    """A course of a quick notebook and a slow one (its slow cell creates ``flag`` when it starts)."""
+    nbs, flag = tmp_path / "notebooks", tmp_path / "started"
+    faults.make_notebook(nbs / "00_quick.ipynb", "print('quick')")
+    faults.make_notebook(
+        nbs / "01_slow.ipynb", faults.SLOW.format(flag=str(flag)), "print('never')"
+    )
+    cmd = faults.command_driver(tmp_path) + [
+        str(nbs),
+        "course",
+        "--n-devices",
+        "2",
+        "--platform",
+        "cpu",
+    ]
+    return cmd + ["--build", str(tmp_path / "build")], flag, tmp_path / "build" / "course"
+
+
+def _one_clean_message(err: str, first: str, *fragments: str) -> None:
+    """stderr holds progress bars and then one message: ``first`` once, ``fragments`` in it, no traceback."""
+    assert "Traceback" not in err and "without encryption" not in err, err
+    message = [line for line in err.splitlines() if line.strip() and "Executing:" not in line]
+    assert first in message[0] and err.count(first) == 1, err
+    assert err.count("kept in") == 1 and all(f in err for f in fragments), err
+
+
+def _kept_notebook(course, status: str) -> None:
+    timings = pd.read_csv(course / "timings.csv")
+    assert list(timings["status"]) == ["ok", status]
+    kept = faults.cells(course / "01_slow.ipynb")  # the notebook up to the stopped cell
+    assert [c["status"] for c in kept] == ["completed", "completed", "failed", "pending"]
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
+def test_ctrl_c_mid_cell_ends_in_seconds_with_the_notebook_and_cell_named(two_notebooks, twice):
+    cmd, flag, course = two_notebooks
+    job = faults.Job(cmd)
+    job.wait_for(flag.exists)
+    job.signal(signal.SIGINT, again_after=0.5 if twice else None)
+    rc, out, err, took = job.finish()
+    assert rc == 130 and took < 20, (rc, took, err)
+    _one_clean_message(
+        err, "01_slow.ipynb interrupted in cell [3] `import pathlib, time`", f"kept in {course}"
+    )
+    _kept_notebook(course, "interrupted")
+    assert faults.leftovers(job.tag) == []
+
+
+def test_sigterm_is_handled_like_ctrl_c(two_notebooks):
+    cmd, flag, course = two_notebooks
+    job = faults.Job(cmd)
+    job.wait_for(flag.exists)
+    job.signal(signal.SIGTERM)
+    rc, out, err, took = job.finish()
+    assert rc == 143 and took < 20, (rc, took, err)
+    _one_clean_message(err, "01_slow.ipynb stopped by SIGTERM in cell [3]")
+    _kept_notebook(course, "stopped by SIGTERM")
+    assert faults.leftovers(job.tag) == []
+
+
+def test_a_kernel_killed_by_the_system_is_named_with_its_cell(two_notebooks):
+    cmd, flag, course = two_notebooks
+    job = faults.Job(cmd)
+    faults.kill_kernel_when_started(job, flag)
+    rc, out, err, took = job.finish()
+    assert rc == 1 and took < 20, (rc, took, err)
+    _one_clean_message(
+        err,
+        "the kernel running 01_slow.ipynb died in cell [3]",
+        "killed by SIGKILL: the operating system",
+    )
+    _kept_notebook(course, "kernel died")
+    assert faults.leftovers(job.tag) == []
+
+
+def test_ctrl_c_while_the_kernel_starts(two_notebooks):
+    cmd, flag, course = two_notebooks
+    job = faults.Job(cmd[:-2] + ["--only", "01", "--build", cmd[-1]])  # the slow notebook alone
+    job.wait_for(
+        (course / "01_slow.kernel.log").exists
+    )  # opened just before the kernel is launched
+    job.signal(signal.SIGINT)
+    started = flag.exists()
+    rc, out, err, took = job.finish()
+    assert rc == 130 and took < 20 and not started, (rc, took, err)
+    _one_clean_message(err, "01_slow.ipynb interrupted before its first cell")
+    assert faults.leftovers(job.tag) == []
+
+
+def test_an_interrupted_scaling_study_keeps_the_completed_runs(tmp_path):
+    flag = tmp_path / "started"
+    faults.make_notebook(
+        tmp_path / "notebooks" / "08_lab.ipynb",
+        "import pathlib\npathlib.Path(results_dir, 'lab_results.csv').write_text('strategy\\njit\\n')",
+        f"if n_devices > 1:\n    import pathlib, time\n    pathlib.Path({str(flag)!r}).touch()\n"
+        "    time.sleep(60)",
+        parameters="n_devices = 8\nplatform = 'auto'\nprofile = 'auto'\nresults_dir = 'auto'\n"
+        "overwrite = False\nscaling = True",
+    )
+    cmd = faults.command_driver(tmp_path) + [
+        str(tmp_path / "notebooks"),
+        "scaling",
+        "--counts",
+        "1",
+        "2",
+    ]
+    job = faults.Job(cmd + ["--platform", "cpu", "--build", str(tmp_path / "build")])
+    job.wait_for(flag.exists)
+    job.signal(signal.SIGINT)
+    rc, out, err, took = job.finish()
+    study = tmp_path / "build" / "scaling"
+    assert rc == 130 and "08_lab.ipynb interrupted in cell [4]" in err, err
+    assert f"completed runs kept: {study / 'n1'}; no study was written" in err
+    assert (study / "n1" / "lab_results.csv").exists() and not (study / "study.csv").exists()
+    assert faults.leftovers(job.tag) == []
+
+
+def test_a_python3_kernel_of_another_environment_is_refused_before_a_folder_is_made(tmp_path):
+    spec = tmp_path / "jupyter" / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    argv = ["/usr/bin/false", "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(
+        json.dumps({"argv": argv, "display_name": "x", "language": "python"})
+    )
+    env = {**os.environ, "JUPYTER_PATH": str(tmp_path / "jupyter")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "course_tools.run",
+        "course",
+        "--only",
+        "00",
+        "--build",
+        str(tmp_path / "b"),
+    ]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "runs /usr/bin/false, not this environment's" in r.stderr, r.stderr
+    assert "JUPYTER_PATH" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "b").exists()
 
 
 # --- the course run as a book (Sphinx), checked in headless Chromium: pages load, links resolve, plots show ---
