@@ -228,7 +228,9 @@ def collectives(hlo_text: str, mesh_axes: Mapping[str, int] | None = None) -> li
         size = sum(DTYPE_BYTES[dt] * math.prod(d) for dt, d in shapes)
         size *= n if kind == "reduce-scatter" else 1
         axes = axes_of(groups, mesh_axes, kind) if mesh_axes else ("?",)
-        out.append(Collective(kind, axes, n, shapes, int(size), ring_bytes(kind, size, n), m["name"]))
+        out.append(
+            Collective(kind, axes, n, shapes, int(size), ring_bytes(kind, size, n), m["name"])
+        )
     return out
 
 

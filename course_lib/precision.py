@@ -104,7 +104,9 @@ def compute_in(
 def _vary(x: jax.Array, axis: str) -> jax.Array:
     try:
         return lax.pcast(x, axis, to="varying")
-    except ValueError:  # already varying over the axis (a sharded or gathered parameter): nothing to do
+    except (
+        ValueError
+    ):  # already varying over the axis (a sharded or gathered parameter): nothing to do
         return x
 
 
