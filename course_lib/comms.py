@@ -13,8 +13,9 @@ all-to-all          (n−1)/n · S            the array
 collective-permute  S                      the array (each device sends its block once)
 ==================  =====================  =========================================================
 
-:func:`collectives` reads them from ``Compiled.as_text()``: kind, result shapes and dtypes (a combined
-all-reduce is one instruction with a tuple shape), the replica groups in any of the printed forms
+:func:`collectives` sizes them, as :func:`course_lib.programs.collective_ops` reads them from
+``Compiled.as_text()``: kind, result shapes and dtypes (a combined all-reduce is one instruction with a
+tuple shape), the replica groups in any of the printed forms
 (``mesh['data'=4,'model'=2] {'model'}``, iota ``[4,2]<=[8]`` / ``[2,4]<=[4,2]T(1,0)``, explicit
 ``{{0,1},{2,3}}``, ``source_target_pairs``), and the mesh axes those groups span. Async pairs
 (``all-gather-start`` / ``-done``, on GPUs) are counted once, sized by the ``-done``. A collective inside a
@@ -28,12 +29,10 @@ transfers from the model's shapes, the batch and the mesh; each strategy's regis
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-import re
 from collections.abc import Mapping, Sequence
 
-import numpy as np
+from . import programs
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 """The HLO collectives that move data between devices."""
@@ -103,97 +102,17 @@ class Collective:
         return f"{self.kind} over {self.axis} (n={self.group_size}): {shown}"
 
 
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_OP = r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-_INSTR = re.compile(
-    rf"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+{_OP}(?P<start>-start)?\((?P<rest>.*)$"
-)
-_DONE = re.compile(
-    rf"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+{_OP}-done\(%?(?P<op>[\w.\-]+)"
-)
-_WHILE = re.compile(r"\bwhile\(.*?\bbody=%?([\w.\-]+)")
-
-
 def arrays_in(shape: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """The arrays of an HLO shape string (a tuple shape has several): ``((dtype, dims), ...)``."""
-    return tuple(
-        (dt, tuple(int(d) for d in dims.split(",") if d))
-        for dt, dims in _ARRAY.findall(shape)
-        if dt in DTYPE_BYTES
-    )
-
-
-def replica_groups(attributes: str, n_devices: int) -> list[list[int]]:
-    """The groups of one collective from its attribute text, in any printed form, as partition ids.
-
-    Partition ids are positions in the mesh's device array (row-major), not ``Device.id``.
-
-    Raises:
-      ValueError: no groups found, or a form this parser does not know (the text is quoted).
-    """
-    m = re.search(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<sub>[^}]*)\}", attributes)
-    if m:  # mesh['data'=4,'model'=2] {'model'}
-        axes = [a.split("=") for a in m["axes"].split(",") if a.strip()]
-        names = [a.strip().strip("'\"") for a, _ in axes]
-        sizes = [int(s) for _, s in axes]
-        sub = [s.strip().strip("'\"") for s in m["sub"].split(",") if s.strip()]
-        if any(s not in names for s in sub):
-            raise ValueError(f"replica groups over sub-axes are not supported: {m.group(0)!r}")
-        keep = [names.index(s) for s in sub]
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
-        rest = [i for i in range(len(sizes)) if i not in keep]
-        return ids.transpose(rest + keep).reshape(-1, math.prod(sizes[i] for i in keep)).tolist()
-    m = re.search(
-        r"replica_groups=\[(?P<g>[\d,]+)\]<=\[(?P<d>[\d,]+)\](?:T\((?P<t>[\d,]+)\))?", attributes
-    )
-    if m:  # [4,2]<=[8]  or  [2,4]<=[4,2]T(1,0)
-        ids = np.arange(math.prod(int(x) for x in m["d"].split(","))).reshape(
-            [int(x) for x in m["d"].split(",")]
-        )
-        if m["t"]:
-            ids = ids.transpose([int(x) for x in m["t"].split(",")])
-        return ids.reshape([int(x) for x in m["g"].split(",")]).tolist()
-    m = re.search(r"replica_groups=\{(?P<body>(?:\{[\d,]*\},?)*)\}", attributes)
-    if m:  # {{0,1},{2,3}};  {} is one group of every device
-        groups = [
-            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m["body"])
-        ]
-        return groups or [list(range(n_devices))]
-    m = re.search(r"source_target_pairs=\{(?P<body>(?:\{\d+,\d+\},?)*)\}", attributes)
-    if m:
-        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m["body"])]
-    raise ValueError(f"no replica groups this parser knows in: {attributes[:200]!r}")
-
-
-def axes_of(
-    groups: Sequence[Sequence[int]], mesh_axes: Mapping[str, int], kind: str
-) -> tuple[str, ...]:
-    """The mesh axes whose groups equal ``groups`` (``mesh_axes``: name → size, in the mesh's order).
-
-    For a collective-permute, ``groups`` are (source, target) pairs: the axes along which they differ.
-    """
-    names, sizes = list(mesh_axes), list(mesh_axes.values())
-    if not names:
-        return ("?",)
-    ids = np.arange(math.prod(sizes)).reshape(sizes)
-    if kind == "collective-permute":
-        coord = lambda i: np.unravel_index(int(i), sizes)  # noqa: E731
-        moved = {
-            names[k] for a, b in groups for k in range(len(names)) if coord(a)[k] != coord(b)[k]
-        }
-        return tuple(n for n in names if n in moved) or ("?",)
-    want = {frozenset(g) for g in groups}
-    for r in range(1, len(names) + 1):
-        for sub in itertools.combinations(range(len(names)), r):
-            rest = [i for i in range(len(names)) if i not in sub]
-            cand = ids.transpose(rest + list(sub)).reshape(-1, math.prod(sizes[i] for i in sub))
-            if {frozenset(c.tolist()) for c in cand} == want:
-                return tuple(names[i] for i in sub)
-    return ("?",)
+    """The arrays of an HLO shape string (a tuple shape has several): ``((dtype, dims), ...)``
+    (:func:`course_lib.programs.arrays`, element types of :data:`DTYPE_BYTES` only)."""
+    return tuple((dt, dims) for dt, dims in programs.arrays(shape) if dt in DTYPE_BYTES)
 
 
 def collectives(hlo_text: str, mesh_axes: Mapping[str, int] | None = None) -> list[Collective]:
-    """Every collective of a compiled program's HLO text (``Compiled.as_text()``), in program order.
+    """Every collective of a compiled program's HLO text (``Compiled.as_text()``), in program order, sized.
+
+    The program is read by :func:`course_lib.programs.collective_ops` (every replica-group form, tuple and
+    async collectives); this adds the ring formula's ``S`` and the bytes each device sends.
 
     Args:
       hlo_text: the per-device (partitioned) program.
@@ -201,35 +120,24 @@ def collectives(hlo_text: str, mesh_axes: Mapping[str, int] | None = None) -> li
         None or ``{}`` for a single device.
 
     Raises:
-      ValueError: a collective inside a ``while`` loop body (its count would be wrong), or replica groups in
-        an unknown form.
+      ValueError: a collective inside a ``while`` loop body (its count would be wrong), or replica groups
+        over sub-axes.
     """
     mesh_axes = dict(mesh_axes or {})
     n_devices = math.prod(mesh_axes.values()) if mesh_axes else 1
-    lines = hlo_text.splitlines()
-    loops = set(_WHILE.findall(hlo_text))
-    done = {m["op"]: m["shape"] for m in map(_DONE.match, lines) if m}
-    out, computation = [], None
-    for line in lines:
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        if computation in loops:
+    loops = programs.while_bodies(hlo_text)
+    out = []
+    for op in programs.collective_ops(hlo_text, mesh_axes or None):
+        if op.computation in loops:
             raise ValueError(
-                f"{m['kind']} {m['name']} is inside the while loop {computation}; not counted"
+                f"{op.op} {op.name} is inside the while loop {op.computation}; not counted"
             )
-        kind = m["kind"]
-        shapes = arrays_in(done.get(m["name"], m["shape"]) if m["start"] else m["shape"])
-        groups = replica_groups(m["rest"], n_devices)
-        n = n_devices if kind == "collective-permute" else len(groups[0])
-        size = sum(DTYPE_BYTES[dt] * math.prod(d) for dt, d in shapes)
-        size *= n if kind == "reduce-scatter" else 1
-        axes = axes_of(groups, mesh_axes, kind) if mesh_axes else ("?",)
+        n = op.group_size or n_devices
+        size = op.nbytes * (n if op.op == "reduce-scatter" else 1)
+        # a group of one device: named by the mesh's axis of size 1 (e.g. data on a 1 x 2 mesh)
+        axes = op.axes or tuple(a for a, size in mesh_axes.items() if size == 1)[:1] or ("?",)
         out.append(
-            Collective(kind, axes, n, shapes, int(size), ring_bytes(kind, size, n), m["name"])
+            Collective(op.op, axes, n, arrays_in(op.shape), int(size), op.bytes_sent, op.name)
         )
     return out
 

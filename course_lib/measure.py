@@ -17,7 +17,6 @@ process's peak so far (no API resets it), so a strategy's own peak is known only
 from __future__ import annotations
 
 import dataclasses
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +24,7 @@ from typing import Any
 
 import jax
 
-from . import comms
+from . import comms, programs
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 """HLO collective ops counted in compiled programs (async ``-start`` forms are counted once)."""
@@ -119,8 +118,10 @@ class CompiledStats:
 
 
 def count_collectives(hlo_text: str) -> dict[str, int]:
-    """Count collective ops in compiled HLO text (``Compiled.as_text()``), one per instruction."""
-    return {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo_text)) for op in COLLECTIVES}
+    """Count collective ops in compiled HLO text (``Compiled.as_text()``), one per instruction (an async
+    ``-start``/``-done`` pair once), as :func:`course_lib.programs.collective_ops` reads them."""
+    ops = [c.op for c in programs.collective_ops(hlo_text)]
+    return {op: ops.count(op) for op in COLLECTIVES}
 
 
 def compile_and_analyse(

@@ -72,6 +72,11 @@ def test_tuple_async_reduce_scatter_and_permute_are_sized():
     )
 
 
+def test_groups_not_written_are_every_device():
+    (c,) = comms.collectives(hlo("%ar = f32[8]{0} all-reduce(%x), to_apply=%add"), MESH)
+    assert c.axes == ("data", "model") and c.group_size == 8
+
+
 def test_refuses_what_it_cannot_count():
     loop = (
         ENTRY
@@ -80,8 +85,6 @@ def test_refuses_what_it_cannot_count():
     )
     with pytest.raises(ValueError, match="inside the while loop body"):
         comms.collectives(loop, {"data": 8})
-    with pytest.raises(ValueError, match="no replica groups this parser knows"):
-        comms.collectives(hlo("%ar = f32[8]{0} all-reduce(%x), to_apply=%add"), {"data": 8})
     with pytest.raises(ValueError, match="sub-axes"):
         comms.collectives(
             hlo("%ar = f32[8]{0} all-reduce(%x), replica_groups=mesh['data'=8] {'data':(1)2}"),
