@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from . import data as data_lib
 from . import model as model_lib
 from .devices import PLATFORMS, device_subsets
+from .precision import PRECISIONS
 
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 
@@ -290,6 +291,12 @@ LAB_PARAMS = {
         PLATFORM,
         Param("profile", "auto", choices=("auto", *PROFILES), help="auto | cpu | gpu | tiny"),
         Param(
+            "precision",
+            "float32",
+            choices=PRECISIONS,
+            help="float32 | float64 (every strategy equals A to 1e-10) | bfloat16 (mixed precision)",
+        ),
+        Param(
             "steps",
             0,
             minimum=0,
@@ -299,7 +306,7 @@ LAB_PARAMS = {
         Param(
             "global_batch", 0, minimum=0, example=64, help="images per step; 0 keeps the profile's"
         ),
-        Param("scaling", True, help="also measure each strategy on 1, 2, 4, ... of the devices"),
+        Param("scaling", False, help="also measure B, C, D on 1, 2, 4, ... of the devices (slow)"),
         Param("article_variant", True, help="also run the article's split (C') beside C"),
         Param("results_dir", "auto", help="results folder; auto: build/lab"),
         Param("overwrite", False, help="write into a used results folder instead of a new one"),

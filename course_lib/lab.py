@@ -17,8 +17,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import comms, costs, measure, parallel
 from . import data as data_lib
-from . import measure, parallel
+from . import precision as precision_lib
 from . import strategies as strategies_lib
 from .config import LabConfig, init_run
 from .steps import init_state, make_optimizer
@@ -56,7 +57,14 @@ class StrategyRun:
       losses: float loss per step, the global-batch mean before each update.
       step_times_s: seconds per step, every step (the first ``warmup`` included).
       params: final parameters as one global numpy copy, for parity checks.
-      stats: the compiled program's :class:`course_lib.measure.CompiledStats`.
+      stats: the compiled program's :class:`course_lib.measure.CompiledStats` (its collectives sized).
+      predicted: the collectives predicted from shapes (:func:`course_lib.strategies.predict_comm`);
+        None for a strategy whose collectives are the compiler's choice.
+      strategy: the built :class:`course_lib.strategies.Strategy`.
+      compiled: its compiled step, to run it again (one-step parity, :func:`course_lib.parity.one_step`).
+      batches: the run's batches, in the strategy's layout.
+      states: with ``keep_states=True``: the state before every step and after the last, as host copies
+        (``len(states) == steps + 1``); else None.
     """
 
     row: dict
@@ -64,6 +72,11 @@ class StrategyRun:
     step_times_s: list
     params: Any
     stats: measure.CompiledStats
+    predicted: list | None = None
+    strategy: Any = None
+    compiled: Any = None
+    batches: list | None = None
+    states: list | None = None
 
 
 def run_strategy(
@@ -75,6 +88,10 @@ def run_strategy(
     seed: int = 0,
     steps: int | None = None,
     progress: bool = True,
+    precision: str = "float32",
+    mesh_shape: tuple[int, int] | None = None,
+    keep_states: bool = False,
+    perturb: Any = None,
 ) -> StrategyRun:
     """Train the CNN with strategy ``key`` on ``devices`` and measure it.
 
@@ -89,30 +106,91 @@ def run_strategy(
       seed: fixes initial parameters and data (:func:`course_lib.config.init_run`).
       steps: overrides ``config.steps`` (the scaling sweep uses ``config.scaling_steps``).
       progress: show a tqdm progress bar.
+      precision: ``"float32"``, ``"float64"`` or ``"bfloat16"`` (:mod:`course_lib.precision`).
+      mesh_shape: ``(n_data, n_model)`` for the ``data_model`` strategies.
+      keep_states: keep a host copy of the state before every step (``StrategyRun.states``).
+      perturb: optional ``params -> params`` applied to the initial parameters (e.g.
+        :func:`course_lib.parity.nudge`).
 
     Raises:
-      ValueError: the global batch is not divisible by the strategy's data shards (numbers named).
+      ValueError: the global batch is not divisible by the strategy's data shards (numbers named), or an
+        unknown precision.
     """
     steps = config.steps if steps is None else steps
     warmup = min(config.warmup, steps - 1)
-    start = init_run(config, seed)
-    optimizer = make_optimizer(config.learning_rate)
-    strat = strategies_lib.build(key, start.graphdef, start.params, optimizer, devices)
-    state = strat.place_state(init_state(start.params, optimizer))
-    batches = strat.batches(start.dataset, start.data_key, steps, config.global_batch)
-    compiled, stats = measure.compile_and_analyse(lambda: strat.lower(state, batches[0]))
-
-    desc = f"{strat.label} on {strat.n_devices} device(s)" if progress else None
-    state, losses, times = _train(compiled, state, batches, desc)
+    precision_lib.check(precision)
+    with precision_lib.enabled(precision):
+        before = measure.allocator_snapshot(
+            list(devices)
+        )  # this run's own peak is measured from here
+        start = init_run(config, seed)
+        params = precision_lib.cast_params(start.params, precision)
+        params = params if perturb is None else perturb(params)
+        optimizer = make_optimizer(config.learning_rate)
+        strat = strategies_lib.build(
+            key, start.graphdef, params, optimizer, devices, mesh_shape, precision=precision
+        )
+        state = strat.place_state(
+            precision_lib.cast_params(init_state(params, optimizer), precision)
+        )
+        batches = [
+            precision_lib.cast_batch(b, precision)
+            for b in strat.batches(start.dataset, start.data_key, steps, config.global_batch)
+        ]
+        compiled, stats = measure.compile_and_analyse(
+            lambda: strat.lower(state, batches[0]), strat.mesh_axes
+        )
+        desc = f"{strat.label} on {strat.n_devices} device(s)" if progress else None
+        state, losses, times, states = _train(compiled, state, batches, desc, keep_states)
+        after = measure.allocator_snapshot(list(devices))
+        host_params = strat.host_params(state)
     timing = measure.Timing.from_samples(times[warmup:])
+    predicted = _predicted(key, config, strat, mesh_shape, precision, report, devices)
+    row = _row(
+        key, strat, config, steps, timing, stats, state, predicted, precision, report, devices
+    )
+    row["peak_device_bytes"] = measure.own_peak(before, after)
+    row["final_loss"] = losses[-1]
+    return StrategyRun(
+        row=row, losses=losses, step_times_s=times, params=host_params, stats=stats,
+        predicted=predicted, strategy=strat, compiled=compiled, batches=batches, states=states,
+    )  # fmt: skip
+
+
+def _predicted(key, config, strat, mesh_shape, precision, report, devices) -> list | None:
+    if (
+        strategies_lib.info(key).mesh_kind != "single"
+        and strategies_lib.info(key).comm_model is None
+    ):
+        return None
+    platform = list(devices)[0].platform if report is None else report.platform
+    return strategies_lib.predict_comm(
+        key, config.model, config.global_batch, strat.n_devices, mesh_shape,
+        precision=precision, platform=platform,
+    )  # fmt: skip
+
+
+def _row(
+    key, strat, config, steps, timing, stats, state, predicted, precision, report, devices
+) -> dict:
+    """The results row of one run: what it did, what it cost, what it holds and sends per device."""
     n = strat.n_devices
+    entry = strategies_lib.info(key)
+    shape = (mesh_shape_of(strat)) if entry.mesh_kind == "data_model" else (entry.data_shards(n), 1)
+    local_batch = config.global_batch // shape[0]
+    value_bytes = 8 if precision == "float64" else 4
+    act_bytes = 2 if precision == "bfloat16" else value_bytes
+    kind = list(devices)[0].device_kind
+    peak, _ = costs.peak_flops(kind, precision, precision_lib.matmul_precision())
     flops_per_step = stats.flops_per_device * n
-    row = {
+    return {
         "strategy": key,
         "label": strat.label,
         "n_devices": n,
         "mesh": strat.mesh,
         "profile": config.name,
+        "precision": precision,
+        "matmul_precision": precision_lib.matmul_precision(),
         "global_batch": config.global_batch,
         "image_size": config.image_size,
         "steps": steps,
@@ -122,36 +200,62 @@ def run_strategy(
         "samples_per_s": config.global_batch / timing.median_s,
         "compile_s": stats.compile_s,
         "bytes_per_device": stats.bytes_per_device,
+        "temp_bytes_per_device": stats.temp_bytes,
         "param_bytes_per_device": parallel.bytes_per_device(state.params),
-        "peak_device_bytes": measure.peak_device_memory(list(devices)[:n]),
+        "opt_state_bytes_per_device": parallel.bytes_per_device(state.opt_state),
+        "activation_bytes_per_device": costs.residual_activation_bytes(
+            entry.tp_layout, config.model, local_batch, shape[1], act_bytes
+        ),
+        "collective_bytes_per_device": stats.sent_bytes,
+        "collective_bytes_predicted": np.nan if predicted is None else comms.total_sent(predicted),
+        "collective_bytes_by_axis": _by_axis(stats.transfers),
         "flops_per_step": flops_per_step,
         "flops_per_device": stats.flops_per_device,
+        "bytes_accessed_per_device": stats.bytes_accessed,
         "achieved_flops_per_s": flops_per_step / timing.median_s,
+        "peak_flops_per_device": np.nan if peak is None else peak,
+        "mfu": costs.mfu(stats.flops_per_device, timing.median_s, peak),
         "collectives": stats.collectives_str(),
-        "final_loss": losses[-1],
         **_metadata(report, devices),
     }
-    return StrategyRun(
-        row=row, losses=losses, step_times_s=times, params=strat.host_params(state), stats=stats
-    )
 
 
-def _train(compiled, state, batches, desc: str | None) -> tuple[Any, list[float], list[float]]:
-    """Run every batch through the compiled step, timing each step to completion (``block_until_ready``)."""
-    losses_dev, times = [], []
+def mesh_shape_of(strategy: Any) -> tuple[int, int]:
+    """``(n_data, n_model)`` of a built strategy (``(n, 1)`` for a 1-D mesh, ``(1, 1)`` for one device)."""
+    axes = strategy.mesh_axes
+    return int(axes.get("data", 1)), int(axes.get("model", 1))
+
+
+def _by_axis(transfers) -> str:
+    """``"data:566658 model:852608"`` (bytes sent per device per step, per mesh axis); ``"none"``."""
+    parts = [f"{axis}:{sent:.0f}" for axis, sent in sorted(comms.sent_by_axis(transfers).items())]
+    return " ".join(parts) or "none"
+
+
+def _train(compiled, state, batches, desc: str | None, keep_states: bool = False):
+    """Run every batch through the compiled step, timing each step to completion (``block_until_ready``).
+
+    Returns ``(state, losses, times, states)``; ``states`` (host copies before each step and after the last)
+    only with ``keep_states``, else None.
+    """
+    losses_dev, times, states = [], [], [] if keep_states else None
     iterator = range(len(batches))
     if desc is not None:
         from tqdm.auto import tqdm
 
         iterator = tqdm(iterator, desc=desc, leave=False)
     for i in iterator:
+        if keep_states:
+            states.append(jax.device_get(state))
         t0 = time.perf_counter()
         state, metrics = compiled(state, batches[i])
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
         losses_dev.append(metrics["loss"])
+    if keep_states:
+        states.append(jax.device_get(state))
     losses = [float(np.asarray(x).ravel()[0]) for x in losses_dev]  # pmap: one copy per device
-    return state, losses, times
+    return state, losses, times, states
 
 
 def _metadata(report: Any, devices: Sequence[Any]) -> dict:

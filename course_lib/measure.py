@@ -6,19 +6,25 @@ lowered and compiled explicitly, so compile time is measured on its own; every t
 first calls are warm-up; the median and the spread of the rest are reported.
 
 Memory and FLOPs come from the compiled program (``Compiled.memory_analysis()`` / ``cost_analysis()``),
-which work on every backend; on GPUs the allocator's ``Device.memory_stats()`` is reported beside them.
+which work on every backend; its collectives, sized, from its HLO text (:mod:`course_lib.comms`). On GPUs
+the allocator's ``Device.memory_stats()`` is read beside them — and its ``peak_bytes_in_use`` is the
+process's peak so far (no API resets it), so a strategy's own peak is known only when it raises that peak
+(:func:`own_peak`). JAX preallocates 75 % of each GPU's memory at the first operation
+(``XLA_PYTHON_CLIENT_PREALLOCATE``, ``XLA_CLIENT_MEM_FRACTION``; :func:`allocator_settings`), so what
+``nvidia-smi`` shows is the pool, not what a program needs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+
+from . import comms, programs
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 """HLO collective ops counted in compiled programs (async ``-start`` forms are counted once)."""
@@ -84,6 +90,9 @@ class CompiledStats:
       bytes_per_device: argument + output − alias (donated buffers reused) + temp: the program's footprint.
       flops_per_device: ``cost_analysis()["flops"]`` of the per-device (SPMD-partitioned) program.
       collectives: count of each op in ``COLLECTIVES`` in the compiled HLO text.
+      bytes_accessed: ``cost_analysis()["bytes accessed"]``: memory traffic per device (not network bytes).
+      transfers: every collective, sized (:func:`course_lib.comms.collectives`); empty when the mesh's axes
+        were not given.
     """
 
     compile_s: float
@@ -94,6 +103,13 @@ class CompiledStats:
     bytes_per_device: int
     flops_per_device: float
     collectives: dict
+    bytes_accessed: float = float("nan")
+    transfers: tuple = ()
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes each device sends per step over all collectives (ring algorithms)."""
+        return comms.total_sent(self.transfers)
 
     def collectives_str(self) -> str:
         """``"all-reduce:2 all-gather:1"`` (only ops that occur), or ``"none"``."""
@@ -102,15 +118,21 @@ class CompiledStats:
 
 
 def count_collectives(hlo_text: str) -> dict[str, int]:
-    """Count collective ops in compiled HLO text (``Compiled.as_text()``), one per instruction."""
-    return {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo_text)) for op in COLLECTIVES}
+    """Count collective ops in compiled HLO text (``Compiled.as_text()``), one per instruction (an async
+    ``-start``/``-done`` pair once), as :func:`course_lib.programs.collective_ops` reads them."""
+    ops = [c.op for c in programs.collective_ops(hlo_text)]
+    return {op: ops.count(op) for op in COLLECTIVES}
 
 
-def compile_and_analyse(lower: Callable[[], Any]) -> tuple[Any, CompiledStats]:
+def compile_and_analyse(
+    lower: Callable[[], Any], mesh_axes: dict | None = None
+) -> tuple[Any, CompiledStats]:
     """Lower and compile (timed), then read memory, FLOPs and collectives from the compiled program.
 
     Args:
       lower: a zero-argument callable returning ``jax.stages.Lowered``, e.g. ``lambda: step.lower(state, batch)``.
+      mesh_axes: the mesh's axis sizes in order (``Strategy.mesh_axes``); given, every collective is sized
+        and its mesh axes named (``stats.transfers``).
 
     Returns:
       ``(compiled, stats)``; call ``compiled(state, batch)`` to run without re-tracing.
@@ -122,6 +144,7 @@ def compile_and_analyse(lower: Callable[[], Any]) -> tuple[Any, CompiledStats]:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older APIs returned one dict per device program
         cost = cost[0] if cost else {}
+    text = compiled.as_text()
     arg = int(getattr(mem, "argument_size_in_bytes", 0))
     out = int(getattr(mem, "output_size_in_bytes", 0))
     tmp = int(getattr(mem, "temp_size_in_bytes", 0))
@@ -134,7 +157,9 @@ def compile_and_analyse(lower: Callable[[], Any]) -> tuple[Any, CompiledStats]:
         alias_bytes=alias,
         bytes_per_device=arg + out - alias + tmp,
         flops_per_device=float((cost or {}).get("flops", float("nan"))),
-        collectives=count_collectives(compiled.as_text()),
+        collectives=count_collectives(text),
+        bytes_accessed=float((cost or {}).get("bytes accessed", float("nan"))),
+        transfers=tuple(comms.collectives(text, mesh_axes)) if mesh_axes is not None else (),
     )
     return compiled, stats
 
@@ -170,16 +195,57 @@ def scaling_efficiency(rows: Any, columns: Sequence[str] = ()) -> Any:
 
 def peak_device_memory(devices: Sequence[Any]) -> int | None:
     """Largest ``peak_bytes_in_use`` over ``devices`` from the allocator, or None where the backend has no
-    ``memory_stats()`` (the CPU backend returns None)."""
-    peaks = []
+    ``memory_stats()`` (the CPU backend returns None). The process's peak *so far*: see :func:`own_peak`."""
+    snap = allocator_snapshot(devices)
+    return None if snap is None else snap["peak_bytes_in_use"]
+
+
+def allocator_snapshot(devices: Sequence[Any]) -> dict[str, int] | None:
+    """The allocator's counters, the largest over ``devices``: ``bytes_in_use``, ``peak_bytes_in_use``,
+    ``bytes_limit``, ``pool_bytes`` (0 where a key is missing); None where ``memory_stats()`` is None (CPU)."""
+    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "pool_bytes")
+    snaps = []
     for d in devices:
         try:
             stats = d.memory_stats()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a backend without allocator statistics
             stats = None
-        if stats and "peak_bytes_in_use" in stats:
-            peaks.append(int(stats["peak_bytes_in_use"]))
-    return max(peaks) if peaks else None
+        if stats:
+            snaps.append({k: int(stats.get(k, 0)) for k in keys})
+    if not snaps:
+        return None
+    return {k: max(s[k] for s in snaps) for k in keys}
+
+
+def own_peak(before: dict | None, after: dict | None) -> int | None:
+    """The memory a run needed at its peak, beyond what was in use before it, from two
+    :func:`allocator_snapshot` s — or None when it cannot be known.
+
+    ``peak_bytes_in_use`` only ever grows. If the run raised it, its own peak is ``after["peak_bytes_in_use"]
+    − before["bytes_in_use"]``. If it did not, the run needed at most the earlier peak; reporting that would
+    repeat an earlier strategy's figure, so None (run the strategy in a fresh process to measure it).
+    """
+    if before is None or after is None:
+        return None
+    if after["peak_bytes_in_use"] <= before["peak_bytes_in_use"]:
+        return None
+    return after["peak_bytes_in_use"] - before["bytes_in_use"]
+
+
+ALLOCATOR_ENV = {
+    "XLA_PYTHON_CLIENT_PREALLOCATE": "true: preallocate at the first JAX operation",
+    "XLA_CLIENT_MEM_FRACTION": "0.75 of each GPU's memory (old name: XLA_PYTHON_CLIENT_MEM_FRACTION)",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION": "deprecated name of XLA_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_ALLOCATOR": "default (BFC); 'platform' allocates exactly and frees (slow)",
+}
+"""The GPU allocator's environment variables and their defaults (docs.jax.dev/en/latest/gpu_memory_allocation.html)."""
+
+
+def allocator_settings() -> dict[str, str]:
+    """Each of :data:`ALLOCATOR_ENV` as set in this process, or ``"unset (default: …)"``."""
+    import os
+
+    return {k: os.environ.get(k, f"unset (default: {v})") for k, v in ALLOCATOR_ENV.items()}
 
 
 def human_bytes(n: float | None) -> str:

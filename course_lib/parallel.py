@@ -1,21 +1,31 @@
-"""Tensor parallelism for the CNN inside ``shard_map``: the parameter layout and the per-shard forward.
+"""Tensor parallelism and FSDP for the CNN inside ``shard_map``: parameter layouts and per-shard forwards.
 
-Megatron-style pairs on the ``model`` axis, so the model axis *splits* work instead of duplicating it:
+Two Megatron-style layouts on the ``model`` axis (column-parallel = output-split, row-parallel =
+input-split + ``psum``), so the model axis *splits* work instead of duplicating it:
 
-=========  ==========================  ==================================  =========================
-layer      kernel spec                 per-shard kernel                    after the layer
-=========  ==========================  ==================================  =========================
-conv1      ``P(None,None,None,model)``  [3, 3, 3, c1/m]  (output-split)     channels split, no comm.
-conv2      ``P(None,None,model,None)``  [3, 3, c1/m, c2] (input-split)      partial sums → ``psum``
-conv3      ``P(None,None,None,model)``  [3, 3, c2, c3/m] (output-split)     channels split, no comm.
-dense1     ``P(model, None)``           [c3/m·h·w, hidden] (input-split)    partial sums → ``psum``
-dense2     ``P()``                      [hidden, classes] (replicated)      —
-=========  ==========================  ==================================  =========================
+=========  =========================================  ==============================================
+layer      ``tp_gather_*`` (strategy C, the default)   ``tp_*`` (strategy ``shard_map_pairs``)
+=========  =========================================  ==============================================
+conv1      output-split, pooled output ``all_gather``  output-split
+conv2      output-split                                input-split → ``psum`` of its output
+conv3      input-split → ``psum`` of its output        output-split
+dense1     output-split (its rows stay whole)          input-split → ``psum``
+dense2     input-split → ``psum``                      replicated
+=========  =========================================  ==============================================
 
-Two ``psum``\\ s over ``model`` per forward pass (and their transposes in the backward pass). dense1's rows
-split cleanly because the CNN flattens channel-major (:func:`course_lib.model.flatten_channel_major`).
-The source article split only conv1; :func:`article_param_specs` / :func:`article_apply` reproduce that
-variant, in which everything after conv1 is computed on every model shard (an ``all_gather`` and duplicated work).
+Bytes over the model axis per step (``notebooks/08_lab.ipynb`` measures and predicts them): the pairs
+layout all-reduces conv2's output — the network's largest activation — in the forward pass, dense1's
+output, and (backward) conv3's input gradient. The gather layout moves the pooled conv1 output (an
+``all_gather`` forward, its transpose a reduce-scatter backward), conv3's output, dense2's output and
+(backward) dense1's input gradient: about a third fewer bytes, and no layer computed twice. dense1's
+rows split cleanly in the pairs layout because the CNN flattens channel-major
+(:func:`course_lib.model.flatten_channel_major`). The source article split only conv1;
+:func:`article_param_specs` / :func:`article_apply` reproduce it (everything after conv1 is computed on
+every model shard).
+
+FSDP (ZeRO-3) shards every parameter over the ``data`` axis (:func:`fsdp_specs`) and gathers them for
+the forward pass (:func:`gather_params`); under ``check_vma=True`` the transpose of that ``all_gather`` is a
+reduce-scatter of the gradients, so the shared ``train_step`` needs no change.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .meshes import MODEL
+from .meshes import DATA, MODEL
 from .model import flatten_channel_major, max_pool
 
 
@@ -76,6 +86,87 @@ def tp_apply(params: Any, images: jax.Array, model_axis: str = MODEL) -> jax.Arr
     x = lax.psum(x @ p["dense1"]["kernel"], model_axis) + p["dense1"]["bias"]  # [b, hidden]
     x = jax.nn.relu(x)
     return x @ p["dense2"]["kernel"] + p["dense2"]["bias"]  # [b, num_classes]
+
+
+def tp_gather_param_specs(params: Any, model_axis: str = MODEL) -> dict:
+    """PartitionSpecs of the gather layout (strategy C; table in the module docstring), same tree as ``params``."""
+    m = model_axis
+    return {
+        "conv1": {"kernel": P(None, None, None, m), "bias": P(m)},
+        "conv2": {"kernel": P(None, None, None, m), "bias": P(m)},
+        "conv3": {"kernel": P(None, None, m, None), "bias": P()},
+        "dense1": {"kernel": P(None, m), "bias": P(m)},
+        "dense2": {"kernel": P(m, None), "bias": P()},
+    }
+
+
+def tp_gather_apply(params: Any, images: jax.Array, model_axis: str = MODEL) -> jax.Array:
+    """Per-shard forward of the gather layout; call inside ``shard_map`` over a mesh with ``model_axis``.
+
+    Args:
+      params: this shard's parameters, laid out by :func:`tp_gather_param_specs`.
+      images: float32 [b, H, W, 3], this data shard's images (replicated over the model axis).
+      model_axis: the mesh axis the features are split over.
+
+    Returns:
+      float32 logits [b, num_classes], identical on every model shard (after the last ``psum``).
+    """
+    p = params
+    x = max_pool(jax.nn.relu(conv(images, p["conv1"]["kernel"], p["conv1"]["bias"])))
+    # x: [b, H/2, W/2, c1/m]; gathered: [b, H/2, W/2, c1] (its transpose: a reduce-scatter)
+    x = lax.all_gather(x, model_axis, axis=3, tiled=True)
+    x = max_pool(
+        jax.nn.relu(conv(x, p["conv2"]["kernel"], p["conv2"]["bias"]))
+    )  # [b, H/4, W/4, c2/m]
+    x = (
+        lax.psum(conv(x, p["conv3"]["kernel"]), model_axis) + p["conv3"]["bias"]
+    )  # [b, H/4, W/4, c3]
+    x = flatten_channel_major(max_pool(jax.nn.relu(x)))  # [b, c3 · H/8 · W/8]: dense1's rows whole
+    x = jax.nn.relu(x @ p["dense1"]["kernel"] + p["dense1"]["bias"])  # [b, hidden/m]
+    return lax.psum(x @ p["dense2"]["kernel"], model_axis) + p["dense2"]["bias"]  # [b, classes]
+
+
+def fsdp_dim(shape: tuple[int, ...], n: int) -> int | None:
+    """The dimension FSDP shards a leaf of ``shape`` along: the largest one divisible by ``n`` (the last such
+    one on a tie), or None when none is (the leaf stays replicated). ``n = 1`` shards nothing."""
+    best = None
+    for i, d in enumerate(shape):
+        if n > 1 and d % n == 0 and (best is None or d >= shape[best]):
+            best = i
+    return best
+
+
+def fsdp_specs(params: Any, n_data: int, data_axis: str = DATA) -> Any:
+    """FSDP (ZeRO-3) PartitionSpecs: each leaf split along :func:`fsdp_dim` over ``data_axis``, else ``P()``.
+
+    Example, the cpu profile on 8 devices: conv kernels ``P(None, None, None, 'data')`` (output channels),
+    dense1's kernel ``P('data', None)`` (its 1024 rows), dense2's bias (10 values) replicated.
+    """
+
+    def spec(x):
+        d = fsdp_dim(tuple(x.shape), n_data)
+        return (
+            P() if d is None else P(*[data_axis if i == d else None for i in range(len(x.shape))])
+        )
+
+    return jax.tree.map(spec, params)
+
+
+def gather_params(params: Any, param_specs: Any, data_axis: str = DATA) -> Any:
+    """Inside ``shard_map``: ``lax.all_gather`` (tiled) every leaf that ``param_specs`` splits over
+    ``data_axis``, giving every device the full parameters; replicated leaves pass through.
+
+    Under ``check_vma=True`` the gathered values vary over the axis, and differentiating through the gather
+    gives each device the reduce-scatter of the gradients: its own slice of their sum.
+    """
+
+    def gather(x, spec):
+        axes = tuple(spec)
+        if data_axis not in axes:
+            return x
+        return lax.all_gather(x, data_axis, axis=axes.index(data_axis), tiled=True)
+
+    return jax.tree.map(gather, params, param_specs, is_leaf=_is_spec)
 
 
 def article_param_specs(params: Any, model_axis: str = MODEL) -> dict:

@@ -135,6 +135,93 @@ def scaling(rows: pd.DataFrame, ax=None, simulated: bool | None = None):
     return ax
 
 
+def collective_bytes(results: pd.DataFrame, ax=None):
+    """Bytes each device sends per step, per strategy: measured from the compiled program (bars, split by
+    mesh axis) and predicted from shapes (black ticks). Rows of ``lab_results.csv``. Returns the Axes."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.6))
+    keys = list(results["strategy"])
+    x = np.arange(len(keys))
+    bottom = np.zeros(len(keys))
+    for axis, colour in (
+        ("data", "tab:blue"),
+        ("model", "tab:orange"),
+        ("data,model", "tab:green"),
+    ):
+        vals = np.array(
+            [_axis_bytes(str(v), axis) for v in results["collective_bytes_by_axis"]], dtype=float
+        )
+        if vals.any():
+            ax.bar(x, vals / 2**20, 0.6, bottom=bottom / 2**20, color=colour, label=f"over {axis}")
+            bottom += vals
+    pred = results["collective_bytes_predicted"].astype(float).to_numpy() / 2**20
+    ax.scatter(x, pred, marker="_", s=600, color="k", zorder=3, label="predicted from shapes")
+    ax.set_xticks(x, keys, rotation=20)
+    ax.set_ylabel("MiB sent per device per step")
+    ax.set_title("Bytes on the wire: measured (bars) and predicted (ticks)")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def _axis_bytes(text: str, axis: str) -> float:
+    """The bytes of ``axis`` in a ``collective_bytes_by_axis`` cell (``"data:566658 model:852608"``)."""
+    for part in text.split():
+        name, _, value = part.rpartition(":")
+        if name == axis:
+            return float(value)
+    return 0.0
+
+
+def memory_by_kind(results: pd.DataFrame, ax=None):
+    """Per strategy, bytes per device: parameters, optimizer state and the activations the backward pass
+    keeps (stacked, predicted from shapes), and the compiled program's temporaries (dots). Returns the Axes."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.6))
+    keys = list(results["strategy"])
+    x = np.arange(len(keys))
+    bottom = np.zeros(len(keys))
+    for col, name in (
+        ("param_bytes_per_device", "parameters"),
+        ("opt_state_bytes_per_device", "optimizer state"),
+        ("activation_bytes_per_device", "activations kept (predicted)"),
+    ):
+        vals = results[col].astype(float).to_numpy()
+        ax.bar(x, vals / 2**20, 0.6, bottom=bottom / 2**20, label=name)
+        bottom += vals
+    temp = results["temp_bytes_per_device"].astype(float).to_numpy() / 2**20
+    ax.scatter(x, temp, color="k", zorder=3, label="temporaries (memory_analysis)")
+    ax.set_xticks(x, keys, rotation=20)
+    ax.set_ylabel("MiB per device")
+    ax.set_yscale("log")
+    ax.set_title("Memory per device, by kind")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def drift(relative: dict, ax=None, reference: str = "float64 A"):
+    """Relative loss difference per step of each run against a reference run (log scale).
+
+    Args:
+      relative: ``{label: [|loss − reference| / reference per step]}``; zeros are drawn at 1e-17.
+      reference: what the differences are taken against, for the title.
+
+    Returns:
+      The Axes.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.5))
+    for label, values in relative.items():
+        v = np.maximum(np.asarray(values, dtype=float), 1e-17)
+        ax.plot(np.arange(len(v)), v, marker=_marker(label), markersize=3, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("|loss − reference| / reference")
+    ax.set_title(f"How far each run drifts from {reference}")
+    ax.legend(fontsize=7)
+    return ax
+
+
 def save(fig, path) -> str:
     """Save a Figure (or the Figure of an Axes) as PNG at 110 dpi; returns the path as a string."""
     fig = getattr(fig, "figure", fig)

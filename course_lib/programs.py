@@ -47,6 +47,7 @@ _MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_WHILE = re.compile(r"\bwhile\(.*?\bbody=%?([\w.\-]+)")
 
 
 # --- jaxprs ----------------------------------------------------------------------------------------------
@@ -116,6 +117,8 @@ class CollectiveOp:
       nbytes: bytes of its result on one device (summed over a tuple).
       name: the instruction's name, e.g. ``"all-reduce.7"`` (profiler events carry it).
       line: the instruction as printed.
+      computation: the HLO computation it sits in (``""`` for a bare instruction); a collective in one of
+        :func:`while_bodies` runs once per loop iteration.
     """
 
     op: str
@@ -125,6 +128,7 @@ class CollectiveOp:
     nbytes: int
     name: str
     line: str
+    computation: str = ""
 
     @property
     def bytes_sent(self) -> float:
@@ -136,6 +140,15 @@ class CollectiveOp:
             return 0.0
         factor = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1}.get(self.op, (n - 1) / n)
         return self.nbytes * (1.0 if self.op == "collective-permute" else factor)
+
+
+def arrays(shape: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The arrays of an HLO type, ``((dtype, dims), ...)``: ``"(f32[2]{0}, bf16[3,4])"`` gives
+    ``(("f32", (2,)), ("bf16", (3, 4)))``; a scalar ``f32[]`` has ``dims == ()``."""
+    return tuple(
+        (dtype, tuple(int(d) for d in dims.split(",") if d))
+        for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape)
+    )
 
 
 def nbytes(shape: str) -> int:
@@ -157,6 +170,8 @@ def _groups(line: str) -> list[list[int]] | None:
     if m:
         dims = re.findall(r"'([^']+)'=(\d+)", m.group(1))
         names, sizes = [d[0] for d in dims], [int(d[1]) for d in dims]
+        if re.search(r"[:(]", m.group(2)):
+            raise ValueError(f"replica groups over sub-axes are not supported: {m.group(0)!r}")
         chosen = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
         rest = [i for i in range(len(sizes)) if i not in chosen]
         ids = np.arange(int(np.prod(sizes))).reshape(sizes).transpose(rest + chosen)
@@ -201,11 +216,17 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
     Returns:
       One :class:`CollectiveOp` per instruction; an asynchronous ``-start``/``-done`` pair counts once.
       Groups not written out (every device) span every axis of size > 1.
+
+    Raises:
+      ValueError: replica groups over sub-axes of the mesh (``{'data':(1)2}``), which it cannot name.
     """
     shape_of_mesh = _mesh_shape(mesh)
     done = {m.group("start"): m.group("shape").strip() for m in _DONE.finditer(hlo_text)}
-    ops = []
+    ops, computation = [], ""
     for line in hlo_text.splitlines():
+        if line[:1] not in ("", " ", "\t") and line.rstrip().endswith("{"):
+            computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            continue
         m = _INSTR.search(line)
         if not m:
             continue
@@ -226,10 +247,23 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
         shape = shape or m.group("shape").strip()
         ops.append(
             CollectiveOp(
-                m.group("op"), shape, axes, size, nbytes(shape), m.group("name"), line.strip()
+                m.group("op"),
+                shape,
+                axes,
+                size,
+                nbytes(shape),
+                m.group("name"),
+                line.strip(),
+                computation,
             )
         )
     return ops
+
+
+def while_bodies(hlo_text: str) -> set[str]:
+    """Names of the computations a compiled program runs as ``while`` loop bodies: a collective whose
+    :attr:`CollectiveOp.computation` is one of them runs once per iteration (the trip count is not read)."""
+    return set(_WHILE.findall(hlo_text))
 
 
 def collectives(hlo_text: str, mesh_shape: Any) -> list[tuple[str, tuple[str, ...]]]:

@@ -1,49 +1,62 @@
 """The lab's training strategies, each built from the same step body (:func:`course_lib.steps.train_step`).
 
-===  ================  ==============================================================================
-key  name              what it does
-===  ================  ==============================================================================
-A    ``jit``           one device; ``jax.jit`` of the step (``notebooks/02_jit.ipynb``)
-B    ``pmap``          data parallelism: ``jax.pmap`` over the leading device axis, ``lax.pmean`` of
-                       gradients (``notebooks/04_pmap.ipynb``)
-C    ``shard_map``     2-D ``data × model`` mesh, manual SPMD: batch over ``data``, tensor-parallel layers
-                       over ``model`` (:mod:`course_lib.parallel`), ``check_vma=True``
-                       (``notebooks/06_shard_map.ipynb``)
-D    ``sharded_jit``   ``jax.jit`` of the unmodified step on a 1-D ``data`` mesh; the compiler partitions it
-                       ("computation follows data") and inserts the all-reduce (``notebooks/05_sharding.ipynb``)
-C′   ``shard_map_article``  C with the source article's split: only conv1 over ``model``
-===  ================  ==============================================================================
+===  ====================  ===========================================================================
+key  name                  what it does
+===  ====================  ===========================================================================
+A    ``jit``               one device; ``jax.jit`` of the step (``notebooks/02_jit.ipynb``)
+B    ``pmap``              data parallelism: ``jax.pmap`` over the leading device axis, ``lax.pmean`` of
+                           gradients (``notebooks/04_pmap.ipynb``)
+C    ``shard_map``         2-D ``data × model`` mesh, manual SPMD: batch over ``data``, the gather layout's
+                           tensor-parallel layers over ``model`` (:mod:`course_lib.parallel`), ``check_vma=True``
+D    ``sharded_jit``       ``jax.jit`` of the unmodified step on a 1-D ``data`` mesh; the compiler partitions it
+                           ("computation follows data") and inserts the all-reduce (``notebooks/05_sharding.ipynb``)
+E    ``fsdp``              FSDP (ZeRO-3) in ``shard_map``: parameters and optimizer state sharded over ``data``,
+                           gathered for the forward pass, gradients reduce-scattered
+C2   ``shard_map_pairs``   C with lesson 06's pairs layout (``notebooks/06_shard_map.ipynb``)
+C′   ``shard_map_article`` C with the source article's split: only conv1 over ``model``
+E′   ``fsdp_jit``          FSDP as sharded ``jit``: the unchanged step on FSDP-placed state (Auto mesh)
+===  ====================  ===========================================================================
 
 Every strategy starts from the same parameters and consumes the same global batches, so their losses
-and final parameters agree with A's within float32 rounding (the parity tests).
+and final parameters agree with A's (to ~1e-15 in float64; to rounding in float32, see
+:mod:`course_lib.parity`).
 
 :data:`REGISTRY` is the one place that describes a strategy: its key, letter, label, plot marker, mesh
-(from which its data shards follow), builder, and which runs it takes part in (the lab's line-up, the
+(from which its data shards follow), builder (:mod:`course_lib.builders`), parameter layout and model of
+the bytes it sends (:mod:`course_lib.comms`), and which runs it takes part in (the lab's line-up, the
 multi-process lesson, the scaling sweep). :data:`STRATEGIES`, :data:`LABELS`, :func:`build`,
-:func:`data_shards`, the plots' markers, the multi-process strategies and the scaling sweep all read it.
-To add a strategy, write its builder ``(info, graphdef, params, optimizer, devices, mesh_shape) ->
-Strategy`` and add one :class:`StrategyInfo` entry to :data:`REGISTRY`.
+:func:`data_shards`, :func:`predict_comm`, the plots' markers, the multi-process strategies and the scaling
+sweep all read it. To add a strategy, write its builder ``(info, graphdef, params, optimizer, devices,
+mesh_shape, *, precision) -> Strategy`` and add one :class:`StrategyInfo` entry to :data:`REGISTRY`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from . import data as data_lib
-from . import model as model_lib
-from . import parallel
-from .meshes import DATA, MODEL, choose_mesh_shape, data_mesh, data_model_mesh, describe
-from .steps import TrainState, train_step
+from . import builders, comms, parallel
+from . import precision as precision_lib
+from .builders import Strategy
+from .meshes import MODEL, choose_mesh_shape
+
+__all__ = [
+    "REGISTRY",
+    "STRATEGIES",
+    "LABELS",
+    "Strategy",
+    "StrategyInfo",
+    "build",
+    "info",
+    "predict_comm",
+]
 
 MESH_KINDS = ("single", "data", "data_model")
 """``single``: one device; ``data``: the batch split over every device; ``data_model``: a 2-D mesh whose
@@ -60,7 +73,15 @@ class StrategyInfo:
       label: a readable name for tables and plots (``"A: jit, 1 device"``).
       marker: its matplotlib marker in plots.
       mesh_kind: one of :data:`MESH_KINDS`; the data shards follow from it (:meth:`data_shards`).
-      builder: ``(info, graphdef, params, optimizer, devices, mesh_shape) -> Strategy``.
+      builder: ``(info, graphdef, params, optimizer, devices, mesh_shape, *, precision) -> Strategy``.
+      layout: ``(params, n_devices, mesh_shape) -> PartitionSpecs`` of the parameters on the strategy's
+        mesh; None: replicated (or one device).
+      comm_model: predicts the collectives from shapes: a function of :mod:`course_lib.comms`
+        (``predict_data_parallel``, ``predict_fsdp``, ``predict_tensor_parallel``); None: no model (one
+        device, or collectives the compiler chooses).
+      tp_layout: the tensor-parallel layout of a ``data_model`` strategy (``"gather"``, ``"pairs"``,
+        ``"article"``): which activations cross the model axis (:mod:`course_lib.comms`) and which
+        each device keeps (:mod:`course_lib.costs`); None: every device keeps whole activations.
       lab: in the lab's default line-up (:data:`STRATEGIES`).
       multihost: run by the multi-process lesson (:data:`course_lib.distributed.MULTIHOST_STRATEGIES`).
       scaling: in the lab's scaling sweep (:func:`course_lib.lab.scaling_sweep`).
@@ -72,6 +93,9 @@ class StrategyInfo:
     marker: str
     mesh_kind: str
     builder: Callable[..., Strategy]
+    layout: Callable[..., Any] | None = None
+    comm_model: Callable[..., list] | None = None
+    tp_layout: str | None = None
     lab: bool = False
     multihost: bool = False
     scaling: bool = False
@@ -91,212 +115,55 @@ class StrategyInfo:
         return (mesh_shape or choose_mesh_shape(n_devices))[0]
 
 
-@dataclasses.dataclass
-class Strategy:
-    """A built strategy: how to place state and batches, and the compiled-on-first-call step.
-
-    Attributes:
-      key: a key of :data:`REGISTRY`.
-      label: a readable name for tables and plots.
-      n_devices: devices the strategy runs on.
-      mesh: description such as ``"data=4 x model=2"`` (``"1 device"`` for A).
-      step: ``(state, batch) -> (state, {"loss": scalar})``, with the state donated.
-      batch_sharding: the sharding a *global* batch is generated in.
-      place_state: puts a host/single-device :class:`TrainState` where the step expects it.
-      host_params: brings the parameters back as one global copy (numpy), for comparisons.
-      to_step_batch: turns a global batch in ``batch_sharding`` into what ``step`` takes (pmap's reshape).
-      global_batch_divisor: the data shards: the global batch must be a multiple of it.
-    """
-
-    key: str
-    label: str
-    n_devices: int
-    mesh: str
-    step: Callable
-    batch_sharding: jax.sharding.Sharding
-    place_state: Callable[[TrainState], Any]
-    host_params: Callable[[Any], Any]
-    to_step_batch: Callable[[Any], Any] = lambda b: b
-    global_batch_divisor: int = 1
-
-    def batches(
-        self, ds: data_lib.SyntheticImages, key: jax.Array, steps: int, global_batch: int
-    ) -> list:
-        """``steps`` global batches in this strategy's layout; batch *i* from ``fold_in(key, i)``.
-
-        Raises:
-          ValueError: ``global_batch`` not divisible by the strategy's data shards (numbers named).
-        """
-        data_lib.check_divisible(global_batch, self.global_batch_divisor, "global batch")
-        return [
-            self.to_step_batch(b)
-            for b in data_lib.batches(ds, key, steps, global_batch, self.batch_sharding)
-        ]
-
-    def lower(self, state: Any, batch: Any):
-        """``jax.stages.Lowered`` of the step for these placed inputs (compile it to measure it)."""
-        return self.step.lower(state, batch)
-
-
-def _strategy(info: StrategyInfo, devices: list, mesh_shape, **fields: Any) -> Strategy:
-    """A :class:`Strategy` of ``info`` on ``devices``: key, label and data shards come from the registry."""
-    n = 1 if info.mesh_kind == "single" else len(devices)
-    fields.setdefault("host_params", lambda s: jax.device_get(s.params))
-    return Strategy(
-        key=info.key,
-        label=info.label,
-        n_devices=n,
-        global_batch_divisor=info.data_shards(n, mesh_shape),
-        **fields,
-    )
-
-
-def _build_jit(info, graphdef, params, optimizer, devices, mesh_shape) -> Strategy:
-    apply_fn = partial(model_lib.apply, graphdef)
-    step = jax.jit(partial(train_step, apply_fn=apply_fn, optimizer=optimizer), donate_argnums=0)
-    sharding = SingleDeviceSharding(devices[0])
-    return _strategy(
-        info,
-        devices,
-        mesh_shape,
-        mesh="1 device",
-        step=step,
-        batch_sharding=sharding,
-        place_state=lambda s: _put(s, sharding),
-    )
-
-
-def _build_pmap(info, graphdef, params, optimizer, devices, mesh_shape) -> Strategy:
-    n = len(devices)
-    apply_fn = partial(model_lib.apply, graphdef)
-    body = partial(train_step, apply_fn=apply_fn, optimizer=optimizer, data_axis=DATA, sync="grads")
-    step = jax.pmap(body, axis_name=DATA, devices=devices, donate_argnums=0)
-    stacked = data_lib.pmap_sharding(devices)
-
-    def place_state(state):
-        # pmap does not replicate by itself: give every device its own copy along a new leading axis.
-        return _put(jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), state), stacked)
-
-    return _strategy(
-        info,
-        devices,
-        mesh_shape,
-        mesh=f"{DATA}={n} (pmap axis)",
-        step=step,
-        batch_sharding=stacked,
-        place_state=place_state,
-        host_params=lambda s: jax.device_get(jax.tree.map(lambda x: x[0], s.params)),
-        to_step_batch=jax.jit(partial(data_lib.to_pmap_layout, n_devices=n), out_shardings=stacked),
-    )
-
-
-def _build_sharded_jit(info, graphdef, params, optimizer, devices, mesh_shape) -> Strategy:
-    mesh = data_mesh(devices, axis_type="explicit")
-    apply_fn = partial(model_lib.apply, graphdef)
-    step = jax.jit(partial(train_step, apply_fn=apply_fn, optimizer=optimizer), donate_argnums=0)
-    return _strategy(
-        info,
-        devices,
-        mesh_shape,
-        mesh=describe(mesh),
-        step=step,
-        batch_sharding=NamedSharding(mesh, P(DATA)),
-        place_state=lambda s: _put(s, NamedSharding(mesh, P())),
-    )
-
-
-def _build_shard_map(
-    info, params, optimizer, devices, mesh_shape, param_specs, apply_fn
-) -> Strategy:
-    """C and C′: the step in ``shard_map`` over a ``data × model`` mesh, parameters laid out by ``param_specs``."""
-    shape = mesh_shape or choose_mesh_shape(len(devices))
-    mesh = data_model_mesh(devices, shape, axis_type="explicit")
-    parallel.check_model_split(params, param_specs, shape[1])
-    opt_specs = parallel.specs_like(jax.eval_shape(optimizer.init, params), params, param_specs)
-    state_specs = TrainState(params=param_specs, opt_state=opt_specs)
-    body = partial(
-        train_step,
-        apply_fn=partial(apply_fn, model_axis=MODEL),
-        optimizer=optimizer,
-        data_axis=DATA,
-        sync="loss",
-    )
-    mapped = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(state_specs, (P(DATA), P(DATA))),
-        out_specs=(state_specs, P()),
-        check_vma=True,
-    )
-    shardings = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), state_specs, is_leaf=lambda x: isinstance(x, P)
-    )
-    return _strategy(
-        info,
-        devices,
-        shape,
-        mesh=describe(mesh),
-        step=jax.jit(mapped, donate_argnums=0),
-        batch_sharding=NamedSharding(mesh, P(DATA)),
-        place_state=lambda s: _put(s, shardings),
-    )
-
-
-def _build_tensor_parallel(info, graphdef, params, optimizer, devices, mesh_shape) -> Strategy:
-    specs = parallel.tp_param_specs(params, MODEL)
-    return _build_shard_map(info, params, optimizer, devices, mesh_shape, specs, parallel.tp_apply)
-
-
-def _build_article(info, graphdef, params, optimizer, devices, mesh_shape) -> Strategy:
-    specs = parallel.article_param_specs(params, MODEL)
-    return _build_shard_map(
-        info, params, optimizer, devices, mesh_shape, specs, parallel.article_apply
-    )
+def _tp_layout(specs_fn):
+    return lambda params, n_devices, mesh_shape: specs_fn(params, MODEL)
 
 
 REGISTRY: dict[str, StrategyInfo] = {
     info.key: info
     for info in (
-        StrategyInfo("jit", "A", "A: jit, 1 device", "o", "single", _build_jit, lab=True),
         StrategyInfo(
-            "pmap", "B", "B: pmap (data parallel)", "s", "data", _build_pmap, lab=True, scaling=True
+            "jit", "A", "A: jit, 1 device", "o", "single", builders.build_jit, lab=True,
         ),
         StrategyInfo(
-            "shard_map",
-            "C",
-            "C: shard_map (data x model)",
-            "^",
-            "data_model",
-            _build_tensor_parallel,
-            lab=True,
-            multihost=True,
-            scaling=True,
+            "pmap", "B", "B: pmap (data parallel)", "s", "data", builders.build_pmap,
+            comm_model=comms.predict_data_parallel, lab=True, scaling=True,
         ),
         StrategyInfo(
-            "sharded_jit",
-            "D",
-            "D: sharded jit (data parallel)",
-            "D",
-            "data",
-            _build_sharded_jit,
-            lab=True,
-            multihost=True,
-            scaling=True,
+            "shard_map", "C", "C: shard_map (data x model)", "^", "data_model",
+            builders.build_tensor_parallel, layout=_tp_layout(parallel.tp_gather_param_specs),
+            comm_model=comms.predict_tensor_parallel, tp_layout="gather", lab=True, multihost=True, scaling=True,
         ),
         StrategyInfo(
-            "shard_map_article",
-            "C'",
-            "C': shard_map, article's split",
-            "v",
-            "data_model",
-            _build_article,
+            "sharded_jit", "D", "D: sharded jit (data parallel)", "D", "data",
+            builders.build_sharded_jit, comm_model=comms.predict_data_parallel,
+            lab=True, multihost=True, scaling=True,
+        ),
+        StrategyInfo(
+            "fsdp", "E", "E: FSDP (params sharded over data)", "P", "data", builders.build_fsdp,
+            layout=lambda params, n, shape: parallel.fsdp_specs(params, n),
+            comm_model=comms.predict_fsdp, lab=True,
+        ),
+        StrategyInfo(
+            "shard_map_pairs", "C2", "C2: shard_map, lesson 06's pairs", "<", "data_model",
+            builders.build_tensor_parallel_pairs, layout=_tp_layout(parallel.tp_param_specs),
+            comm_model=comms.predict_tensor_parallel, tp_layout="pairs",
+        ),
+        StrategyInfo(
+            "shard_map_article", "C'", "C': shard_map, article's split", "v", "data_model",
+            builders.build_article, layout=_tp_layout(parallel.article_param_specs),
+            comm_model=comms.predict_tensor_parallel, tp_layout="article",
+        ),
+        StrategyInfo(
+            "fsdp_jit", "E'", "E': FSDP as sharded jit", "X", "data", builders.build_fsdp_jit,
+            layout=lambda params, n, shape: parallel.fsdp_specs(params, n),
         ),
     )
-}
+}  # fmt: skip
 """Every strategy, in the lab's order; the one place a strategy is described."""
 
 STRATEGIES = tuple(k for k, info in REGISTRY.items() if info.lab)
-"""Strategy keys of the lab's line-up, in order (A, B, C, D); C′ joins with ``article_variant``."""
+"""Strategy keys of the lab's line-up, in order (A, B, C, D, E); the notebook adds the variants."""
 LABELS = {k: info.label for k, info in REGISTRY.items()}
 """Readable names for tables and plots."""
 
@@ -320,6 +187,8 @@ def build(
     optimizer: optax.GradientTransformation,
     devices: Sequence[Any],
     mesh_shape: tuple[int, int] | None = None,
+    *,
+    precision: str = "float32",
 ) -> Strategy:
     """Build strategy ``key`` on ``devices`` with the builder its :data:`REGISTRY` entry names.
 
@@ -331,21 +200,77 @@ def build(
       optimizer: the shared optax optimizer.
       devices: devices to run on; ``"jit"`` uses the first one only.
       mesh_shape: ``(n_data, n_model)`` for the ``data_model`` strategies; default :func:`choose_mesh_shape`.
+      precision: one of :data:`course_lib.precision.PRECISIONS`; ``"bfloat16"`` computes in bfloat16
+        (:func:`course_lib.precision.compute_in`); the parameters' dtype is the caller's.
 
     Raises:
-      ValueError: unknown key, no devices, or a model axis that does not divide a split layer.
+      ValueError: unknown key or precision, no devices, or a model axis that does not divide a split layer.
     """
     entry = info(key)
     devices = list(devices)
     if not devices:
         raise ValueError("no devices given; pass report.devices from setup_devices()")
-    return entry.builder(entry, graphdef, params, optimizer, devices, mesh_shape)
+    precision_lib.check(precision)
+    return entry.builder(
+        entry, graphdef, params, optimizer, devices, mesh_shape, precision=precision
+    )
 
 
-def _put(tree: Any, sharding: Any) -> Any:
-    # Always fresh buffers, made from a host copy: the steps donate their state, and donation must never
-    # delete the caller's arrays (device_put onto a device that already holds a buffer may reuse it).
-    return jax.device_put(jax.device_get(tree), sharding)
+def predict_comm(
+    key: str,
+    model_config: Any,
+    global_batch: int,
+    n_devices: int,
+    mesh_shape: tuple[int, int] | None = None,
+    *,
+    precision: str = "float32",
+    platform: str = "cpu",
+) -> list[comms.Transfer]:
+    """The collectives strategy ``key`` should send per step, predicted from shapes (no compile).
+
+    Args:
+      key: a key of :data:`REGISTRY`.
+      model_config: the CNN's shape (:class:`course_lib.model.CNNConfig`).
+      global_batch: images per step over all devices.
+      n_devices: devices the strategy runs on.
+      mesh_shape: ``(n_data, n_model)`` for the ``data_model`` strategies; default :func:`choose_mesh_shape`.
+      precision: activations move in bfloat16 under ``"bfloat16"`` (gradients stay float32), in float64
+        under ``"float64"``.
+      platform: ``"cpu"``: XLA:CPU computes bfloat16 collectives in float32, so they move 4 bytes per value.
+
+    Returns:
+      One :class:`course_lib.comms.Transfer` per collective; empty for a single device.
+
+    Raises:
+      ValueError: a strategy without a communication model (its collectives are the compiler's choice).
+    """
+    entry = info(key)
+    if entry.mesh_kind == "single":
+        return []
+    if entry.comm_model is None:
+        raise ValueError(
+            f"strategy {key!r} has no communication model: its collectives are XLA's choice"
+        )
+    n = 1 if entry.mesh_kind == "single" else n_devices
+    shape = (mesh_shape or choose_mesh_shape(n)) if entry.mesh_kind == "data_model" else (n, 1)
+    shapes = comms.param_shapes(model_config)
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes, is_leaf=_is_shape
+    )
+    if entry.layout is None:
+        specs = jax.tree.map(lambda _: P(), abstract)
+    else:
+        specs = entry.layout(abstract, n, shape)
+    value_bytes = 8 if precision == "float64" else 4
+    act_bytes = 2 if precision == "bfloat16" and platform != "cpu" else value_bytes
+    return entry.comm_model(
+        shapes, specs, cfg=model_config, global_batch=global_batch, n_devices=n, mesh_shape=shape,
+        act_bytes=act_bytes, grad_bytes=value_bytes, layout=entry.tp_layout,
+    )  # fmt: skip
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
 def data_shards(key: str, n_devices: int, mesh_shape: tuple[int, int] | None = None) -> int:

@@ -4,7 +4,10 @@ Files in a results folder (the contract the lab, notebooks/08_lab.ipynb, writes 
 
 - ``lab_results.csv`` — one row per strategy: ``strategy, n_devices, mesh, global_batch, image_size, steps,
   step_time_s, samples_per_s, compile_s, bytes_per_device, flops_per_step, collectives, final_loss,
-  platform, device_kind, jax_version`` and more (see :data:`RESULT_COLUMNS`).
+  platform, device_kind, jax_version``, the costs ``collective_bytes_per_device`` (measured from the
+  compiled program), ``collective_bytes_predicted`` (from shapes), ``param_bytes_per_device``,
+  ``opt_state_bytes_per_device``, ``activation_bytes_per_device``, ``mfu`` (empty on CPU) and the run's
+  ``precision``, and more (see :data:`RESULT_COLUMNS`).
 - ``loss_curves.csv`` — ``strategy, step, loss``.
 - ``scaling.csv`` — the scaling sweep, the same columns as ``lab_results.csv``.
 - PNG plots beside them.
@@ -39,6 +42,13 @@ RESULT_COLUMNS = (
     "platform",
     "device_kind",
     "jax_version",
+    "precision",
+    "collective_bytes_per_device",
+    "collective_bytes_predicted",
+    "param_bytes_per_device",
+    "opt_state_bytes_per_device",
+    "activation_bytes_per_device",
+    "mfu",
 )
 """Columns every ``lab_results.csv`` has (the contract); rows may carry more."""
 

@@ -36,3 +36,64 @@ def test_check_divisibility_names_strategy_and_numbers():
     ):
         lab.check_divisibility(cfg, 2)
     lab.check_divisibility(config.resolve_profile("tiny", "cpu"), 8)
+
+
+def test_run_strategy_sizes_memory_and_communication(report):
+    cfg = config.resolve_profile("tiny", "cpu")
+    run = lab.run_strategy("fsdp", report.devices, cfg, report=report, progress=False)
+    row = run.row
+    assert row["collective_bytes_per_device"] == pytest.approx(row["collective_bytes_predicted"])
+    assert row["collective_bytes_by_axis"].startswith("data:")
+    assert (
+        row["opt_state_bytes_per_device"] == row["param_bytes_per_device"] < 6760
+    )  # sharded over 8
+    assert (
+        row["activation_bytes_per_device"] > 0
+        and row["temp_bytes_per_device"] > row["activation_bytes_per_device"]
+    )
+    assert row["precision"] == "float32" and row["matmul_precision"] == "default"
+    assert (
+        row["peak_device_bytes"] is None
+    )  # CPU: no allocator statistics, never another run's peak
+    assert row["mfu"] != row["mfu"]  # NaN: no peak FLOP/s is claimed for a CPU
+    assert run.states is None and len(run.batches) == cfg.steps
+
+
+def test_run_strategy_keeps_states_and_takes_a_perturbation(report):
+    from course_lib import parity
+
+    cfg = config.resolve_profile("tiny", "cpu")
+    a = lab.run_strategy("jit", report.devices, cfg, keep_states=True, progress=False)
+    assert len(a.states) == cfg.steps + 1
+    nudged = lab.run_strategy("jit", report.devices, cfg, perturb=parity.nudge, progress=False)
+    assert nudged.losses != a.losses
+    with pytest.raises(ValueError, match="precision='half'"):
+        lab.run_strategy("jit", report.devices, cfg, precision="half", progress=False)
+
+
+def test_lab_notebook_has_marked_exercises():
+    from pathlib import Path
+
+    import nbformat
+
+    from course_tools.student import student_notebook
+
+    path = Path(__file__).resolve().parents[1] / "notebooks" / "08_lab.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    solutions = [i for i, c in enumerate(code) if "# BEGIN SOLUTION" in c.source]
+    checks = {i + 1 for i in solutions if i + 1 < len(code)}
+    assert len(checks) >= 2
+    for i in checks:
+        assert (
+            "exercise-check" in code[i].metadata.get("tags", [])
+            and "lesson08.check_" in code[i].source
+        )
+    student, replaced = student_notebook(nb, "08_lab")
+    blocks = sum(c.source.count("# BEGIN SOLUTION") for c in code)
+    assert replaced == blocks and "BEGIN SOLUTION" not in "".join(c.source for c in student.cells)
+    project = next(c.source for c in code if "def zero1_step" in c.source)
+    body = project.split("# BEGIN SOLUTION")[1].split("# END SOLUTION")[0]
+    assert (
+        len([line for line in body.splitlines() if line.strip()]) >= 15
+    )  # a whole strategy to write

@@ -71,3 +71,57 @@ def test_count_collectives_text():
 def test_human_bytes_and_peak_memory(report):
     assert measure.human_bytes(1536) == "1.5 KiB" and measure.human_bytes(None) == "n/a"
     assert measure.peak_device_memory(report.devices) is None  # CPU has no allocator stats
+
+
+class _FakeGpu:
+    """A device whose allocator reports ``stats`` (a GPU's memory_stats() keys)."""
+
+    def __init__(self, **stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_allocator_snapshot_and_own_peak():
+    from course_lib import measure
+
+    assert measure.allocator_snapshot(jax.devices()) is None  # CPU: no allocator statistics
+    a = _FakeGpu(bytes_in_use=100, peak_bytes_in_use=500, bytes_limit=1000, pool_bytes=1000)
+    b = _FakeGpu(bytes_in_use=300, peak_bytes_in_use=400, bytes_limit=1000)
+    snap = measure.allocator_snapshot([a, b])
+    assert snap == {
+        "bytes_in_use": 300,
+        "peak_bytes_in_use": 500,
+        "bytes_limit": 1000,
+        "pool_bytes": 1000,
+    }
+    before = {"bytes_in_use": 300, "peak_bytes_in_use": 500}
+    assert (
+        measure.own_peak(before, {"bytes_in_use": 300, "peak_bytes_in_use": 900}) == 600
+    )  # the run raised it
+    assert (
+        measure.own_peak(before, {"bytes_in_use": 300, "peak_bytes_in_use": 500}) is None
+    )  # unknown: not 500
+    assert measure.own_peak(None, None) is None
+    settings = measure.allocator_settings()
+    assert set(settings) == set(measure.ALLOCATOR_ENV)
+    assert all(v.startswith("unset") or v for v in settings.values())
+
+
+def test_compile_and_analyse_sizes_the_collectives(report):
+    from course_lib import data, model, steps, strategies
+
+    g, p = model.init_model(jax.random.key(0), model.TINY)
+    opt = steps.make_optimizer()
+    s = strategies.build("sharded_jit", g, p, opt, report.devices)
+    state = s.place_state(steps.init_state(p, opt))
+    batch = s.batches(data.SyntheticImages(image_size=16), jax.random.key(1), 1, 16)[0]
+    _, stats = measure.compile_and_analyse(lambda: s.lower(state, batch), s.mesh_axes)
+    (c,) = stats.transfers
+    assert (
+        c.kind == "all-reduce"
+        and c.axes == ("data",)
+        and c.size_bytes == (model.param_count(p) + 1) * 4
+    )
+    assert stats.sent_bytes == pytest.approx(2 * 7 / 8 * c.size_bytes) and stats.bytes_accessed > 0

@@ -243,3 +243,31 @@ def test_compile_log_counts_eager_operations_too():
         f(x4)  # cached: nothing compiled
         f(x4 + 1)  # the eager add compiles (a new program), the call does not
     assert log.compiled == ["jit(add)"]
+
+
+def test_computation_of_each_collective_and_while_bodies():
+    text = (
+        "ENTRY %main (p: f32[8]) -> f32[8] {\n"
+        "  %ar = f32[8]{0} all-reduce(%p), replica_groups=[1,8]<=[8], to_apply=%add\n"
+        "  %w = f32[8] while(%ar), condition=%cond, body=%body\n}\n"
+        "%body (q: f32[8]) -> f32[8] {\n"
+        "  %ar2 = f32[8]{0} all-reduce(%q), replica_groups=[1,8]<=[8], to_apply=%add\n}\n"
+    )
+    outer, inner = programs.collective_ops(text, {DATA: 8})
+    assert (outer.computation, inner.computation) == ("main", "body")
+    assert programs.while_bodies(text) == {"body"}
+    assert programs.collective_ops("%a = f32[4] all-reduce(%x)")[0].computation == ""
+
+
+def test_sub_axis_groups_are_refused_not_misread():
+    line = "%ar = f32[8]{0} all-reduce(%x), replica_groups=mesh['data'=8] {'data':(1)2}"
+    with pytest.raises(ValueError, match="sub-axes"):
+        programs.collective_ops(line, {DATA: 8})
+
+
+def test_arrays_of_an_hlo_type():
+    assert programs.arrays("(f32[2]{0}, bf16[3,4]{1,0}, f32[])") == (
+        ("f32", (2,)),
+        ("bf16", (3, 4)),
+        ("f32", ()),
+    )

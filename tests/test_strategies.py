@@ -36,8 +36,15 @@ def reference(n_steps=STEPS):
     return losses, params
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-@pytest.mark.parametrize("key", ["pmap", "shard_map", "sharded_jit", "shard_map_article"])
+@pytest.mark.parametrize(
+    "key, n",
+    [
+        (key, n)
+        for key in ("pmap", "shard_map", "sharded_jit", "fsdp", "shard_map_article")
+        for n in (1, 2, 4, 8)
+    ]
+    + [("shard_map_pairs", 8), ("fsdp_jit", 8), ("shard_map_pairs", 2), ("fsdp_jit", 2)],
+)
 def test_parity_with_single_device_jit(report, key, n):
     ref_losses, ref_params = reference()
     s, _, losses, params = train(key, report.devices[:n])
@@ -61,15 +68,38 @@ def test_pmap_replicas_stay_identical(report):
 
 
 def test_shard_map_shards_parameters_over_the_model_axis(report):
+    # C, the gather layout: conv1 and conv2 output-split, conv3 input-split, dense1 output-split, dense2 input-split
     s, state, _, _ = train("shard_map", report.devices, n_steps=1)
-    assert s.mesh == "data=4 x model=2"
+    assert s.mesh == "data=4 x model=2" and s.mesh_axes == {"data": 4, "model": 2}
+    shapes = parallel.shard_shapes(state.params)
+    assert shapes["conv1"]["kernel"] == (3, 3, 3, 2)  # 4 output channels / 2
+    assert shapes["conv2"]["kernel"] == (3, 3, 4, 4)  # 8 output channels / 2
+    assert shapes["conv3"]["kernel"] == (3, 3, 4, 8)  # 8 input channels / 2
+    assert shapes["dense1"]["kernel"] == (32, 8)  # 16 hidden units / 2, every row
+    assert shapes["dense2"]["kernel"] == (8, 10)  # 16 input rows / 2
+    _, pstate, _, _ = train("pmap", report.devices, n_steps=1)
+    assert parallel.bytes_per_device(state.params) < parallel.bytes_per_device(pstate.params)
+
+
+def test_shard_map_pairs_is_lesson_06s_layout(report):
+    s, state, _, _ = train("shard_map_pairs", report.devices, n_steps=1)
     shapes = parallel.shard_shapes(state.params)
     assert shapes["conv1"]["kernel"] == (3, 3, 3, 2)  # 4 output channels / 2
     assert shapes["conv2"]["kernel"] == (3, 3, 2, 8)  # input channels split
     assert shapes["dense1"]["kernel"] == (16, 16)  # 32 rows / 2
     assert shapes["dense2"]["kernel"] == (16, 10)  # replicated
+
+
+def test_fsdp_shards_parameters_and_momentum_over_the_data_axis(report):
+    s, state, _, _ = train("fsdp", report.devices, n_steps=1)
+    shapes = parallel.shard_shapes(state.params)
+    assert shapes["conv2"]["kernel"] == (3, 3, 4, 1)  # 8 output channels / 8 devices
+    assert shapes["dense1"]["kernel"] == (4, 16)  # 32 rows / 8
+    assert shapes["conv1"]["kernel"] == (3, 3, 3, 4)  # no dimension divisible by 8: replicated
+    trace = state.opt_state[0].trace
+    assert parallel.shard_shapes(trace) == shapes  # the momentum is laid out like the parameters
     _, pstate, _, _ = train("pmap", report.devices, n_steps=1)
-    assert parallel.bytes_per_device(state.params) < parallel.bytes_per_device(pstate.params)
+    assert parallel.bytes_per_device(state.params) < parallel.bytes_per_device(pstate.params) / 2
 
 
 def test_donation_never_deletes_the_callers_parameters(report):
@@ -113,9 +143,12 @@ def test_the_registry_is_the_one_description_of_a_strategy(report):
         "pmap",
         "shard_map",
         "sharded_jit",
+        "fsdp",
+        "shard_map_pairs",
         "shard_map_article",
+        "fsdp_jit",
     ]
-    assert strategies.STRATEGIES == ("jit", "pmap", "shard_map", "sharded_jit")
+    assert strategies.STRATEGIES == ("jit", "pmap", "shard_map", "sharded_jit", "fsdp")
     assert strategies.LABELS["shard_map_article"] == "C': shard_map, article's split"
     assert distributed.MULTIHOST_STRATEGIES == ("shard_map", "sharded_jit")
     assert lab.SCALING_STRATEGIES == ("pmap", "shard_map", "sharded_jit")

@@ -32,7 +32,12 @@ def main() -> int:
         )
         return 2
     out = run.run_lab(
-        args.n_devices, args.platform, args.profile, build="build/reference", progress=False
+        args.n_devices,
+        args.platform,
+        args.profile,
+        build="build/reference",
+        extra={"scaling": True},  # the reference records the scaling sweep too
+        progress=False,
     )
     command = (
         f"python tools/make_reference.py --n-devices {args.n_devices} --platform {args.platform} "

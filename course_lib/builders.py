@@ -1,0 +1,274 @@
+"""How each strategy is built from the shared step body (:func:`course_lib.steps.train_step`).
+
+A builder ``(info, graphdef, params, optimizer, devices, mesh_shape, *, precision) -> Strategy`` applies one
+transform to the same ``train_step``: ``jax.jit`` (A), ``jax.pmap`` (B), ``jax.shard_map`` over a
+``data × model`` mesh with a tensor-parallel layout (C and its variants), ``jax.jit`` of sharded inputs
+(D), ``jax.shard_map`` with the parameters sharded over ``data`` and gathered in the forward pass (E, FSDP),
+``jax.jit`` of FSDP-sharded inputs (E′). :mod:`course_lib.strategies` holds the registry that names them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from . import data as data_lib
+from . import model as model_lib
+from . import parallel
+from . import precision as precision_lib
+from .meshes import DATA, MODEL, choose_mesh_shape, data_mesh, data_model_mesh, describe
+from .steps import TrainState, train_step
+
+
+@dataclasses.dataclass
+class Strategy:
+    """A built strategy: how to place state and batches, and the compiled-on-first-call step.
+
+    Attributes:
+      key: a key of :data:`course_lib.strategies.REGISTRY`.
+      label: a readable name for tables and plots.
+      n_devices: devices the strategy runs on.
+      mesh: description such as ``"data=4 x model=2"`` (``"1 device"`` for A).
+      step: ``(state, batch) -> (state, {"loss": scalar})``, with the state donated.
+      batch_sharding: the sharding a *global* batch is generated in.
+      place_state: puts a host/single-device :class:`TrainState` where the step expects it.
+      host_params: brings the parameters back as one global copy (numpy), for comparisons.
+      to_step_batch: turns a global batch in ``batch_sharding`` into what ``step`` takes (pmap's reshape).
+      global_batch_divisor: the data shards: the global batch must be a multiple of it.
+      mesh_axes: the mesh's axis sizes in order (``{"data": 4, "model": 2}``; ``{}`` for one device), to
+        name the axes of the compiled program's collectives (:func:`course_lib.comms.collectives`).
+      param_specs: the parameters' PartitionSpecs on that mesh (None: one device or pmap's stacked copies).
+    """
+
+    key: str
+    label: str
+    n_devices: int
+    mesh: str
+    step: Callable
+    batch_sharding: jax.sharding.Sharding
+    place_state: Callable[[TrainState], Any]
+    host_params: Callable[[Any], Any]
+    to_step_batch: Callable[[Any], Any] = lambda b: b
+    global_batch_divisor: int = 1
+    mesh_axes: dict = dataclasses.field(default_factory=dict)
+    param_specs: Any = None
+
+    def batches(
+        self, ds: data_lib.SyntheticImages, key: jax.Array, steps: int, global_batch: int
+    ) -> list:
+        """``steps`` global batches in this strategy's layout; batch *i* from ``fold_in(key, i)``.
+
+        Raises:
+          ValueError: ``global_batch`` not divisible by the strategy's data shards (numbers named).
+        """
+        data_lib.check_divisible(global_batch, self.global_batch_divisor, "global batch")
+        return [
+            self.to_step_batch(b)
+            for b in data_lib.batches(ds, key, steps, global_batch, self.batch_sharding)
+        ]
+
+    def lower(self, state: Any, batch: Any):
+        """``jax.stages.Lowered`` of the step for these placed inputs (compile it to measure it)."""
+        return self.step.lower(state, batch)
+
+
+def _strategy(info, devices: list, mesh_shape, **fields: Any) -> Strategy:
+    """A :class:`Strategy` of ``info`` on ``devices``: key, label and data shards come from the registry."""
+    n = 1 if info.mesh_kind == "single" else len(devices)
+    fields.setdefault("host_params", lambda s: jax.device_get(s.params))
+    return Strategy(
+        key=info.key,
+        label=info.label,
+        n_devices=n,
+        global_batch_divisor=info.data_shards(n, mesh_shape),
+        **fields,
+    )
+
+
+def put(tree: Any, sharding: Any) -> Any:
+    """``tree`` placed by ``sharding`` (one sharding or a tree of them), always in fresh buffers.
+
+    The steps donate their state, and donation must never delete the caller's arrays (``device_put``
+    onto a device that already holds a buffer may reuse it), so the copy goes through the host.
+    """
+    return jax.device_put(jax.device_get(tree), sharding)
+
+
+def _shardings(mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def build_jit(info, graphdef, params, optimizer, devices, mesh_shape, *, precision="float32"):
+    """A: ``jax.jit`` of the step on the first device."""
+    apply_fn = precision_lib.compute_in(partial(model_lib.apply, graphdef), precision)
+    step = jax.jit(partial(train_step, apply_fn=apply_fn, optimizer=optimizer), donate_argnums=0)
+    sharding = SingleDeviceSharding(devices[0])
+    return _strategy(
+        info,
+        devices,
+        mesh_shape,
+        mesh="1 device",
+        step=step,
+        batch_sharding=sharding,
+        place_state=lambda s: put(s, sharding),
+    )
+
+
+def build_pmap(info, graphdef, params, optimizer, devices, mesh_shape, *, precision="float32"):
+    """B: ``jax.pmap`` over the leading device axis, gradients averaged with ``lax.pmean``."""
+    n = len(devices)
+    apply_fn = precision_lib.compute_in(partial(model_lib.apply, graphdef), precision)
+    body = partial(train_step, apply_fn=apply_fn, optimizer=optimizer, data_axis=DATA, sync="grads")
+    step = jax.pmap(body, axis_name=DATA, devices=devices, donate_argnums=0)
+    stacked = data_lib.pmap_sharding(devices)
+
+    def place_state(state):
+        # pmap does not replicate by itself: give every device its own copy along a new leading axis.
+        return put(jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), state), stacked)
+
+    return _strategy(
+        info,
+        devices,
+        mesh_shape,
+        mesh=f"{DATA}={n} (pmap axis)",
+        step=step,
+        batch_sharding=stacked,
+        place_state=place_state,
+        host_params=lambda s: jax.device_get(jax.tree.map(lambda x: x[0], s.params)),
+        to_step_batch=jax.jit(partial(data_lib.to_pmap_layout, n_devices=n), out_shardings=stacked),
+        mesh_axes={DATA: n},
+    )
+
+
+def build_sharded_jit(
+    info, graphdef, params, optimizer, devices, mesh_shape, *, precision="float32"
+):
+    """D: ``jax.jit`` of the unchanged step on batches sharded over an Explicit ``data`` mesh."""
+    mesh = data_mesh(devices, axis_type="explicit")
+    apply_fn = precision_lib.compute_in(partial(model_lib.apply, graphdef), precision)
+    step = jax.jit(partial(train_step, apply_fn=apply_fn, optimizer=optimizer), donate_argnums=0)
+    return _strategy(
+        info,
+        devices,
+        mesh_shape,
+        mesh=describe(mesh),
+        step=step,
+        batch_sharding=NamedSharding(mesh, P(DATA)),
+        place_state=lambda s: put(s, NamedSharding(mesh, P())),
+        mesh_axes=dict(mesh.shape),
+        param_specs=jax.tree.map(lambda _: P(), params),
+    )
+
+
+def _shard_map_strategy(info, devices, mesh, mesh_shape, params, optimizer, param_specs, apply_fn):
+    """The step in ``shard_map`` (``check_vma=True``, ``sync="loss"``) with the state laid out by
+    ``param_specs`` (the optimizer state by the same specs, :func:`course_lib.parallel.specs_like`)."""
+    opt_specs = parallel.specs_like(jax.eval_shape(optimizer.init, params), params, param_specs)
+    state_specs = TrainState(params=param_specs, opt_state=opt_specs)
+    body = partial(train_step, apply_fn=apply_fn, optimizer=optimizer, data_axis=DATA, sync="loss")
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(state_specs, (P(DATA), P(DATA))),
+        out_specs=(state_specs, P()),
+        check_vma=True,
+    )
+    shardings = _shardings(mesh, state_specs)
+    return _strategy(
+        info,
+        devices,
+        mesh_shape,
+        mesh=describe(mesh),
+        step=jax.jit(mapped, donate_argnums=0),
+        batch_sharding=NamedSharding(mesh, P(DATA)),
+        place_state=lambda s: put(s, shardings),
+        mesh_axes=dict(mesh.shape),
+        param_specs=param_specs,
+    )
+
+
+def _tensor_parallel(info, params, optimizer, devices, mesh_shape, specs_fn, apply_fn, precision):
+    shape = mesh_shape or choose_mesh_shape(len(devices))
+    mesh = data_model_mesh(devices, shape, axis_type="explicit")
+    specs = specs_fn(params, MODEL)
+    parallel.check_model_split(params, specs, shape[1])
+    apply_fn = precision_lib.compute_in(partial(apply_fn, model_axis=MODEL), precision, DATA)
+    return _shard_map_strategy(info, devices, mesh, shape, params, optimizer, specs, apply_fn)
+
+
+def build_tensor_parallel(
+    info, graphdef, params, optimizer, devices, mesh_shape, *, precision="float32"
+):
+    """C: the gather layout (:func:`course_lib.parallel.tp_gather_apply`) on a ``data × model`` mesh."""
+    return _tensor_parallel(
+        info, params, optimizer, devices, mesh_shape,
+        parallel.tp_gather_param_specs, parallel.tp_gather_apply, precision,
+    )  # fmt: skip
+
+
+def build_tensor_parallel_pairs(
+    info, graphdef, params, optimizer, devices, mesh_shape, *, precision="float32"
+):
+    """C with the pairs layout of lesson 06 (:func:`course_lib.parallel.tp_apply`)."""
+    return _tensor_parallel(
+        info, params, optimizer, devices, mesh_shape,
+        parallel.tp_param_specs, parallel.tp_apply, precision,
+    )  # fmt: skip
+
+
+def build_article(info, graphdef, params, optimizer, devices, mesh_shape, *, precision="float32"):
+    """C′: the source article's split, only conv1 over ``model`` (:func:`course_lib.parallel.article_apply`)."""
+    return _tensor_parallel(
+        info, params, optimizer, devices, mesh_shape,
+        parallel.article_param_specs, parallel.article_apply, precision,
+    )  # fmt: skip
+
+
+def build_fsdp(info, graphdef, params, optimizer, devices, mesh_shape, *, precision="float32"):
+    """E, FSDP (ZeRO-3) in ``shard_map``: parameters and optimizer state sharded over ``data``
+    (:func:`course_lib.parallel.fsdp_specs`); the forward pass gathers the parameters
+    (:func:`course_lib.parallel.gather_params`), the gradients come back reduce-scattered."""
+    mesh = data_mesh(devices, axis_type="explicit")
+    specs = parallel.fsdp_specs(params, len(devices))
+    model_apply = precision_lib.compute_in(partial(model_lib.apply, graphdef), precision, DATA)
+
+    def gathering_apply(p, images):
+        return model_apply(parallel.gather_params(p, specs), images)
+
+    return _shard_map_strategy(
+        info, devices, mesh, mesh_shape, params, optimizer, specs, gathering_apply
+    )
+
+
+def build_fsdp_jit(info, graphdef, params, optimizer, devices, mesh_shape, *, precision="float32"):
+    """E′, FSDP with sharded ``jit``: the unchanged step, state placed by the FSDP specs on an **Auto**
+    ``data`` mesh; the compiler inserts the gathers and reductions. (On an Explicit mesh a convolution whose
+    kernel and batch are both sharded over ``data`` raises ``ShardingTypeError``: it asks for ``out_sharding``.)"""
+    mesh = data_mesh(devices, axis_type="auto")
+    specs = parallel.fsdp_specs(params, len(devices))
+    opt_specs = parallel.specs_like(jax.eval_shape(optimizer.init, params), params, specs)
+    shardings = _shardings(mesh, TrainState(params=specs, opt_state=opt_specs))
+    apply_fn = precision_lib.compute_in(partial(model_lib.apply, graphdef), precision)
+    step = jax.jit(
+        partial(train_step, apply_fn=apply_fn, optimizer=optimizer),
+        donate_argnums=0,
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+    )
+    return _strategy(
+        info,
+        devices,
+        mesh_shape,
+        mesh=describe(mesh),
+        step=step,
+        batch_sharding=NamedSharding(mesh, P(DATA)),
+        place_state=lambda s: put(s, shardings),
+        mesh_axes=dict(mesh.shape),
+        param_specs=specs,
+    )

@@ -1,0 +1,67 @@
+"""Costs from shapes and datasheets (course_lib.costs): peak FLOP/s per GPU kind, MFU, the step-time model,
+and the activations the backward pass keeps."""
+
+import math
+
+import pytest
+
+from course_lib import costs
+from course_lib.config import PROFILES
+
+
+@pytest.mark.parametrize(
+    "kind, precision, matmul, tflops, name",
+    [
+        ("NVIDIA H100 80GB HBM3", "float32", "default", 494.7, "H100 SXM"),
+        ("NVIDIA H100 80GB HBM3", "float32", "float32", 67.0, "H100 SXM"),
+        ("NVIDIA H100 80GB HBM3", "float32", "highest", 67.0, "H100 SXM"),
+        ("NVIDIA H100 80GB HBM3", "bfloat16", "default", 989.4, "H100 SXM"),
+        ("NVIDIA H100 PCIe", "bfloat16", "default", 756.0, "H100 PCIe"),
+        ("NVIDIA H100 NVL", "float32", "default", 417.5, "H100 NVL"),
+        ("NVIDIA H200", "bfloat16", "default", 989.4, "H200"),
+        ("NVIDIA A100-SXM4-80GB", "float32", "default", 156.0, "A100"),
+        ("NVIDIA A100-PCIE-40GB", "bfloat16", "default", 312.0, "A100"),
+        ("NVIDIA A100 80GB PCIe", "float32", "tensorfloat32", 156.0, "A100"),
+        ("NVIDIA A10", "float32", "float32", 31.2, "A10"),  # not matched by the A100 entry
+        ("NVIDIA A40", "bfloat16", "default", 149.7, "A40"),
+        ("NVIDIA L40S", "bfloat16", "default", 362.05, "L40S"),
+        ("NVIDIA GeForce RTX 4090", "bfloat16", "default", 165.2, "RTX 4090"),
+        ("Tesla V100-SXM2-16GB", "float32", "default", 15.7, "V100 SXM2"),  # no TF32 on Volta
+    ],
+)
+def test_peak_flops_per_device_kind(kind, precision, matmul, tflops, name):
+    peak, entry = costs.peak_flops(kind, precision, matmul)
+    assert peak == pytest.approx(tflops * 1e12) and entry.name == name and entry.source
+
+
+def test_no_peak_where_none_is_known():
+    assert costs.peak_flops("cpu", "float32") == (None, None)
+    assert costs.peak_flops("NVIDIA Made-Up GPU", "float32") == (None, None)
+    assert costs.peak_flops("Tesla V100-SXM2-16GB", "bfloat16")[0] is None  # Volta has no bf16 rate
+    assert costs.peak_flops("NVIDIA H100 80GB HBM3", "float64")[0] is None
+    assert math.isnan(costs.mfu(1e9, 0.01, None))
+    assert costs.mfu(1e12, 0.01, 200e12) == pytest.approx(0.5)  # 1e14 FLOP/s of 2e14
+
+
+def test_step_time_model():
+    h100 = costs.DEVICE_PROFILES["H100"]
+    t = costs.step_time_model(
+        494.7e9, 450e6, h100, "float32"
+    )  # 1 ms of compute, 1 ms of communication
+    assert t["compute_s"] == pytest.approx(1e-3) and t["comm_s"] == pytest.approx(1e-3)
+    assert t["step_s"] == pytest.approx(2e-3)
+    roofline = costs.step_time_model(494.7e9, 0, h100, "float32", bytes_accessed=6.7e9)
+    assert roofline["compute_s"] == pytest.approx(2e-3)  # memory-bound: 6.7 GB at 3.35 TB/s
+    with pytest.raises(ValueError, match="no peak for precision='float64'"):
+        costs.step_time_model(1, 1, h100, "float64")
+
+
+def test_residual_activations_from_shapes():
+    cpu = PROFILES["cpu"].model
+    # per image: conv blocks 40960 + 20480 + 5120, dense 138, input 3072 values
+    assert costs.residual_activation_bytes(None, cpu, 8) == 69_770 * 8 * 4
+    assert costs.residual_activation_bytes("pairs", cpu, 16, 2) == 4_047_488
+    assert costs.residual_activation_bytes("gather", cpu, 16, 2) == 3_282_176
+    assert costs.residual_activation_bytes(None, cpu, 8, value_bytes=2) == 69_770 * 8 * 2
+    with pytest.raises(ValueError, match="unknown layout 'ring'"):
+        costs.residual_activation_bytes("ring", cpu, 8)

@@ -1,0 +1,67 @@
+"""Precision of a run (course_lib.precision): dtypes of parameters and activations, and where the bfloat16
+cast sits relative to shard_map's implicit broadcast (which decides the dtype of the gradient all-reduce)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from course_lib import config, precision, steps, strategies
+
+
+def test_check_names_the_choices():
+    assert precision.check("bfloat16") == "bfloat16"
+    with pytest.raises(
+        ValueError, match=r"precision='fp16' is not one of \['float32', 'float64', 'bfloat16'\]"
+    ):
+        precision.check("fp16")
+
+
+def test_casts():
+    params = {"w": jnp.ones((2, 2)), "step": jnp.zeros((), jnp.int32)}
+    with precision.enabled("float64"):
+        p64 = precision.cast_params(params, "float64")
+        assert p64["w"].dtype == jnp.float64 and p64["step"].dtype == jnp.int32
+    assert (
+        precision.cast_params(params, "bfloat16")["w"].dtype == jnp.float32
+    )  # master weights stay f32
+    images, labels = precision.cast_batch((jnp.ones((2, 3)), jnp.zeros(2, jnp.int32)), "float32")
+    assert images.dtype == jnp.float32 and labels.dtype == jnp.int32
+    assert precision.matmul_precision() == "default"
+
+
+def test_compute_in_bfloat16_computes_in_bf16_and_returns_f32():
+    seen = {}
+
+    def apply_fn(p, x):
+        seen["dtypes"] = (p["w"].dtype, x.dtype)
+        return x @ p["w"]
+
+    f = precision.compute_in(apply_fn, "bfloat16")
+    out = jax.jit(f)({"w": jnp.ones((3, 2))}, jnp.ones((4, 3)))
+    assert seen["dtypes"] == (jnp.bfloat16, jnp.bfloat16) and out.dtype == jnp.float32
+    assert precision.compute_in(apply_fn, "float32") is apply_fn
+
+
+def test_bf16_gradients_are_all_reduced_in_float32_inside_shard_map(report):
+    # Strategy C in bfloat16, lowered (before XLA:CPU turns every bf16 collective into f32): the activation
+    # psums move bfloat16, the gradient all-reduce over data moves float32.
+    cfg = config.PROFILES["tiny"]
+    start = config.init_run(cfg, 0)
+    opt = steps.make_optimizer()
+    s = strategies.build(
+        "shard_map_pairs", start.graphdef, start.params, opt, report.devices, precision="bfloat16"
+    )
+    state = s.place_state(steps.init_state(start.params, opt))
+    batch = s.batches(start.dataset, start.data_key, 1, cfg.global_batch)[0]
+    text = s.lower(state, batch).as_text()
+    types = re.findall(
+        r"\}\) : \(tensor<([^>]*)>\) -> ", text
+    )  # operand type of each stablehlo.all_reduce
+    activations = [t for t in types if t.endswith("bf16")]
+    gradients = [t for t in types if t.endswith("f32")]
+    assert len(activations) == 3 and len(gradients) == 11, types  # 10 parameter leaves and the loss
+    run_params = jax.device_get(s.host_params(s.step(state, batch)[0]))
+    assert all(np.asarray(x).dtype == np.float32 for x in jax.tree.leaves(run_params))
