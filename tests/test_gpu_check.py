@@ -158,3 +158,13 @@ def test_jax_without_a_gpu_backend_stops_before_writing(tmp_path):
     assert r.returncode == 5, (r.stdout, r.stderr)
     assert "JAX sees no GPU: its backend is 'cpu'" in r.stderr and "drop --skip-install" in r.stderr
     assert not out.exists()
+
+
+def test_a_rehearsal_plans_simulated_devices_and_no_install(tmp_path, fake_python):
+    # --rehearse runs every step after the install on simulated CPU devices (minutes: run by hand, not here).
+    py, mark = fake_python
+    out = tmp_path / "rehearsal"
+    r = run("--rehearse", "--dry-run", "--python", str(py), "--out", str(out), timeout=10)
+    assert r.returncode == 0, r.stderr
+    assert "install          : skipped" in r.stdout and "profile tiny" in r.stdout
+    assert not out.exists() and not mark.exists()
