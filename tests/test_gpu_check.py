@@ -20,10 +20,15 @@ SCRIPT = ROOT / "tools" / "gpu_check.sh"
 H100_CSV = "{i}, NVIDIA H100 80GB HBM3, 81559 MiB, 575.57.08, 00000000:{i}9:00.0"
 
 
-def run(*args, env=None, timeout=60):
+def run(*args, env=None, timeout=60, cwd=None):
     full = {**os.environ, **(env or {})}
     return subprocess.run(
-        ["bash", str(SCRIPT), *args], capture_output=True, text=True, env=full, timeout=timeout
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=timeout,
+        cwd=cwd,
     )
 
 
@@ -168,3 +173,10 @@ def test_a_rehearsal_plans_simulated_devices_and_no_install(tmp_path, fake_pytho
     assert r.returncode == 0, r.stderr
     assert "install          : skipped" in r.stdout and "profile tiny" in r.stdout
     assert not out.exists() and not mark.exists()
+
+
+def test_a_relative_out_folder_is_where_the_command_was_typed(tmp_path, fake_python):
+    py, _ = fake_python
+    r = run("--dry-run", "--python", str(py), "--out", "run1", env=fake_nvidia_smi(tmp_path),
+            cwd=tmp_path, timeout=10)  # fmt: skip
+    assert r.returncode == 0 and f"results folder   : {tmp_path}/run1 (new)" in r.stdout, r.stderr

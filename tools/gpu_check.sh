@@ -83,6 +83,7 @@ for kv in ${LAB_PARAMS[@]+"${LAB_PARAMS[@]}"}; do
 done
 [[ -z $WHEELHOUSE || -d $WHEELHOUSE ]] || die 2 "--wheelhouse '$WHEELHOUSE' is not a folder"
 [[ $REHEARSE -eq 0 || -n $OUT ]] || die 2 "--rehearse needs --out DIR (a rehearsal is not a GPU reference run)"
+[[ -z $OUT || $OUT == /* ]] || OUT="$PWD/$OUT" # relative to where it was typed, not the project root
 PLATFORM=gpu PROFILE=gpu REQUIRE_GPU=1 TESTS_OK=0
 if [[ $REHEARSE -eq 1 ]]; then # the GPU steps' plumbing on simulated CPU devices
   NVIDIA_SMI=true PLATFORM=cpu PROFILE=tiny REQUIRE_GPU=0 SKIP_INSTALL=1 TESTS_OK=5 # 5: all skipped
