@@ -3,13 +3,20 @@
 Modules (import them explicitly; importing ``course_lib`` starts no JAX backend and touches no device):
 
 - ``devices``     — :func:`~course_lib.devices.setup_devices`: real or simulated devices, fixed before JAX starts
+- ``environment`` — the shell environment a notebook inherits, checked in the setup cell
 - ``config``      — the lab's profiles, the one rule that types notebook parameters, the seed rule
 - ``model``       — the source article's CNN in Flax NNX, exposed as ``(graphdef, params)``
 - ``data``        — synthetic image batches generated on the device; pmap/sharding layouts
 - ``meshes``      — 1-D ``data`` and 2-D ``data × model`` meshes; axis names ``DATA``, ``MODEL``
 - ``steps``       — the shared loss, optimizer and pure ``train_step``
 - ``parallel``    — tensor-parallel layout and per-shard forward for ``shard_map``
-- ``strategies``  — the registry of strategies: A ``jit``, B ``pmap``, C ``shard_map``, D sharded ``jit``
+- ``strategies``  — the registry of strategies: A ``jit``, B ``pmap``, C/C2/C′ ``shard_map``, D sharded ``jit``,
+  E/E′ FSDP
+- ``builders``    — how each strategy is built from the shared ``train_step``
+- ``precision``   — float32, float64 or bfloat16 mixed precision for a run
+- ``parity``      — the parity rule of each precision, and why float32 runs drift apart
+- ``comms``       — bytes on the wire: collectives measured in the compiled program and predicted from shapes
+- ``costs``       — memory per device by kind, peak FLOP/s per GPU kind (MFU), a step-time model
 - ``measure``     — timing, memory, FLOPs, collectives of compiled programs, scaling efficiency
 - ``programs``    — reading a program: jaxpr equations, collectives with their mesh axes and sizes, compiles
 - ``plots``       — loss curves, comparison bars, scaling plots
