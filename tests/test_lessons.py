@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_tools.student import student_notebook
+from course_tools.student import BEGIN, END, student_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = sorted(
@@ -80,6 +80,37 @@ def test_exercises_are_marked(name):
     student, replaced = student_notebook(nb, name)
     assert replaced == len(solution_cells)
     assert "BEGIN SOLUTION" not in "".join(c.source for c in student.cells)
+
+
+def _solution_sizes(nb) -> list[int]:
+    """Lines of code (not blank, not comments) in each exercise's solution cell, in order."""
+    sizes = []
+    for cell in _code_cells(nb):
+        inside, lines, found = False, 0, False
+        for line in cell.source.splitlines():
+            if BEGIN.match(line):
+                inside = found = True
+            elif END.match(line):
+                inside = False
+            elif inside and line.strip() and not line.strip().startswith("#"):
+                lines += 1
+        if found:
+            sizes.append(lines)
+    return sizes
+
+
+@pytest.mark.parametrize("name", [*LESSONS, "08_lab"])
+def test_exercise_floors(name):
+    """At least three exercises per lesson, at most one a one-liner, and one project of 8 lines or more;
+    the lab: at least two, one of them a whole strategy of 15 lines or more."""
+    sizes = _solution_sizes(_read(name))
+    print(f"{name}: {len(sizes)} exercises, solution lines {sizes}")
+    if name == "08_lab":
+        assert len(sizes) >= 2 and max(sizes) >= 15, sizes
+        return
+    assert len(sizes) >= 3, sizes
+    assert sum(n <= 1 for n in sizes) <= 1, f"more than one one-line exercise: {sizes}"
+    assert max(sizes) >= 8, f"no project exercise (8 lines or more): {sizes}"
 
 
 @pytest.mark.notebook
