@@ -172,3 +172,44 @@ def test_show_error_returns_the_error_and_refuses_success(capsys):
     assert isinstance(err, ValueError) and "ValueError: invalid literal" in capsys.readouterr().out
     with pytest.raises(AssertionError, match="expected an error"):
         show_error(int, "8")
+
+
+def _solution_blocks(nb) -> list[list[str]]:
+    """Each solution block's distinctive lines (stripped, 20 characters or more, not comments)."""
+    blocks = []
+    for cell in _code_cells(nb):
+        block = None
+        for line in cell.source.splitlines():
+            if BEGIN.match(line):
+                block = []
+            elif END.match(line) and block is not None:
+                blocks.append(block)
+                block = None
+            elif block is not None and len(line.strip()) >= 20 and not line.strip().startswith("#"):
+                block.append(line.strip())
+    return [b for b in blocks if b]
+
+
+def test_no_file_of_the_student_package_holds_a_solution(tmp_path):
+    """Everything in the zip (the library and the checkers too), not only the notebooks: no file holds
+    half or more of any solution's distinctive lines."""
+    import zipfile
+
+    from course_tools.student import package
+
+    with zipfile.ZipFile(package(ROOT, tmp_path / "student.zip")) as z:
+        texts = {}
+        for name in z.namelist():
+            try:
+                texts[name] = z.read(name).decode()
+            except UnicodeDecodeError:
+                continue
+    worst = []
+    for name in [*LESSONS, "08_lab"]:
+        for block in _solution_blocks(_read(name)):
+            share, where = max(
+                (sum(line in t for line in block) / len(block), f) for f, t in texts.items()
+            )
+            worst.append((share, name, where))
+            assert share < 0.5, f"{where} holds {share:.0%} of a solution of {name}: {block[:3]}"
+    print("largest share of a solution in one packaged file:", max(worst))
