@@ -256,7 +256,7 @@ def _total_from_x(x, devices, device):  # the right total, summed from x and mov
     return parts, partials, jax.device_put(x.sum(axis=0), device)
 
 
-def _partials_from_x(x, devices, device):  # the right partial sums, computed on x's device, then moved
+def _partials_from_x(x, devices, device):  # right partial sums, computed on x's device, then moved
     parts, k = _split(x, devices), x.shape[0] // len(devices)
     partials = [jax.device_put(x[i * k : (i + 1) * k].sum(0), d) for i, d in enumerate(devices)]
     return parts, partials, _sums(parts, device)[1]
