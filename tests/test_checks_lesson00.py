@@ -250,6 +250,26 @@ def _total_on_the_host(parts, device):
     return partials, sum(np.asarray(s) for s in partials) + jnp.zeros(())
 
 
+def _total_from_x(x, devices, device):  # the right total, summed from x and moved afterwards
+    parts = _split(x, devices)
+    partials = [p.sum(axis=0) for p in parts]
+    return parts, partials, jax.device_put(x.sum(axis=0), device)
+
+
+def _partials_from_x(x, devices, device):  # right partial sums, computed on x's device, then moved
+    parts, k = _split(x, devices), x.shape[0] // len(devices)
+    partials = [jax.device_put(x[i * k : (i + 1) * k].sum(0), d) for i, d in enumerate(devices)]
+    return parts, partials, _sums(parts, device)[1]
+
+
+def test_split_and_sum_refuses_sums_made_elsewhere(report):
+    check = lesson00.check_split_and_sum
+    for devices in (report.devices, report.devices[:2]):
+        if len(devices) > 1:
+            rejects(check, _total_from_x, devices, match="none of the partial sums")
+            rejects(check, _partials_from_x, devices, match="computed somewhere else")
+
+
 def test_split_and_sum_wrong_answers(report):
     devices = report.devices
     check = lesson00.check_split_and_sum

@@ -256,9 +256,36 @@ def _drops_the_rest(loss_fn, params, x, y, micro):
     )
 
 
+def _accumulate_checkpointed(loss_fn, params, x, y, micro):  # recomputes each forward pass
+    return _accumulate(jax.checkpoint(loss_fn), params, x, y, micro)
+
+
+def _one_grad_of_a_sum(loss_fn, params, x, y, micro):  # right values, every micro-batch kept alive
+    def total(p):
+        return sum(
+            x[s : s + micro].shape[0] / x.shape[0] * loss_fn(p, x[s : s + micro], y[s : s + micro])
+            for s in range(0, x.shape[0], micro)
+        )
+
+    return jax.value_and_grad(total)(params)
+
+
+def _vmapped_grads(loss_fn, params, x, y, micro):  # right values when micro divides the batch
+    xs, ys = x.reshape(-1, micro, *x.shape[1:]), y.reshape(-1, micro)
+    loss, grads = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0, 0))(params, xs, ys)
+    return loss.mean(), jax.tree.map(lambda g: g.mean(0), grads)
+
+
 def test_accumulate_accepts_correct_forms():
     assert lesson01.check_accumulate(_accumulate)
     assert lesson01.check_accumulate(_accumulate_sums)
+    assert lesson01.check_accumulate(_accumulate_checkpointed)
+    assert lesson01.check_accumulate(jax.jit(_accumulate, static_argnums=(0, 4)))
+
+
+def test_accumulate_refuses_all_micro_batches_at_once():
+    rejects(lesson01.check_accumulate, _one_grad_of_a_sum, match="forward pass started before")
+    rejects(lesson01.check_accumulate, _vmapped_grads, match="differentiated together")
 
 
 def test_accumulate_stub(monkeypatch, capsys):

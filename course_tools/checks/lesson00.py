@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ._common import call_answer, checker, fail, not_written, passed
+from ._lesson00_moves import RecordMoves, judge_moves
 
 # ---------------------------------------------------------------- exercise 1: where results live
 
@@ -370,13 +371,16 @@ def check_split_and_sum(split_and_sum: Callable, devices: Sequence[Any]) -> bool
 
     ``parts[i]`` is the i-th contiguous block of rows, committed to ``devices[i]`` — compared with the shards
     JAX makes for ``NamedSharding(Mesh(devices, ("rows",)), P("rows"))``; ``partials[i]`` is the column sum of
-    ``parts[i]``, computed where that part lives; ``total`` is their sum, committed to ``device``. Rows not
+    ``parts[i]``, computed where that part lives; ``total`` is their sum, committed to ``device``. Every
+    ``jax.device_put`` is recorded: a row-sized array that changes device must be a partial sum going to the
+    target (not a sum of ``x`` computed elsewhere and moved afterwards). Rows not
     divisible by the device count raise ``ValueError`` naming both numbers. Float32 and int32 inputs.
 
     Raises:
       ExerciseError: a part or partial sum on the wrong device or uncommitted, rows interleaved or out of
         order, a dtype changed, no (or another) error for indivisible rows, the total wrong or elsewhere, or
-        arrays on different devices combined without moving them ("incompatible devices").
+        arrays on different devices combined without moving them ("incompatible devices"), a partial sum or
+        the total computed from ``x`` on another device and then moved.
     """
     devices = list(devices)
     n, target = len(devices), devices[-1]
@@ -389,14 +393,15 @@ def check_split_and_sum(split_and_sum: Callable, devices: Sequence[Any]) -> bool
     for x_np in inputs:
         import jax.numpy as jnp
 
-        out = call_answer(
-            "split_and_sum(x, devices, device)",
-            split_and_sum,
-            jnp.asarray(x_np),
-            devices,
-            target,
-            explain=_adding_across_devices,
-        )
+        with RecordMoves() as record:
+            out = call_answer(
+                "split_and_sum(x, devices, device)",
+                split_and_sum,
+                jnp.asarray(x_np),
+                devices,
+                target,
+                explain=_adding_across_devices,
+            )
         if not isinstance(out, tuple | list) or len(out) != 3:
             fail(
                 "split_and_sum should return (parts, partials, total)",
@@ -404,6 +409,7 @@ def check_split_and_sum(split_and_sum: Callable, devices: Sequence[Any]) -> bool
             )
         _judge_parts(out[0], x_np, devices)
         _judge_sums(out[1:], out[0], devices, target)
+        judge_moves(record.moves, out[1], devices, target, x_np.shape[1:])
         total = np.asarray(out[2], np.float64)
         if not np.allclose(total, x_np.sum(0), rtol=1e-5, atol=1e-4):
             fail("the total is not the column sum of x", "add all the partial sums")

@@ -260,20 +260,26 @@ def check_accumulate(accumulated_value_and_grad: Callable) -> bool:
 
     ``loss_fn(params, x, y)`` is a MEAN over its rows. The result must equal ``jax.value_and_grad(loss_fn)``
     on the whole batch, for batch sizes that ``micro`` does and does not divide, while ``loss_fn`` never sees
-    more than ``micro`` rows at once. ``params`` is a nested pytree.
+    more than ``micro`` rows at once. ``params`` is a nested pytree. ``loss_fn`` logs (``jax.debug.callback``
+    in a ``custom_vjp``) when its forward pass starts and when its backward pass ends: each micro-batch's
+    backward pass must end before the next one's forward pass starts, so that only one micro-batch's
+    activations are alive at a time.
 
     Raises:
       ExerciseError: ``loss_fn`` called on more than ``micro`` rows, a result of the wrong structure, the loss
-        or gradient off (sum instead of mean, unweighted mean of the micro-batches, the last rows dropped).
+        or gradient off (sum instead of mean, unweighted mean of the micro-batches, the last rows dropped),
+        all micro-batches differentiated at once (one ``grad`` of a sum, ``vmap`` of ``grad``).
     """
     import jax
     import jax.numpy as jnp
 
     rng = np.random.default_rng(4)
-    seen = []
+    seen, passes = [], []
+    tap = _pass_tap(passes)
 
     def loss_fn(params, x, y):
         seen.append(x.shape[0])
+        params = tap(params)  # logs "f" when differentiated, "b" when its gradient arrives
         h = jnp.tanh(x @ params["dense"]["w"] + params["dense"]["b"])
         return jnp.mean((h @ params["out"] - y) ** 2)
 
@@ -288,6 +294,7 @@ def check_accumulate(accumulated_value_and_grad: Callable) -> bool:
         x = jnp.asarray(rng.normal(size=(batch, 4)), jnp.float32)
         y = jnp.asarray(rng.normal(size=batch), jnp.float32)
         seen.clear()
+        passes.clear()
         out = call_answer(
             f"accumulated_value_and_grad(loss_fn, params, x, y, micro={micro})",
             accumulated_value_and_grad,
@@ -314,11 +321,52 @@ def check_accumulate(accumulated_value_and_grad: Callable) -> bool:
                 f"{jax.tree.structure(params)}",
                 "add the micro-batch gradients leaf by leaf with jax.tree.map",
             )
-        seen.clear()
+        jax.effects_barrier()
+        order = "".join(passes)
         _judge_accumulated(loss_fn, params, x, y, micro, loss, grads)
+        _judge_one_at_a_time(order, -(-batch // micro))
     return passed(
         "the accumulated loss and gradient equal the full-batch ones, micro-batch by micro-batch"
     )
+
+
+def _pass_tap(passes: list):
+    """An identity on params whose forward logs "f" and whose backward logs "b" into ``passes``, at run time."""
+    import jax
+
+    @jax.custom_vjp
+    def tap(params):
+        return params
+
+    def forward(params):
+        jax.debug.callback(lambda: passes.append("f"))
+        return params, None
+
+    def backward(_, cotangent):
+        jax.debug.callback(lambda: passes.append("b"))
+        return (cotangent,)
+
+    tap.defvjp(forward, backward)
+    return tap
+
+
+def _judge_one_at_a_time(order: str, chunks: int) -> None:
+    """``order``: the "f"/"b" log of the answer's passes (a checkpoint's recompute repeats an "f")."""
+    while "ff" in order:
+        order = order.replace("ff", "f")
+    if order.count("b") < chunks:
+        fail(
+            f"{order.count('b')} backward pass(es) for {chunks} micro-batches: the micro-batches were "
+            "differentiated together (vmap of grad?), so all their activations are alive at once",
+            "differentiate one micro-batch, add its gradient into the running sum, then take the next "
+            "(a Python loop, lax.scan or lax.fori_loop)",
+        )
+    if order != "fb" * chunks:
+        fail(
+            "a micro-batch's forward pass started before the previous one's backward pass ended "
+            "(one grad of a sum of micro-batch losses?): every micro-batch's activations are kept",
+            "call jax.value_and_grad(loss_fn) on one micro-batch at a time and add the results",
+        )
 
 
 def _judge_accumulated(loss_fn, params, x, y, micro, loss, grads) -> None:
