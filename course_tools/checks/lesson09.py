@@ -243,6 +243,15 @@ def check_mesh_devices(fn: Callable) -> bool:
     )
 
 
+def exercise_group(devices: Sequence[Any], n_processes: int) -> tuple[list, int]:
+    """The devices and process count exercise 1 is set on: the run's plan when it has 2 processes or more,
+    else a simulated group of 2 processes x 2 devices (:class:`FakeDevice`; JAX's index maps accept them),
+    so that the rows differ between processes whatever the kernel's device count."""
+    if n_processes > 1:
+        return list(devices), n_processes
+    return fake_devices(2, 2, interleave=False), 2
+
+
 # ---- exercise 3: read each block of a global batch once ----------------------------------------------------
 
 
