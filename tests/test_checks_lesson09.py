@@ -181,6 +181,18 @@ def load_grouped(
     )
 
 
+def load_global(
+    source, sharding, global_shape
+):  # every process's blocks: right only in one process
+    blocks, arrays = {}, []
+    for device, index in sharding.devices_indices_map(global_shape).items():
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in blocks:
+            blocks[key] = np.asarray(source[index])
+        arrays.append(jax.device_put(blocks[key], device))
+    return jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
+
+
 def load_callback(source, sharding, global_shape):
     return jax.make_array_from_callback(global_shape, sharding, lambda index: source[index])
 
@@ -244,6 +256,11 @@ def test_block_loader(report):
         rejects(lesson09.check_block_loader, load_whole, devs, match="whole source was read")
         rejects(lesson09.check_block_loader, load_local_rows, devs, match="whole source|not blocks")
         rejects(lesson09.check_block_loader, load_wrong_order, devs, match="values differ")
+    rejects(lesson09.check_block_loader, load_global, devs, match="only process 1's devices hold")
+    rejects(
+        lesson09.check_block_loader, load_global, devs[:1], match="only process 1's devices hold"
+    )
+    assert lesson09.check_block_loader(load_ref, devs[:1])
     _not_written(lesson09.check_block_loader, stub, devs)
 
 
