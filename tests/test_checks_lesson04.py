@@ -150,7 +150,7 @@ def acc_scan(loss_fn, params, batch, axis_name, n_micro):
 
 def acc_python_loop(
     loss_fn, params, batch, axis_name, n_micro
-):  # another correct form: unrolled, strided split
+):  # right values, but unrolled into one program: memory does not shrink with n_micro
     x, y = batch
     total = None
     for i in range(n_micro):
@@ -225,11 +225,32 @@ def acc_psum(loss_fn, params, batch, axis_name, n_micro):
     return lax.psum(g, axis_name)
 
 
+def acc_grad_of_sum(
+    loss_fn, params, batch, axis_name, n_micro
+):  # one backward pass: all residuals alive
+    micro = jax.tree.map(lambda a: a.reshape((n_micro, -1) + a.shape[1:]), batch)
+    parts = [jax.tree.map(lambda a, i=i: a[i], micro) for i in range(n_micro)]
+    g = jax.grad(lambda p: sum(loss_fn(p, mb) for mb in parts) / n_micro)(params)
+    return lax.pmean(g, axis_name)
+
+
+def acc_vmap(loss_fn, params, batch, axis_name, n_micro):  # every micro-batch at once
+    micro = jax.tree.map(lambda a: a.reshape((n_micro, -1) + a.shape[1:]), batch)
+    g = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))(params, micro)
+    return lax.pmean(jax.tree.map(lambda a: a.mean(0), g), axis_name)
+
+
 def test_accumulated_grads(report):
     n = len(report.devices)
     assert lesson04.check_accumulated_grads(acc_scan, report.devices)
-    assert lesson04.check_accumulated_grads(acc_python_loop, report.devices)
     assert lesson04.check_accumulated_grads(acc_fori, report.devices)
+    for unbounded in (acc_python_loop, acc_grad_of_sum, acc_vmap):
+        rejects(
+            lesson04.check_accumulated_grads,
+            unbounded,
+            report.devices,
+            match="activations are alive at once.*lax.scan",
+        )
     rejects(
         lesson04.check_accumulated_grads,
         acc_no_divide,
@@ -268,3 +289,20 @@ def test_references_at_an_odd_device_count(report):
     assert lesson04.check_sync_normalize(norm_ref, devices)
     assert lesson04.check_accumulated_grads(acc_scan, devices)
     rejects(lesson04.check_sync_normalize, norm_local, devices, match="own rows' statistics")
+
+
+def test_one_device_answers_run_on_a_simulated_axis(report):
+    """With 1 device local and global agree; the checks also map the answer over 4 simulated devices."""
+    one = report.devices[:1]
+    rejects(lesson04.check_sync_normalize, norm_local, one, match="own rows' statistics")
+    rejects(lesson04.check_sync_normalize, norm_psum, one, match="psum only sums")
+    rejects(
+        lesson04.check_accumulated_grads, acc_local, one, match="different gradients.*4 devices"
+    )
+    rejects(lesson04.check_accumulated_grads, acc_psum, one, match="4x \\(the device count\\)")
+    assert lesson04.prediction_count(one) == 4
+    assert lesson04.check_gradient_scales({"a": 4, "b": 4, "c": 1, "d": "local"}, one)
+    for wrong in ({"a": 1, "b": 1, "c": 1, "d": 1}, {"a": 4, "b": 4, "c": 1, "d": 1}):
+        rejects(lesson04.check_gradient_scales, wrong, one, match="measurement on 4 simulated")
+    assert lesson04.check_sync_normalize(norm_moments, one)
+    assert lesson04.check_accumulated_grads(acc_fori, one)

@@ -411,3 +411,26 @@ def test_references_at_an_odd_device_count(report):
     assert lesson05.check_data_parallel_loop(train_ref, devs)
     assert lesson05.check_tp_train_step(tp_ref, devs)
     rejects(lesson05.check_data_parallel_loop, train_hoisted_only, devs, match="whole batch")
+
+
+def test_an_axis_of_size_1_is_judged_on_a_full_mesh_too(report):
+    """With 1 device (or 3: data=3 x model=1) an axis of size 1 hides collectives: the predictions are also
+    judged on a 2 x 2 mesh in a fresh process, and the TP step's traced types show a gather."""
+    one, three = report.devices[:1], report.devices[:3]
+    assert lesson05.check_collective_predictions(RIGHT, one)
+    rejects(
+        lesson05.check_collective_predictions,
+        {**RIGHT, "b": "none"},
+        one,
+        match="'b' on the mesh \\{'data': 2, 'model': 2\\}.*partial row sums",
+    )
+    rejects(
+        lesson05.check_collective_predictions,
+        {**RIGHT, "d": "none"},
+        three,
+        match="'d'.*over the rows",
+    )
+    assert lesson05.check_tp_train_step(tp_ref, one)
+    assert lesson05.check_tp_train_step(tp_auto, one)
+    for gathers in (tp_gather_w2, tp_replicated_out):
+        rejects(lesson05.check_tp_train_step, gathers, one, match="gathers a sharded array")

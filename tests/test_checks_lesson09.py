@@ -181,6 +181,18 @@ def load_grouped(
     )
 
 
+def load_global(
+    source, sharding, global_shape
+):  # every process's blocks: right only in one process
+    blocks, arrays = {}, []
+    for device, index in sharding.devices_indices_map(global_shape).items():
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in blocks:
+            blocks[key] = np.asarray(source[index])
+        arrays.append(jax.device_put(blocks[key], device))
+    return jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
+
+
 def load_callback(source, sharding, global_shape):
     return jax.make_array_from_callback(global_shape, sharding, lambda index: source[index])
 
@@ -244,6 +256,11 @@ def test_block_loader(report):
         rejects(lesson09.check_block_loader, load_whole, devs, match="whole source was read")
         rejects(lesson09.check_block_loader, load_local_rows, devs, match="whole source|not blocks")
         rejects(lesson09.check_block_loader, load_wrong_order, devs, match="values differ")
+    rejects(lesson09.check_block_loader, load_global, devs, match="only process 1's devices hold")
+    rejects(
+        lesson09.check_block_loader, load_global, devs[:1], match="only process 1's devices hold"
+    )
+    assert lesson09.check_block_loader(load_ref, devs[:1])
     _not_written(lesson09.check_block_loader, stub, devs)
 
 
@@ -254,3 +271,23 @@ def test_references_at_an_odd_device_count(report):
     assert lesson09.check_process_rows(rows, devs, 1, 6)
     assert lesson09.check_block_loader(load_ref, devs)
     rejects(lesson09.check_block_loader, load_whole, devs, match="whole source was read")
+
+
+def test_a_one_process_plan_is_set_on_a_simulated_group(report):
+    """At 1 device (or an odd count) the plan is one process, where every layout is the whole batch: the
+    exercise moves to 2 simulated processes x 2 devices, where a constant answer is refused."""
+    devs, n_proc = lesson09.exercise_group(report.devices[:3], 1)
+    assert n_proc == 2 and len(devs) == 4 and {d.process_index for d in devs} == {0, 1}
+    assert lesson09.exercise_group(report.devices, 2) == (list(report.devices), 2)
+    right = {"a": [(0, 4), (4, 8)], "b": [(0, 4), (4, 8)], "c": [(0, 8), (0, 8)]}
+    assert lesson09.check_process_rows(right, devs, n_proc, 8)
+    whole = dict.fromkeys(lesson09.LAYOUTS, [(0, 8), (0, 8)])
+    rejects(lesson09.check_process_rows, whole, devs, n_proc, 8, match="'a'.*contiguous block")
+    rejects(
+        lesson09.check_process_rows,
+        {**right, "c": [(0, 4), (4, 8)]},
+        devs,
+        n_proc,
+        8,
+        match="'c'.*transposed",
+    )

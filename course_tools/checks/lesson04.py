@@ -10,6 +10,7 @@ given.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from functools import partial
 from numbers import Number
@@ -25,6 +26,8 @@ from course_lib.meshes import DATA, data_mesh
 from course_lib.programs import jaxpr_collectives
 
 from ._common import NotWritten, call_answer, checker, fail, not_written, passed
+from ._lesson04_memory import judge_memory
+from ._simulated import run_json
 
 
 def _call(what: str, fn: Callable, *args, hint: str):
@@ -79,6 +82,25 @@ def measure_gradient_scales(devices: Sequence[Any], seed: int = 0) -> dict[str, 
     The two pmap programs run as one program, and so do the two shard_map ones; a repeated check on the
     same devices reuses the measurement."""
     return dict(_measure_scales(tuple(devices), seed))
+
+
+SIMULATED = 4
+"""With a single device every program gives the true gradient; exercise 1 is then set for this many
+simulated CPU devices, measured in a fresh process."""
+
+
+def prediction_count(devices: Sequence[Any]) -> int:
+    """The device count exercise 1's predictions are for: the run's, or :data:`SIMULATED` with one device."""
+    return len(devices) if len(devices) > 1 else SIMULATED
+
+
+@functools.cache
+def _measure_simulated() -> dict[str, float | str]:
+    return run_json(
+        "import json, jax\nfrom course_tools.checks.lesson04 import measure_gradient_scales\n"
+        "print(json.dumps(measure_gradient_scales(jax.devices())))",
+        SIMULATED,
+    )
 
 
 @functools.cache
@@ -140,8 +162,9 @@ def _prediction(name: str, value: Any) -> float | str:
 @checker
 def check_gradient_scales(predictions: dict | None, devices: Sequence[Any]) -> bool:
     """``predictions[name]`` for each of :data:`GRADIENT_PROGRAMS` must match the measured gradient: a
-    number (a multiple of the true gradient) or ``"local"`` (the devices disagree)."""
-    n = len(devices)
+    number (a multiple of the true gradient) or ``"local"`` (the devices disagree), for
+    :func:`prediction_count` devices (with one device, measured on simulated ones in a fresh process)."""
+    n = prediction_count(devices)
     if (
         predictions is None
         or isinstance(predictions, dict)
@@ -158,13 +181,13 @@ def check_gradient_scales(predictions: dict | None, devices: Sequence[Any]) -> b
             f"give a dict with exactly the keys {list(GRADIENT_PROGRAMS)}",
         )
     guesses = {name: _prediction(name, predictions[name]) for name in GRADIENT_PROGRAMS}
-    measured, wrong = measure_gradient_scales(devices), []
+    measured = measure_gradient_scales(devices) if len(devices) > 1 else _measure_simulated()
+    where = f"{n} device(s)" if len(devices) > 1 else f"{n} simulated CPU devices (a fresh process)"
+    wrong = []
     for name, guess in guesses.items():
         got = measured[name]
         if isinstance(got, str) or isinstance(guess, str):
-            ok = got == guess or (
-                n == 1 and guess == "local"
-            )  # one device: "local" is the true gradient
+            ok = got == guess
         else:
             ok = np.isclose(guess, got, rtol=1e-3)
         if not ok:
@@ -172,17 +195,20 @@ def check_gradient_scales(predictions: dict | None, devices: Sequence[Any]) -> b
     if wrong:
         name, guess, got = wrong[0]
         more = f"; {len(wrong) - 1} more prediction(s) wrong" if len(wrong) > 1 else ""
-        shown = got if isinstance(got, str) else f"{got:g} (n = {n})"
+        shown = got if isinstance(got, str) else f"{got:g}"
         fail(
-            f"program {name!r}: you predicted {guess!r}, the measurement is {shown}{more}",
+            f"program {name!r}: you predicted {guess!r}, the measurement on {where} is {shown}{more}",
             _WHY_SCALE[name],
         )
-    note = (
-        ""
-        if n > 1
-        else " (with 1 device every program gives the true gradient: rerun with n_devices >= 2)"
-    )
-    return passed(f"all four predictions match the measured gradients on {n} device(s){note}")
+    return passed(f"all four predictions match the measured gradients on {where}")
+
+
+FAKE_AXIS = 4
+"""With fewer than 2 devices, named-axis answers also run under ``jax.vmap(..., axis_name=DATA)`` over an axis
+of this size: the same collectives, with rows of one array standing in for devices."""
+_VMAP_WHAT = (
+    f"your function under jax.vmap(..., axis_name={DATA!r}) over {FAKE_AXIS} simulated devices"
+)
 
 
 # ---- exercise 2: debug this - normalise with the global batch's statistics -------------------------
@@ -223,34 +249,34 @@ def check_sync_normalize(fn: Callable, devices: Sequence[Any], eps: float = 1e-5
     n = len(devices)
     rng = np.random.default_rng(7)
     mapped = jax.pmap(partial(fn, axis_name=DATA), axis_name=DATA, devices=list(devices))
-    for b, f in ((3, 4), (5, 2)):
+    runs = [(n, mapped, "normalize under pmap")]
+    if n < 2:  # one device: local and global statistics agree; also map over a simulated axis of 4
+        runs.append((FAKE_AXIS, jax.vmap(partial(fn, axis_name=DATA), axis_name=DATA), _VMAP_WHAT))
+    for (b, f), (m, run, what) in itertools.product(((3, 4), (5, 2)), runs):
         # Each device's rows come from another distribution, so local and global statistics differ.
-        scale, shift = rng.uniform(0.5, 3.0, size=(n, 1, f)), 4 * rng.normal(size=(n, 1, f))
-        x = (rng.normal(size=(n, b, f)) * scale + shift).astype(np.float32)
-        out = np.asarray(
-            _call(
-                "normalize under pmap",
-                mapped,
-                x,
-                hint="copy normalize_as_given and make its statistics those of the whole batch",
-            )
-        )
+        scale, shift = rng.uniform(0.5, 3.0, size=(m, 1, f)), 4 * rng.normal(size=(m, 1, f))
+        x = (rng.normal(size=(m, b, f)) * scale + shift).astype(np.float32)
+        hint = "copy normalize_as_given and make its statistics those of the whole batch"
+        out = np.asarray(_call(what, run, x, hint=hint))
         if out.shape != x.shape:
             fail(
                 f"result shape {out.shape}, expected {x.shape}",
                 "return one normalised row per input row",
             )
-        want = _normalized(x.reshape(n * b, f).astype(np.float64), eps).reshape(n, b, f)
+        want = _normalized(x.reshape(m * b, f).astype(np.float64), eps).reshape(m, b, f)
         if not np.allclose(out, want, rtol=1e-4, atol=1e-4):
             _diagnose_normalize(out, x.astype(np.float64), eps)
-        if any(p == "all_gather" for p, _, _ in jaxpr_collectives(jax.make_jaxpr(mapped)(x))):
+        if run is mapped and any(
+            p == "all_gather" for p, _, _ in jaxpr_collectives(jax.make_jaxpr(mapped)(x))
+        ):
             fail(
                 "the values are right, but every row is gathered onto every device (all_gather)",
                 "the normalisation needs 2 statistics per feature from each device: lax.pmean the mean and "
                 "the mean of squares (or of squared deviations), not the rows",
             )
+    also = f" (and on a simulated axis of {FAKE_AXIS} under jax.vmap)" if n < 2 else ""
     return passed(
-        f"every device normalises with the global batch's statistics on {n} device(s), "
+        f"every device normalises with the global batch's statistics on {n} device(s){also}, "
         "communicating only the statistics"
     )
 
@@ -326,18 +352,8 @@ def _trace(fn, devices, params, batch, n_micro):
     return mapped, [(ops, loop) for p, ops, loop in jaxpr_collectives(jaxpr) if p == "psum"]
 
 
-@checker
-def check_accumulated_grads(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(loss_fn, params, batch, axis_name, n_micro)`` under ``pmap`` must return, on every device, the
-    gradient of the global batch's mean loss, computed from micro-batches of ``b // n_micro`` rows, with one
-    cross-device average after the loop (not one per micro-batch). Values are checked with 3 micro-batches;
-    the traced programs with 3 and with 4."""
-    n = len(devices)
-    params, x, y = _accumulation_inputs(n)
-    batch = (x.reshape(n, 12, 3), y.reshape(n, 12, 2))
-    lo, hi = MICRO
-    mapped, psums = _trace(fn, devices, params, batch, lo)
-    out = _call("accumulated_grads under pmap", mapped, params, batch, hint="")
+def _judge_grads(out, params, x, y, n: int, n_micro: int) -> None:
+    """``out``: the answer's gradients, stacked over ``n`` devices (or simulated ones); x, y: the global batch."""
     if not isinstance(out, dict) or jax.tree.structure(out) != jax.tree.structure(params):
         fail(
             f"returned {jax.tree.structure(out)}",
@@ -348,13 +364,38 @@ def check_accumulated_grads(fn: Callable, devices: Sequence[Any]) -> bool:
         np.allclose(g, g[0:1], rtol=1e-5, atol=1e-6) for g in jax.tree.leaves(got)
     ):
         fail(
-            "devices return different gradients",
+            f"devices return different gradients (with {n} devices)",
             "each device only saw its own shard: average the accumulated gradient over axis_name",
         )
     expected = jax.grad(lambda p: _mlp_loss(p, (x, y), []))(params)
     pairs = list(zip(jax.tree.leaves(jax.tree.map(lambda g: g[0], got)), jax.tree.leaves(expected)))
     if not all(np.allclose(a, e, rtol=1e-4, atol=1e-6) for a, e in pairs):
-        _diagnose_scale([float(np.median(a / np.asarray(e))) for a, e in pairs], lo, n)
+        _diagnose_scale([float(np.median(a / np.asarray(e))) for a, e in pairs], n_micro, n)
+
+
+@checker
+def check_accumulated_grads(fn: Callable, devices: Sequence[Any]) -> bool:
+    """``fn(loss_fn, params, batch, axis_name, n_micro)`` under ``pmap`` must return, on every device, the
+    gradient of the global batch's mean loss, computed from micro-batches of ``b // n_micro`` rows, with one
+    cross-device average after the loop (not one per micro-batch), in a program whose temporary memory
+    shrinks as ``n_micro`` grows. Values are checked with 3 micro-batches (with fewer than 2 devices also
+    under ``jax.vmap`` over a simulated axis of :data:`FAKE_AXIS`); the traced programs with 3 and with 4;
+    the memory with ``_lesson04_memory.MEMORY_MICRO`` on one device."""
+    n = len(devices)
+    params, x, y = _accumulation_inputs(n)
+    batch = (x.reshape(n, 12, 3), y.reshape(n, 12, 2))
+    lo, hi = MICRO
+    mapped, psums = _trace(fn, devices, params, batch, lo)
+    _judge_grads(
+        _call("accumulated_grads under pmap", mapped, params, batch, hint=""), params, x, y, n, lo
+    )
+    if n < 2:
+        _, xf, yf = _accumulation_inputs(FAKE_AXIS)
+        fake = jax.vmap(
+            lambda b: fn(partial(_mlp_loss, seen=[]), params, b, DATA, lo), axis_name=DATA
+        )
+        fb = (xf.reshape(FAKE_AXIS, 12, 3), yf.reshape(FAKE_AXIS, 12, 2))
+        _judge_grads(_call(_VMAP_WHAT, fake, fb, hint=""), params, xf, yf, FAKE_AXIS, lo)
     if any(loop for _, loop in psums):
         fail(
             "a cross-device reduction runs inside the loop over micro-batches",
@@ -370,7 +411,8 @@ def check_accumulated_grads(fn: Callable, devices: Sequence[Any]) -> bool:
             "communication grows with n_micro: reduce across devices once, after adding the micro-batch "
             "gradients",
         )
+    memory = judge_memory(fn, devices[0], partial(_mlp_loss, seen=[]))
     return passed(
-        f"full-batch gradient on all {n} device(s) from micro-batches of {12 // lo} rows, and the same "
-        f"communication with {hi} micro-batches ({comm_lo} array(s) reduced once)"
+        f"full-batch gradient on all {n} device(s) from micro-batches of {12 // lo} rows, the same "
+        f"communication with {hi} micro-batches ({comm_lo} array(s) reduced once), and {memory}"
     )

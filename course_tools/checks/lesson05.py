@@ -23,6 +23,7 @@ from course_lib import programs
 from course_lib.meshes import DATA, MODEL, choose_mesh_shape, data_mesh, data_model_mesh
 
 from ._common import ExerciseError, NotWritten, call_answer, checker, fail, not_written, passed
+from ._lesson05_probe import FULL_MESH, judge_types, measure_on_full_mesh
 
 # ---- exercise 1: predict the collectives ------------------------------------------------------------
 
@@ -136,18 +137,25 @@ def check_collective_predictions(predictions: dict | None, devices: Sequence[Any
         )
     mesh = data_model_mesh(devices, axis_type="explicit")
     sizes = dict(mesh.shape)
-    wrong = []
+    guesses = {}
     for name in SHARDED_PROGRAMS:
         try:
-            guess = _parse_prediction(predictions[name])
+            guesses[name] = _parse_prediction(predictions[name])
         except ValueError:
             fail(f"prediction {name!r} is {predictions[name]!r}", _PREDICTION_HINT)
-        guess = {
-            (op, a) for op, a in guess if sizes[a] > 1
-        }  # an axis of size 1 communicates nothing
-        got = measure_collectives(name, mesh)
-        if guess != got:
-            wrong.append((name, guess, got))
+    here = {name: measure_collectives(name, mesh) for name in SHARDED_PROGRAMS}
+    # an axis of size 1 communicates nothing
+    _compare({k: {(op, a) for op, a in g if sizes[a] > 1} for k, g in guesses.items()}, here, sizes)
+    note = ""
+    if min(sizes.values()) == 1:
+        full = dict(zip((DATA, MODEL), FULL_MESH))
+        _compare(guesses, measure_on_full_mesh(), full)
+        note = f" on this {sizes} mesh and on a {full} mesh of simulated devices (a fresh process)"
+    return passed(f"all {len(SHARDED_PROGRAMS)} predictions match the compiled programs{note}")
+
+
+def _compare(guesses: dict, measured: dict, sizes: dict) -> None:
+    wrong = [(k, guesses[k], measured[k]) for k in SHARDED_PROGRAMS if guesses[k] != measured[k]]
     if wrong:
         name, guess, got = wrong[0]
         more = f"; {len(wrong) - 1} more prediction(s) wrong" if len(wrong) > 1 else ""
@@ -156,12 +164,6 @@ def check_collective_predictions(predictions: dict | None, devices: Sequence[Any
             f"{_say(got)}{more}",
             _WHY_COLLECTIVES[name],
         )
-    note = (
-        ""
-        if min(sizes.values()) > 1
-        else f" (on this {sizes} mesh an axis of size 1 never communicates)"
-    )
-    return passed(f"all {len(SHARDED_PROGRAMS)} predictions match the compiled programs{note}")
 
 
 # ---- exercise 2: debug this - the data-parallel loop that is not ------------------------------------
@@ -425,6 +427,8 @@ def check_tp_train_step(fn: Callable, devices: Sequence[Any]) -> bool:
             ref = jax.jit(_reference_step)(params, velocity, x, y, 0.1)
         _judge_values(params, new, new_v, loss, ref, where)
         _judge_layout(specs, {"parameters": new, "velocity": new_v}, found, n_model, where)
+        if min(n_data, n_model) == 1:
+            judge_types(fn, mesh, params, velocity, x, y, where)
     return passed(
         f"tensor-parallel step equals one device's on {len(_mesh_shapes(n))} mesh shape(s); parameters "
         "and velocity keep their shardings; only all-reduces in the compiled program"

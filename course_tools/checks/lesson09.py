@@ -5,7 +5,8 @@ global batch once.
 They run in the notebook's one process. Exercise 1 measures a group of processes by splitting the kernel's
 devices into consecutive groups, one per process, the way ``jax.devices()`` orders a real group on CPU and
 GPU; exercise 2 uses stand-in devices that carry a ``process_index``; exercise 3 hands the loader a source
-that records what is read.
+that records what is read, also with a sharding over stand-in devices of 2 processes (process 0's are
+this process's), where reading another process's blocks shows.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax import P
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from course_lib.meshes import DATA, MODEL, choose_mesh_shape, data_mesh, data_model_mesh
 
@@ -243,6 +244,15 @@ def check_mesh_devices(fn: Callable) -> bool:
     )
 
 
+def exercise_group(devices: Sequence[Any], n_processes: int) -> tuple[list, int]:
+    """The devices and process count exercise 1 is set on: the run's plan when it has 2 processes or more,
+    else a simulated group of 2 processes x 2 devices (:class:`FakeDevice`; JAX's index maps accept them),
+    so that the rows differ between processes whatever the kernel's device count."""
+    if n_processes > 1:
+        return list(devices), n_processes
+    return fake_devices(2, 2, interleave=False), 2
+
+
 # ---- exercise 3: read each block of a global batch once ----------------------------------------------------
 
 
@@ -366,6 +376,61 @@ def check_block_loader(fn: Callable, devices: Sequence[Any]) -> bool:
             fail(
                 f"{what}: some blocks were never read", "read every distinct block of the index map"
             )
+    _judge_other_process(fn)
     return passed(
-        f"all {len(_loader_cases(devices))} layouts assembled with each distinct block read once"
+        f"all {len(_loader_cases(devices))} layouts assembled with each distinct block read once, and "
+        "only this process's blocks read in a simulated group of 2 processes"
     )
+
+
+class _Client:
+    def process_index(self) -> int:  # the process the check plays: 0
+        return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupDevice(FakeDevice):
+    """A :class:`FakeDevice` JAX can ask for addressability: process 0's devices are this process's."""
+
+    @property
+    def client(self) -> _Client:
+        return _Client()
+
+
+def _spans(index, shape) -> tuple:
+    return tuple(
+        (s.start or 0, size if s.stop is None else s.stop) for s, size in zip(index, shape)
+    )
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    return all(max(x[0], y[0]) < min(x[1], y[1]) for x, y in zip(a, b))
+
+
+def _judge_other_process(fn: Callable) -> None:
+    """In one process every block is this process's; on stand-in devices of 2 processes (2 each) only
+    process 0's are. The loader cannot build an array there, so only what it read before failing counts."""
+    # process 1's devices first: a loader that walks every device's block reads one of theirs first
+    devices = np.array(
+        [_GroupDevice(d.id, d.process_index) for d in fake_devices(2, 2, False)][::-1]
+    )
+    shape = (8, 4)
+    for what, sharding in (
+        ("rows over data", NamedSharding(Mesh(devices, (DATA,)), P(DATA))),
+        ("a 2 x 2 grid", NamedSharding(Mesh(devices.reshape(2, 2), (DATA, MODEL)), P(DATA, MODEL))),
+    ):
+        source = RecordingSource(np.zeros(shape, np.float32))
+        try:
+            fn(source, sharding, shape)
+        except Exception:  # noqa: BLE001 - stand-in devices hold no data; the reads are what is judged
+            pass
+        mine = _blocks(sharding, shape)
+        theirs = {_spans(i, shape) for i in sharding.devices_indices_map(shape).values()} - mine
+        extra = [r for r in source.reads if any(_overlap(r, b) for b in theirs)]
+        if extra:
+            fail(
+                f"in a group of 2 processes ({what}), process 0 read rows/columns {extra[0]}, which only "
+                "process 1's devices hold",
+                "sharding.devices_indices_map covers every process's devices; read the blocks of "
+                "sharding.addressable_devices_indices_map(global_shape), this process's own",
+            )
