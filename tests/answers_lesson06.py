@@ -126,6 +126,34 @@ def ring_whole_blocks(x_block, axis_name):  # wrong: right values, (n-1)x the bl
     return total
 
 
+def ring_whole_blocks_while(
+    x_block, axis_name
+):  # wrong: the whole block n-1 times, in a while_loop
+    n = lax.axis_size(axis_name)
+    to_right = [(i, (i + 1) % n) for i in range(n)]
+
+    def step(carry):
+        k, total, send = carry
+        send = lax.ppermute(send, axis_name, to_right)
+        return k + 1, total + send, send
+
+    _, total, _ = lax.while_loop(lambda c: c[0] < n - 1, step, (0, x_block, x_block))
+    return total
+
+
+def ring_whole_blocks_scan(x_block, axis_name):  # wrong: the whole block n-1 times, in a lax.scan
+    n = lax.axis_size(axis_name)
+    to_right = [(i, (i + 1) % n) for i in range(n)]
+
+    def step(carry, _):
+        total, send = carry
+        send = lax.ppermute(send, axis_name, to_right)
+        return (total + send, send), None
+
+    (total, _), _ = lax.scan(step, (x_block, x_block), length=n - 1)
+    return total
+
+
 def ring_reduce_scatter_only(x_block, axis_name):  # wrong: stops after the reduce-scatter half
     n = lax.axis_size(axis_name)
     me = lax.axis_index(axis_name)

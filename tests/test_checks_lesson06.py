@@ -69,6 +69,8 @@ def test_ring_all_reduce():
         (a.ring_uses_psum, r"uses \['psum.*ppermute"),
         (a.ring_scatter_gather, r"uses \['all_gather.*reduce_scatter"),
         (a.ring_whole_blocks, r"sends 7\.00× its block.*1\.75×"),
+        (a.ring_whole_blocks_while, "while_loop sends with ppermute.*fori_loop"),
+        (a.ring_whole_blocks_scan, r"sends 7\.00× its block"),
         (a.ring_reduce_scatter_only, "one chunk only.*all-gather half"),
         (a.ring_off_by_one, "differs from psum.*n-1 steps"),
         (a.ring_wrong_index, "differs from psum|one chunk only"),

@@ -152,11 +152,24 @@ def _ring_traffic(fn: Callable, n: int, block_shape: tuple[int, ...]) -> tuple[f
     sent, used = 0.0, set()
     for eqn, times in jaxpr_equations(jaxpr):
         name = eqn.primitive.name
+        if name == "while" and _sends_in(eqn):
+            fail(
+                "a lax.while_loop sends with ppermute: its trip count is not in the program, so what "
+                "each device sends cannot be counted",
+                "write the steps as a Python for loop, lax.fori_loop with Python-int bounds (it traces "
+                "to a scan) or lax.scan",
+            )
         if communicates(eqn):
             used.add(name)
         if name == "ppermute":
             sent += times * sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.invars)
     return sent, used
+
+
+def _sends_in(while_eqn) -> bool:
+    """Whether a ``while`` equation's body or condition holds a ``ppermute`` (at any depth)."""
+    subs = (while_eqn.params["body_jaxpr"], while_eqn.params["cond_jaxpr"])
+    return any(e.primitive.name == "ppermute" for sub in subs for e, _ in jaxpr_equations(sub))
 
 
 def _ring_values(fn: Callable, rng) -> None:
