@@ -15,7 +15,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from course_lib import comms, data, model, parallel, parity, steps
+from course_lib import comms, data, model, parallel, parity, steps, strategies
+from course_lib.config import PROFILES
 from course_lib.meshes import DATA, data_mesh
 
 from ._common import call_answer, checker, fail, passed, require
@@ -194,6 +195,8 @@ def _judge_layout(new, params, specs, n) -> None:
 
 
 def _judge_collectives(hlo_text: str, params, specs, n) -> None:
+    """Reduce-scatter + all-gather, no all-reduce of the sharded gradients, the all-gathers gathering the
+    sharded parameters only, and no more bytes than one all-reduce of the gradients (what B sends)."""
     if n == 1:
         return
     found = comms.collectives(hlo_text, {DATA: n})
@@ -217,52 +220,127 @@ def _judge_collectives(hlo_text: str, params, specs, n) -> None:
             f"the program's collectives are {sorted(kinds)}",
             "reduce-scatter the gradients (lax.psum_scatter) and all-gather the updated parameters",
         )
+    gathered = sum(c.size_bytes for c in found if c.kind == "all-gather")
+    if abs(gathered - sharded) > 0.05 * sharded:
+        fail(
+            f"the program all-gathers {gathered:,} bytes; the sharded parameters are {sharded:,}",
+            "all-gather only the updated parameter slices: gradients and momentum stay sharded (each "
+            "device updates its own slice with its own momentum)",
+        )
+    sent = comms.total_sent(found)
+    bound = 1.05 * comms.ring_bytes("all-reduce", model.param_bytes(params) + 4, n)
+    if sent > bound:
+        fail(
+            f"each device sends {sent:,.0f} bytes per step, more than one all-reduce of the gradients "
+            f"({bound / 1.05:,.0f})",
+            "ZeRO-1 sends what data parallelism sends: one reduce-scatter of each sharded gradient and one "
+            "all-gather of each updated parameter slice",
+        )
+
+
+FSDP_CASES = (("cpu", 8), ("cpu", 3), ("tiny", 8), ("tiny", 3), ("cpu", 2))
+"""(profile, devices) at which the FSDP prediction is checked: at 3 devices most of the cpu profile's
+leaves have no dimension divisible by 3 and stay whole; on the tiny model most leaves are small."""
+
+
+def fsdp_case(profile: str, n: int) -> dict:
+    """One FSDP case from shapes alone (float32): ``param_bytes``, ``replicated_bytes`` (the leaves
+    :func:`course_lib.parallel.fsdp_specs` keeps whole), and the true ``sent`` (:mod:`course_lib.comms`'s
+    prediction, which the lab checks against compiled programs) and ``state`` (params + momentum) per device."""
+    cfg = PROFILES[profile].model
+    shapes = comms.param_shapes(cfg)
+    flat = [shape for leaves in shapes.values() for shape in leaves.values()]
+    total = sum(int(np.prod(s)) for s in flat)
+    whole = sum(int(np.prod(s)) for s in flat if parallel.fsdp_dim(tuple(s), n) is None)
+    local = sum(
+        int(np.prod(s)) // (1 if parallel.fsdp_dim(tuple(s), n) is None else n) for s in flat
+    )
+    sent = comms.total_sent(strategies.predict_comm("fsdp", cfg, 4 * n, n))
+    return {
+        "profile": profile,
+        "n": n,
+        "param_bytes": 4 * total,
+        "replicated_bytes": 4 * whole,
+        "sent": sent,
+        "state": 2 * 4 * local,
+    }
 
 
 @checker
-def check_fsdp_prediction(sent_bytes, state_bytes, measured_row: dict) -> bool:
-    """Predictions of E's bytes sent per device per step and its parameter + momentum bytes per device,
-    against the lab's measurement (``runs["fsdp"].row``), within 5 %."""
-    sent = require(
-        "predicted_fsdp_sent_bytes",
-        sent_bytes,
-        "a number of bytes: the ring formula of each collective E runs",
-    )
-    state = require(
-        "predicted_fsdp_state_bytes",
-        state_bytes,
-        "a number of bytes: what each device holds of params and momentum",
-    )
-    true_sent = float(measured_row["collective_bytes_per_device"])
-    true_state = float(
-        measured_row["param_bytes_per_device"] + measured_row["opt_state_bytes_per_device"]
-    )
-    n = int(measured_row["n_devices"])
-    if not _close(float(sent), true_sent):
-        if true_sent and _close(float(sent), 2 * true_sent):
-            hint = "E does not all-reduce its gradients: each device gets only its slice (a reduce-scatter)"
-        elif true_sent and _close(float(sent), true_sent / 2):
-            hint = "the backward pass sends too: the transpose of the all_gather is a reduce-scatter of the gradients"
-        elif n > 1 and true_sent and _close(float(sent), true_sent * n / (n - 1)):
-            hint = f"a device keeps its own block: (n-1)/n of the bytes travel, with n = {n}"
-        else:
-            hint = "per parameter: all-gather (n-1)/n·S forward + reduce-scatter (n-1)/n·S backward, S its bytes"
-        fail(f"predicted {float(sent):,.0f} bytes sent per device, measured {true_sent:,.0f}", hint)
-    if not _close(float(state), true_state):
-        if _close(float(state), true_state / 2):
-            hint = "SGD with momentum keeps one momentum value per parameter: count it too"
-        elif n > 1 and _close(float(state), true_state * n):
-            hint = f"FSDP shards both the parameters and the momentum over the {n} devices"
-        else:
-            hint = "(parameters + momentum) bytes / n, plus the leaves that stay replicated"
-        fail(
-            f"predicted {float(state):,.0f} bytes of state per device, measured {true_state:,.0f}",
-            hint,
+def check_fsdp_prediction(sent_fn: Callable, state_fn: Callable, measured_row=None) -> bool:
+    """``sent_fn(param_bytes, replicated_bytes, n)`` and ``state_fn(...)``: E's bytes sent per device per
+    step and its parameter + momentum bytes per device, checked within 2 % at every :data:`FSDP_CASES`
+    (the checker's own shapes), then within 5 % against this run's measurement ``runs["fsdp"].row``."""
+    for case in (fsdp_case(p, n) for p, n in FSDP_CASES):
+        args = (case["param_bytes"], case["replicated_bytes"], case["n"])
+        where = (
+            f"{case['profile']} profile on {case['n']} devices (param_bytes={args[0]:,}, "
+            f"replicated_bytes={args[1]:,})"
         )
-    return passed(
-        f"E sends {true_sent:,.0f} B per device per step and holds {true_state:,.0f} B of state per device"
-    )
+        sent = _number("fsdp_sent_bytes", call_answer("fsdp_sent_bytes", sent_fn, *args))
+        state = _number("fsdp_state_bytes", call_answer("fsdp_state_bytes", state_fn, *args))
+        _judge_sent(sent, case["sent"], case["n"], where, 0.02)
+        _judge_state(state, case, where, 0.02)
+    if measured_row is not None and "profile" in measured_row:
+        n = int(measured_row["n_devices"])
+        case = fsdp_case(measured_row["profile"], n)
+        scale = 2 if measured_row.get("precision") == "float64" else 1  # 8-byte values
+        args = (scale * case["param_bytes"], scale * case["replicated_bytes"], n)
+        true_sent = float(measured_row["collective_bytes_per_device"])
+        true_state = float(
+            measured_row["param_bytes_per_device"] + measured_row["opt_state_bytes_per_device"]
+        )
+        where = f"this run (measured, {measured_row.get('precision', 'float32')})"
+        _judge_sent(float(sent_fn(*args)), true_sent, n, where, 0.05)
+        _judge_state(float(state_fn(*args)), {**case, "state": true_state}, where, 0.05)
+        return passed(
+            f"at every case checked, and this run: E sends {true_sent:,.0f} B per device per step and "
+            f"holds {true_state:,.0f} B of state per device"
+        )
+    return passed(f"E's bytes sent and held match at {len(FSDP_CASES)} device counts and layouts")
 
 
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= 0.05 * max(abs(b), 1.0)
+def _number(what: str, value) -> float:
+    value = require(what, value, "return a number of bytes")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        fail(f"{what} returned {value!r}", "return a number of bytes")
+
+
+def _judge_sent(sent: float, true_sent: float, n: int, where: str, tol: float) -> None:
+    if _close(sent, true_sent, tol):
+        return
+    if true_sent and _close(sent, 2 * true_sent, tol):
+        hint = "each collective sends (n-1)/n of its bytes once: an all-gather forward, a reduce-scatter backward"
+    elif true_sent and _close(sent, true_sent / 2, tol):
+        hint = "the backward pass sends too: the transpose of the all_gather is a reduce-scatter of the gradients"
+    elif n > 1 and true_sent and _close(sent, true_sent * n / (n - 1), tol):
+        hint = "a device keeps its own block: (n-1)/n of the bytes travel"
+    elif n == 1:
+        hint = "one device sends nothing"
+    else:
+        hint = (
+            "per sharded parameter: all-gather (n-1)/n·S forward + reduce-scatter (n-1)/n·S backward; the "
+            "leaves kept whole are all-reduced (2(n-1)/n·S), with the loss"
+        )
+    fail(f"{where}: predicted {sent:,.0f} bytes sent per device, true {true_sent:,.0f}", hint)
+
+
+def _judge_state(state: float, case: dict, where: str, tol: float) -> None:
+    true_state, n = case["state"], case["n"]
+    if _close(state, true_state, tol):
+        return
+    if _close(state, true_state / 2, tol):
+        hint = "SGD with momentum keeps one momentum value per parameter: count it too"
+    elif n > 1 and _close(state, true_state * n, tol):
+        hint = "FSDP shards both the parameters and the momentum over the devices"
+    elif case["replicated_bytes"] and _close(state, 2 * case["param_bytes"] / n, tol):
+        hint = "the leaves fsdp_specs keeps whole (replicated_bytes) are held whole on every device"
+    else:
+        hint = "(sharded bytes / n + replicated bytes) for the parameters, and as much for the momentum"
+    fail(f"{where}: predicted {state:,.0f} bytes of state per device, true {true_state:,.0f}", hint)
+
+
+def _close(a: float, b: float, tol: float = 0.05) -> bool:
+    return abs(a - b) <= tol * max(abs(b), 1.0)
