@@ -178,6 +178,13 @@ def test_zero1_rejects_gathering_gradients_and_momentum(report):
     )
 
 
+def test_zero1_on_one_device_checks_the_collectives_on_a_traced_axis(report):
+    one = report.devices[:1]
+    assert lesson08.check_zero1(make_zero1(), one)
+    rejects(lesson08.check_zero1, gather_everything_zero1, one, match="gradients and momentum stay")
+    rejects(lesson08.check_zero1, make_zero1(reduce="allreduce"), one, match="psum_scatter gives")
+
+
 def sent_right(param_bytes, replicated_bytes, n):
     return 2 * (n - 1) / n * (param_bytes + 4)
 
