@@ -232,9 +232,10 @@ def build_article(info, graphdef, params, optimizer, devices, mesh_shape, *, pre
 
 
 def build_fsdp(info, graphdef, params, optimizer, devices, mesh_shape, *, precision="float32"):
-    """E, FSDP (ZeRO-3) in ``shard_map``: parameters and optimizer state sharded over ``data``
+    """E, FSDP in ``shard_map``: parameters and optimizer state sharded over ``data``
     (:func:`course_lib.parallel.fsdp_specs`); the forward pass gathers the parameters
-    (:func:`course_lib.parallel.gather_params`), the gradients come back reduce-scattered."""
+    (:func:`course_lib.parallel.gather_params`) and keeps them for the backward pass (ZeRO-3's sharding
+    without its re-gather), the gradients come back reduce-scattered."""
     mesh = data_mesh(devices, axis_type="explicit")
     specs = parallel.fsdp_specs(params, len(devices))
     model_apply = precision_lib.compute_in(partial(model_lib.apply, graphdef), precision, DATA)

@@ -1,15 +1,19 @@
-"""What a training step costs, from shapes and datasheets: memory by kind, MFU, a step-time model.
+"""What a training step costs, from shapes and datasheets: memory by kind, MFU and HFU, a step-time model.
 
 - **Memory per device by kind** (:func:`state_bytes`, :func:`residual_activation_bytes`): parameters and
   optimizer state follow exactly from the parameter layout; the activations the backward pass keeps follow
   from the layer shapes, the per-device batch and the tensor-parallel layout. The compiled program's
   temporaries (``memory_analysis().temp_size_in_bytes``) hold more than those activations — the backward
   pass's own intermediates, gradient buffers, the max-pools' index tensors, layout copies — so the
-  prediction is a lower bound of the temporaries, and ``notebooks/08_lab.ipynb`` prints the ratio.
+  prediction is a lower bound of the temporaries, and ``notebooks/08_lab.ipynb`` prints the ratio. The
+  input images are kept too, but the program holds them as an argument, so they are not counted here.
 - **Peak FLOP/s** (:data:`PEAKS`, :func:`peak_flops`) per GPU kind and precision, dense (no sparsity), from
-  the vendor's datasheets, for the model FLOP utilisation (:func:`mfu`). None on CPUs: no peak is claimed.
-- **A step-time model** (:func:`step_time_model`): FLOPs at a stated peak plus bytes sent at a stated link
-  bandwidth, for the device profiles in :data:`DEVICE_PROFILES`. A model, not a measurement.
+  the vendor's datasheets, for the utilisation (:func:`mfu`): of the *model's* FLOPs (MFU: the analytic
+  FLOPs of a training step, :func:`model_flops_per_step`), or of the FLOPs the compiled program runs (HFU:
+  work computed twice counts twice). None on CPUs: no peak is claimed.
+- **A step-time model** (:func:`step_time_model`): FLOPs at 100 % of a stated peak, plus bytes sent at a
+  stated link bandwidth, plus an ASSUMED fixed latency per collective (:data:`COLLECTIVE_LATENCY_S`), for
+  the device profiles in :data:`DEVICE_PROFILES`. A model, not a measurement.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import math
 import re
 from typing import Any
 
+from .model import flops_per_example
+
 # ---- memory by kind ----------------------------------------------------------------------------------
 
 
@@ -27,7 +33,9 @@ def residual_activation_bytes(
 ) -> int:
     """Bytes of the activations one device keeps for the backward pass (a lower bound of its temporaries).
 
-    Counted per conv block: its output before the pool and after it; the dense outputs; the input images.
+    Counted per conv block: its output before the pool and after it; the dense outputs. Not the input
+    images: the backward pass keeps them too, but the compiled program holds them as an argument
+    (``memory_analysis().argument_size_in_bytes``), not among its temporaries.
     A tensor-parallel layout (``"gather"``, ``"pairs"``, ``"article"``; :mod:`course_lib.parallel`) keeps
     split layers at ``channels / n_model`` and holds a psum'd or gathered output twice (the per-shard part
     and the full result).
@@ -63,7 +71,7 @@ def residual_activation_bytes(
     values = sum(
         pre * px[i] + (pool + extra) * px[i + 1] for i, (pre, pool, extra) in enumerate(per)
     )
-    values += dense + px[0] * cfg.in_channels
+    values += dense
     return int(values * local_batch * value_bytes)
 
 
@@ -145,14 +153,33 @@ def rate(peak: Peak, precision: str, matmul_precision: str = "default") -> float
     return None if tflops is None else tflops * 1e12
 
 
+def model_flops_per_step(cfg: Any, global_batch: int) -> float:
+    """The model's FLOPs per training step: 3 × the analytic forward FLOPs per image × the global batch
+    (forward, and two matmuls per layer backward; :func:`course_lib.model.flops_per_example`).
+
+    The numerator of MFU: the same for every strategy, whatever work a layout repeats or the compiler adds.
+    """
+    return 3.0 * flops_per_example(cfg) * global_batch
+
+
 def mfu(flops_per_device: float, step_time_s: float, peak: float | None) -> float:
-    """Model FLOP utilisation: FLOPs per device per step / step time / peak FLOP/s; NaN without a peak."""
+    """FLOP utilisation: FLOPs per device per step / step time / peak FLOP/s; NaN without a peak.
+
+    Given the model's FLOPs per device (:func:`model_flops_per_step` / devices) it is the model FLOP
+    utilisation (MFU); given the compiled program's (``cost_analysis()["flops"]``), the hardware FLOP
+    utilisation (HFU), which counts work a layout computes twice as useful.
+    """
     if not peak or not step_time_s or not math.isfinite(flops_per_device):
         return float("nan")
     return flops_per_device / step_time_s / peak
 
 
 # ---- a step-time model -------------------------------------------------------------------------------
+
+COLLECTIVE_LATENCY_S = 10e-6
+"""ASSUMPTION, not a measurement: a fixed cost of 10 µs per collective (launch and synchronisation), the
+order of magnitude NCCL collectives take on small messages within one NVLink server. The step-time model
+adds it once per collective in the compiled program."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,29 +216,47 @@ def step_time_model(
     profile: DeviceProfile,
     precision: str = "float32",
     bytes_accessed: float | None = None,
+    *,
+    n_collectives: int = 0,
+    latency_s: float = COLLECTIVE_LATENCY_S,
+    matmul_precision: str = "default",
 ) -> dict[str, float]:
-    """Seconds per step on ``profile``, as a model: compute at peak + communication at link speed.
+    """Seconds per step on ``profile``, as a model: compute at 100 % of the peak + bytes at link speed +
+    a fixed latency per collective.
 
     Args:
       flops_per_device: FLOPs each device runs per step (``cost_analysis()["flops"]``).
       sent_bytes_per_device: bytes each device sends per step (:mod:`course_lib.comms`).
       profile: the device and its links.
-      precision: which peak applies (:func:`peak_flops` rules, TF32 for float32).
+      precision: which peak applies (:func:`peak_flops` rules: TF32 for float32 under the default matmul
+        precision, applied to every FLOP — an upper bound of the speed).
       bytes_accessed: memory traffic per device (``cost_analysis()["bytes accessed"]``); given, the compute
         term becomes ``max(FLOPs / peak, bytes / HBM bandwidth)`` (a roofline). XLA:GPU fuses differently
         from the CPU compiler that measured it: an indication only.
+      n_collectives: collectives per step; each costs ``latency_s`` on top of its bytes.
+      latency_s: the per-collective latency (default :data:`COLLECTIVE_LATENCY_S`, an assumption).
+      matmul_precision: ``jax_default_matmul_precision`` of the run (``"float32"``/``"highest"``: FP32 rate).
 
     Returns:
-      ``{"compute_s", "comm_s", "step_s"}``, no overlap of compute and communication assumed.
+      ``{"compute_s", "bandwidth_s", "latency_s", "comm_s", "step_s"}`` (``comm_s`` = bandwidth + latency),
+      no overlap of compute and communication assumed.
 
     Raises:
       ValueError: the profile has no rate for ``precision``.
     """
-    peak = rate(profile.peak, precision)
+    peak = rate(profile.peak, precision, matmul_precision)
     if peak is None:
         raise ValueError(f"{profile.name} has no peak for precision={precision!r}")
     compute = flops_per_device / peak
     if bytes_accessed is not None:
         compute = max(compute, bytes_accessed / profile.hbm_bytes_per_s)
-    comm = sent_bytes_per_device / profile.link_bytes_per_s
-    return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm}
+    bandwidth = sent_bytes_per_device / profile.link_bytes_per_s
+    latency = n_collectives * latency_s
+    comm = bandwidth + latency
+    return {
+        "compute_s": compute,
+        "bandwidth_s": bandwidth,
+        "latency_s": latency,
+        "comm_s": comm,
+        "step_s": compute + comm,
+    }

@@ -183,6 +183,7 @@ def _row(
     kind = list(devices)[0].device_kind
     peak, _ = costs.peak_flops(kind, precision, precision_lib.matmul_precision())
     flops_per_step = stats.flops_per_device * n
+    model_flops = costs.model_flops_per_step(config.model, config.global_batch)
     return {
         "strategy": key,
         "label": strat.label,
@@ -214,7 +215,11 @@ def _row(
         "bytes_accessed_per_device": stats.bytes_accessed,
         "achieved_flops_per_s": flops_per_step / timing.median_s,
         "peak_flops_per_device": np.nan if peak is None else peak,
-        "mfu": costs.mfu(stats.flops_per_device, timing.median_s, peak),
+        "model_flops_per_step": model_flops,
+        # MFU counts the model's FLOPs (the same for every strategy); HFU the compiled program's, where
+        # work a layout computes twice counts twice
+        "mfu": costs.mfu(model_flops / n, timing.median_s, peak),
+        "hfu": costs.mfu(stats.flops_per_device, timing.median_s, peak),
         "collectives": stats.collectives_str(),
         **_metadata(report, devices),
     }

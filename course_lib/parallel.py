@@ -23,9 +23,11 @@ rows split cleanly in the pairs layout because the CNN flattens channel-major
 :func:`article_param_specs` / :func:`article_apply` reproduce it (everything after conv1 is computed on
 every model shard).
 
-FSDP (ZeRO-3) shards every parameter over the ``data`` axis (:func:`fsdp_specs`) and gathers them for
-the forward pass (:func:`gather_params`); under ``check_vma=True`` the transpose of that ``all_gather`` is a
-reduce-scatter of the gradients, so the shared ``train_step`` needs no change.
+FSDP shards every parameter over the ``data`` axis (:func:`fsdp_specs`) and gathers them for the forward
+pass (:func:`gather_params`); under ``check_vma=True`` the transpose of that ``all_gather`` is a
+reduce-scatter of the gradients, so the shared ``train_step`` needs no change. This is ZeRO-3's sharding
+without its re-gather: the gathered parameters are kept for the backward pass, so 1/n of the parameters
+is held at rest, not at the peak (ZeRO-3 frees them and gathers them again in the backward pass).
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def fsdp_dim(shape: tuple[int, ...], n: int) -> int | None:
 
 
 def fsdp_specs(params: Any, n_data: int, data_axis: str = DATA) -> Any:
-    """FSDP (ZeRO-3) PartitionSpecs: each leaf split along :func:`fsdp_dim` over ``data_axis``, else ``P()``.
+    """FSDP PartitionSpecs: each leaf split along :func:`fsdp_dim` over ``data_axis``, else ``P()``.
 
     Example, the cpu profile on 8 devices: conv kernels ``P(None, None, None, 'data')`` (output channels),
     dense1's kernel ``P('data', None)`` (its 1024 rows), dense2's bias (10 values) replicated.

@@ -1,8 +1,9 @@
 """Numerical precision of a lab run: ``float32`` (default), ``float64`` or ``bfloat16`` mixed precision.
 
 - ``float64``: parameters, optimizer state, images and every computation in float64 (``jax_enable_x64``).
-  Every strategy then equals single-device ``jit`` at every step to ~1e-15 relative: the proof that the
-  parallel programs compute the same mathematics (``notebooks/08_lab.ipynb``, "Parity").
+  Every strategy then equals single-device ``jit`` at every step within 1e-10 relative (the lab asserts
+  it and prints the largest difference): the evidence that the parallel programs compute the same
+  mathematics (``notebooks/08_lab.ipynb``, "Parity").
 - ``float32``: everything in float32; XLA chooses how float32 matmuls and convolutions are computed unless
   ``jax_default_matmul_precision`` says otherwise (TF32 on recent NVIDIA GPUs by default; no effect on CPU),
   so results record :func:`matmul_precision`.

@@ -6,7 +6,8 @@ Files in a results folder (the contract the lab, notebooks/08_lab.ipynb, writes 
   step_time_s, samples_per_s, compile_s, bytes_per_device, flops_per_step, collectives, final_loss,
   platform, device_kind, jax_version``, the costs ``collective_bytes_per_device`` (measured from the
   compiled program), ``collective_bytes_predicted`` (from shapes), ``param_bytes_per_device``,
-  ``opt_state_bytes_per_device``, ``activation_bytes_per_device``, ``mfu`` (empty on CPU) and the run's
+  ``opt_state_bytes_per_device``, ``activation_bytes_per_device``, ``mfu`` (model FLOP
+  utilisation: the model's analytic FLOPs, not the compiled program's; empty on CPU) and the run's
   ``precision``, and more (see :data:`RESULT_COLUMNS`).
 - ``loss_curves.csv`` — ``strategy, step, loss``.
 - ``scaling.csv`` — the scaling sweep, the same columns as ``lab_results.csv``.

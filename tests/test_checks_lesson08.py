@@ -137,43 +137,116 @@ def test_zero1_stub_prints_its_hint(report, capsys, monkeypatch):
     assert "not written yet" in out and "hint:" in out
 
 
-ROW = {
+def gather_everything_zero1(state, batch, *, apply_fn, optimizer, specs, axis_name):
+    """Parity holds, but no ZeRO-1 saving: gradients and momentum all-gathered, the full update on every
+    device, the momentum sliced back (1.5x B's bytes)."""
+    images, labels = batch
+    n = lax.axis_size(axis_name)
+    params = lax.pcast(state.params, axis_name, to="varying")
+    loss, grads = jax.value_and_grad(lambda p: steps.cross_entropy(apply_fn(p, images), labels))(
+        params
+    )
+
+    def full_grad(g, spec):
+        d = _dim(spec, axis_name)
+        if d is None:
+            return lax.pmean(g, axis_name)
+        return _gather(
+            lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True) / n, spec, axis_name
+        )
+
+    g = jax.tree.map(full_grad, grads, specs, is_leaf=_is_spec)
+    trace = jax.tree.map(
+        lambda m, s: _gather(m, s, axis_name), state.opt_state[0].trace, specs, is_leaf=_is_spec
+    )
+    full_opt = (state.opt_state[0]._replace(trace=trace), *state.opt_state[1:])
+    updates, opt_state = optimizer.update(g, full_opt, state.params)
+    mine = jax.tree.map(
+        lambda m, s: _slice(m, s, axis_name), opt_state[0].trace, specs, is_leaf=_is_spec
+    )
+    opt_state = (opt_state[0]._replace(trace=mine), *opt_state[1:])
+    new = optax.apply_updates(state.params, updates)
+    return steps.TrainState(new, opt_state), {"loss": lax.pmean(loss, axis_name)}
+
+
+def test_zero1_rejects_gathering_gradients_and_momentum(report):
+    rejects(
+        lesson08.check_zero1,
+        gather_everything_zero1,
+        report.devices[:4],
+        match="all-gathers .* bytes; the sharded parameters.*gradients and momentum stay sharded",
+    )
+
+
+def test_zero1_on_one_device_checks_the_collectives_on_a_traced_axis(report):
+    one = report.devices[:1]
+    assert lesson08.check_zero1(make_zero1(), one)
+    rejects(lesson08.check_zero1, gather_everything_zero1, one, match="gradients and momentum stay")
+    rejects(lesson08.check_zero1, make_zero1(reduce="allreduce"), one, match="psum_scatter gives")
+
+
+def sent_right(param_bytes, replicated_bytes, n):
+    return 2 * (n - 1) / n * (param_bytes + 4)
+
+
+def state_right(param_bytes, replicated_bytes, n):
+    return 2 * ((param_bytes - replicated_bytes) / n + replicated_bytes)
+
+
+def sent_per_collective(param_bytes, replicated_bytes, n):
+    """Another correct form, per collective, the loss's 4 bytes left out."""
+    sharded = param_bytes - replicated_bytes
+    return 2 * (n - 1) / n * sharded + 2 * (n - 1) / n * replicated_bytes
+
+
+ROW = {  # E measured on 8 devices at the cpu profile
+    "profile": "cpu",
+    "precision": "float32",
     "collective_bytes_per_device": 1_321_677.0,
     "param_bytes_per_device": 94_440,
     "opt_state_bytes_per_device": 94_440,
     "n_devices": 8,
 }
-P_BYTES = 755_240
 
 
-def test_fsdp_prediction():
-    n = 8
-    right_sent = 2 * (n - 1) / n * P_BYTES
-    right_state = 2 * P_BYTES / n
-    assert lesson08.check_fsdp_prediction(right_sent, right_state, ROW)
-    assert lesson08.check_fsdp_prediction(right_sent * 1.02, right_state, ROW)  # within 5 %
-    rejects(
-        lesson08.check_fsdp_prediction,
-        2 * right_sent,
-        right_state,
-        ROW,
-        match="does not all-reduce",
-    )
-    rejects(
-        lesson08.check_fsdp_prediction,
-        right_sent / 2,
-        right_state,
-        ROW,
-        match="backward pass sends too",
-    )
-    rejects(
-        lesson08.check_fsdp_prediction, 2 * P_BYTES, right_state, ROW, match="keeps its own block"
-    )
-    rejects(lesson08.check_fsdp_prediction, right_sent, P_BYTES / n, ROW, match="momentum")
-    rejects(lesson08.check_fsdp_prediction, right_sent, 2 * P_BYTES, ROW, match="shards both")
+def test_fsdp_prediction_accepts_correct_functions():
+    assert lesson08.check_fsdp_prediction(sent_right, state_right, ROW)
+    assert lesson08.check_fsdp_prediction(sent_per_collective, state_right)
+    float64 = {  # 8-byte gradients and state: a float32 formula scaled by the checker, not refused
+        **ROW,
+        "precision": "float64",
+        "collective_bytes_per_device": 2 * 1_321_677.0 - 7,
+        "param_bytes_per_device": 2 * 94_440,
+        "opt_state_bytes_per_device": 2 * 94_440,
+    }
+    assert lesson08.check_fsdp_prediction(sent_right, state_right, float64)
+
+
+def test_fsdp_prediction_rejects_typical_mistakes():
+    check = lesson08.check_fsdp_prediction
+    rejects(check, lambda p, r, n: 2 * sent_right(p, r, n), state_right, match="sends .* once")
+    rejects(check, lambda p, r, n: (n - 1) / n * p, state_right, match="backward pass sends too")
+    rejects(check, lambda p, r, n: 2 * p, state_right, match="keeps its own block")
+    rejects(check, sent_right, lambda p, r, n: p / n + r, match="momentum")
+    rejects(check, sent_right, lambda p, r, n: 2 * p, match="shards both")
+
+
+def test_fsdp_prediction_refuses_answers_that_only_fit_one_run():
+    check = lesson08.check_fsdp_prediction
+    measured = ROW["collective_bytes_per_device"]  # the measurement copied in as the prediction
+    rejects(check, lambda p, r, n: measured, state_right, ROW, match="bytes sent per device")
+    # 2 P / n is right at n = 2 only
+    rejects(check, lambda p, r, n: 2 * p / n, state_right, match="on 8 devices.*bytes sent")
+    # the replicated leaves matter at 3 devices (70 % of the cpu profile's bytes stay whole)
+    rejects(check, sent_right, lambda p, r, n: 2 * p / n, match="3 devices.*kept whole|keeps whole")
 
 
 def test_fsdp_prediction_left_unwritten_prints_its_hint(capsys, monkeypatch):
     monkeypatch.delenv("COURSE_STRICT_CHECKS", raising=False)
-    assert lesson08.check_fsdp_prediction(None, None, ROW) is False
-    assert "not written yet" in capsys.readouterr().out
+
+    def stub(param_bytes, replicated_bytes, n):
+        raise NotImplementedError("Exercise: write this part")
+
+    assert lesson08.check_fsdp_prediction(stub, stub, ROW) is False
+    out = capsys.readouterr().out
+    assert "not written yet" in out and "hint:" in out

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from course_lib import costs
+from course_lib import costs, model
 from course_lib.config import PROFILES
 
 
@@ -43,6 +43,11 @@ def test_no_peak_where_none_is_known():
     assert costs.mfu(1e12, 0.01, 200e12) == pytest.approx(0.5)  # 1e14 FLOP/s of 2e14
 
 
+def test_mfu_counts_the_models_flops_not_the_programs():
+    cpu = PROFILES["cpu"].model
+    assert costs.model_flops_per_step(cpu, 16) == 3 * 16 * model.flops_per_example(cpu)
+
+
 def test_step_time_model():
     h100 = costs.DEVICE_PROFILES["H100"]
     t = costs.step_time_model(
@@ -52,16 +57,23 @@ def test_step_time_model():
     assert t["step_s"] == pytest.approx(2e-3)
     roofline = costs.step_time_model(494.7e9, 0, h100, "float32", bytes_accessed=6.7e9)
     assert roofline["compute_s"] == pytest.approx(2e-3)  # memory-bound: 6.7 GB at 3.35 TB/s
+    fp32 = costs.step_time_model(67e9, 0, h100, "float32", matmul_precision="highest")
+    assert fp32["compute_s"] == pytest.approx(1e-3)  # FP32 rate, not TF32
+    # the assumed latency per collective: 3 collectives of 1.3 MB cost more than their bytes
+    lat = costs.step_time_model(0, 1.3e6, h100, "float32", n_collectives=3)
+    assert lat["latency_s"] == pytest.approx(3 * costs.COLLECTIVE_LATENCY_S)
+    assert lat["comm_s"] == pytest.approx(lat["bandwidth_s"] + lat["latency_s"])
+    assert lat["latency_s"] > lat["bandwidth_s"]
     with pytest.raises(ValueError, match="no peak for precision='float64'"):
         costs.step_time_model(1, 1, h100, "float64")
 
 
 def test_residual_activations_from_shapes():
     cpu = PROFILES["cpu"].model
-    # per image: conv blocks 40960 + 20480 + 5120, dense 138, input 3072 values
-    assert costs.residual_activation_bytes(None, cpu, 8) == 69_770 * 8 * 4
-    assert costs.residual_activation_bytes("pairs", cpu, 16, 2) == 4_047_488
-    assert costs.residual_activation_bytes("gather", cpu, 16, 2) == 3_282_176
-    assert costs.residual_activation_bytes(None, cpu, 8, value_bytes=2) == 69_770 * 8 * 2
+    # per image: conv blocks 40960 + 20480 + 5120, dense 138 values; the input images are an argument
+    assert costs.residual_activation_bytes(None, cpu, 8) == 66_698 * 8 * 4
+    assert costs.residual_activation_bytes("pairs", cpu, 16, 2) == 4_047_488 - 3072 * 16 * 4
+    assert costs.residual_activation_bytes("gather", cpu, 16, 2) == 3_282_176 - 3072 * 16 * 4
+    assert costs.residual_activation_bytes(None, cpu, 8, value_bytes=2) == 66_698 * 8 * 2
     with pytest.raises(ValueError, match="unknown layout 'ring'"):
         costs.residual_activation_bytes("ring", cpu, 8)

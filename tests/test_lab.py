@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from course_lib import config, lab
+from course_lib import config, lab, model
 from course_tools import results
 
 
@@ -55,7 +55,8 @@ def test_run_strategy_sizes_memory_and_communication(report):
     assert (
         row["peak_device_bytes"] is None
     )  # CPU: no allocator statistics, never another run's peak
-    assert row["mfu"] != row["mfu"]  # NaN: no peak FLOP/s is claimed for a CPU
+    assert row["mfu"] != row["mfu"] and row["hfu"] != row["hfu"]  # NaN: no peak FLOP/s for a CPU
+    assert row["model_flops_per_step"] == 3 * cfg.global_batch * model.flops_per_example(cfg.model)
     assert run.states is None and len(run.batches) == cfg.steps
 
 
