@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_scaling(args.counts, args.platform, args.profile, args.build)
     except RunInterrupted as e:
         with ignoring_sigint():  # a second Ctrl-C must not cut the message short
-            print(str(e), file=sys.stderr)
+            print(f"\n{e}", file=sys.stderr)  # on its own line, after a progress bar cut short
         return e.exit_code
     except (
         KeyboardInterrupt

@@ -21,6 +21,7 @@ import matrix
 import pandas as pd
 import pytest
 
+from course_lib import strategies
 from course_tools import processes, results, run, site
 from course_tools.execution import RunRefused
 
@@ -59,7 +60,7 @@ def test_scaling_runs_the_lab_once_per_count_and_draws_the_study(tmp_path, monke
     )
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["n1", "n8"]
     table = pd.read_csv(out / "study.csv")
-    assert set(table["strategy"]) == {"pmap", "shard_map", "sharded_jit", "shard_map_article"}
+    assert set(table["strategy"]) == set(strategies.REGISTRY) - {"jit"}  # every parallel strategy
     assert sorted(table["n_devices"].unique()) == [1, 8]
     one = table[table.n_devices == 1]
     assert one["efficiency"].tolist() == pytest.approx(
