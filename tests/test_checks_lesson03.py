@@ -5,31 +5,12 @@ COURSE_STRICT_CHECKS=1)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
+from checking import not_written
+from checking import rejects_written as rejects
+from checking import stub as _stub
 from jax import lax
 
-from course_tools.checks import ExerciseError, NotWritten, lesson03
-
-
-def rejects(check, *args, match):
-    with pytest.raises(ExerciseError, match=match) as e:
-        check(*args)
-    assert not isinstance(e.value, NotWritten)
-
-
-def not_written(check, *args, monkeypatch, capsys):
-    monkeypatch.setenv("COURSE_STRICT_CHECKS", "1")  # as the test suite runs the solution notebooks
-    with pytest.raises(NotWritten):
-        check(*args)
-    monkeypatch.delenv("COURSE_STRICT_CHECKS", raising=False)
-    assert check(*args) is False
-    out = capsys.readouterr().out
-    assert "not written yet" in out and "hint:" in out
-
-
-def _stub(*args, **kwargs):
-    raise NotImplementedError("Exercise: write this part")
-
+from course_tools.checks import lesson03
 
 # ---------------------------------------------------------------- exercise 1
 

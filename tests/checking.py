@@ -1,0 +1,34 @@
+"""What every checker test asks of a checker (tests/test_checks_lessonNN.py import these)."""
+
+import pytest
+
+from course_tools.checks import ExerciseError, NotWritten
+
+
+def rejects(check, *args, match):
+    """``check(*args)`` raises an ExerciseError whose message matches ``match`` (across lines)."""
+    with pytest.raises(ExerciseError, match="(?s)" + match):
+        check(*args)
+
+
+def rejects_written(check, *args, match):
+    """As :func:`rejects`, matching ``match`` as given, and the error is a wrong answer, not an unwritten one."""
+    with pytest.raises(ExerciseError, match=match) as e:
+        check(*args)
+    assert not isinstance(e.value, NotWritten)
+
+
+def not_written(check, *args, monkeypatch, capsys):
+    """An unwritten answer raises NotWritten under COURSE_STRICT_CHECKS=1, else prints its hint and returns False."""
+    monkeypatch.setenv("COURSE_STRICT_CHECKS", "1")  # as the test suite runs the solution notebooks
+    with pytest.raises(NotWritten):
+        check(*args)
+    monkeypatch.delenv("COURSE_STRICT_CHECKS", raising=False)
+    assert check(*args) is False
+    out = capsys.readouterr().out
+    assert "not written yet" in out and "hint:" in out
+
+
+def stub(*args, **kwargs):
+    """The student version's stub of an exercise."""
+    raise NotImplementedError("Exercise: write this part")
