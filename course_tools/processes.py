@@ -51,7 +51,12 @@ class Terminated(KeyboardInterrupt):
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
     """Within the block, SIGTERM raises :class:`Terminated`, so it gets Ctrl-C's clean path (the kernel or
-    the workers stopped, one message) instead of killing the command without a word."""
+    the workers stopped, one message) instead of killing the command without a word.
+
+    Python raises a signal's ``KeyboardInterrupt`` in whatever code runs at that moment; when that is a
+    garbage-collection callback (JAX installs one) or a ``__del__``, Python prints "Exception ignored in"
+    and goes on as if no key was pressed. Within the block such a swallowed interrupt is delivered again
+    (:func:`_redeliver_swallowed_interrupts`)."""
 
     def raise_terminated(signum, frame):
         raise Terminated("stopped by SIGTERM")
@@ -61,10 +66,36 @@ def terminate_as_interrupt() -> Iterator[None]:
     except ValueError:  # not the main thread
         yield
         return
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _redeliver_swallowed_interrupts(previous_hook)
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         signal.signal(signal.SIGTERM, old)
+
+
+REDELIVER_AFTER_S = 0.05
+"""How long a swallowed interrupt waits before it is sent again (the collection that swallowed it ends)."""
+
+
+def _redeliver_swallowed_interrupts(previous):
+    """An ``sys.unraisablehook`` that sends a swallowed Ctrl-C (SIGINT) or :class:`Terminated` (SIGTERM)
+    to this process again, from a timer thread, so that it is raised in the main thread's next ordinary
+    bytecode; any other unraisable exception goes to ``previous``."""
+
+    def hook(unraisable):
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            import threading
+
+            signum = (
+                signal.SIGTERM if issubclass(unraisable.exc_type, Terminated) else signal.SIGINT
+            )
+            threading.Timer(REDELIVER_AFTER_S, os.kill, (os.getpid(), signum)).start()
+            return
+        previous(unraisable)
+
+    return hook
 
 
 @contextlib.contextmanager

@@ -140,3 +140,46 @@ def test_environment_for_the_kernel_only(tmp_path):
     execute(nb, out, {}, progress=False, env={"COURSE_X": "set", "COURSE_STRICT_CHECKS": None})
     printed = "".join(json.loads(out.read_text())["cells"][1]["outputs"][0]["text"])
     assert printed.strip() == "set None" and "COURSE_X" not in os.environ
+
+
+GC_INTERRUPT = """
+import gc, os, signal, sys, threading, time
+from course_tools.processes import terminate_as_interrupt
+
+def slow_collection(phase, info):  # a collection callback (JAX installs one) that takes half a second
+    if phase == "start":
+        gc.callbacks.remove(slow_collection)
+        t = time.time()
+        while time.time() - t < 0.5:
+            pass
+
+gc.callbacks.append(slow_collection)
+signum = signal.SIGTERM if sys.argv[1] == "SIGTERM" else signal.SIGINT
+with terminate_as_interrupt():
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signum)).start()  # arrives inside the callback
+        gc.collect()
+        time.sleep(5)
+        print("not interrupted")
+    except KeyboardInterrupt as e:
+        print("interrupted:", type(e).__name__)
+"""
+
+
+@pytest.mark.parametrize(
+    "signame, raised", [("SIGINT", "KeyboardInterrupt"), ("SIGTERM", "Terminated")]
+)
+def test_an_interrupt_swallowed_by_a_collection_callback_is_delivered_again(
+    tmp_path, signame, raised
+):
+    # Without the redelivery Python prints "Exception ignored in: <function slow_collection ...>" and the
+    # run goes on: a Ctrl-C while the kernel starts was lost that way (JAX's collection callback).
+    import subprocess
+    import sys
+
+    script = tmp_path / "gc_interrupt.py"
+    script.write_text(GC_INTERRUPT)
+    done = subprocess.run(
+        [sys.executable, str(script), signame], capture_output=True, text=True, timeout=30
+    )
+    assert done.stdout.strip() == f"interrupted: {raised}", (done.stdout, done.stderr)
