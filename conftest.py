@@ -11,3 +11,16 @@ os.environ.setdefault("COURSE_BUILD_DIR", tempfile.mkdtemp(prefix="course-test-b
 # The solution notebooks must answer every exercise: an answer left unwritten fails their run instead of
 # printing its hint (the student-version tests unset this).
 os.environ.setdefault("COURSE_STRICT_CHECKS", "1")
+
+# One persistent compilation cache for the whole session (its kernels, the checkers' subprocesses, the
+# multi-process workers and the tests inherit these variables): a program that one run compiled is loaded
+# by every later run of the same program on the same device count (nbmake's lessons and their student
+# versions, a lab's own repeats, the checkers' 4-device subprocesses) instead of being compiled again.
+# The lessons that assert on measured compile times run without it (tests/matrix.py TIMES_COMPILES).
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["COURSE_BUILD_DIR"], "jax-cache")
+)
+os.environ.setdefault(
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"
+)  # the lessons' small programs too
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -13,6 +13,7 @@ placed parameters are compared exactly.
 """
 
 import json
+import os
 import tomllib
 from pathlib import Path
 
@@ -203,3 +204,23 @@ def test_plots_show_inline_with_a_non_inline_backend_preset():
     assert "MPLBACKEND='Agg' from the environment replaced by the inline backend" in printed
     for png in ("loss_curves.png", "comparison.png"):  # and as files
         assert (folder / "lab" / png).stat().st_size > 10_000
+
+
+@pytest.mark.notebook
+@pytest.mark.xdist_group(f"matrix-n{COUNTS[-1]}")
+def test_the_runs_share_one_compilation_cache_but_the_lessons_that_time_compiles():
+    # The runs' setup cells print the persistent cache as a note (course_lib.environment): every run but
+    # the lessons that assert on compile times has it, and it holds the programs they compiled.
+    n = COUNTS[-1]
+    cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])  # the root conftest's
+    for stem in matrix.NOTEBOOKS:
+        nb = json.loads((matrix.notebook_run(stem, n) / f"{stem}.ipynb").read_text())
+        printed = "".join(
+            "".join(o.get("text", ""))
+            for c in nb["cells"]
+            if c["cell_type"] == "code"
+            for o in c["outputs"]
+        )
+        noted = f"JAX_COMPILATION_CACHE_DIR={cache}" in printed
+        assert noted == (stem not in matrix.TIMES_COMPILES), (stem, noted)
+    assert len(list(cache.glob("*-cache"))) > 100
