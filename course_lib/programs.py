@@ -42,6 +42,8 @@ _INSTR = re.compile(
     + "|".join(HLO_COLLECTIVES)
     + r")(?P<start>-start)?\("
 )
+_ANY_COLLECTIVE = re.compile("|".join(re.escape(op) for op in HLO_COLLECTIVES))
+"""A cheap first test of a line (most lines of a program hold no collective) before :data:`_INSTR`."""
 _DONE = re.compile(r"=\s*(?P<shape>.+?)\s[\w\-]+-done\([^%]*%(?P<start>[\w.\-]+)\)")
 _MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
@@ -227,7 +229,7 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
         if line[:1] not in ("", " ", "\t") and line.rstrip().endswith("{"):
             computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
             continue
-        m = _INSTR.search(line)
+        m = _INSTR.search(line) if _ANY_COLLECTIVE.search(line) else None
         if not m:
             continue
         groups = _groups(line)
