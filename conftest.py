@@ -16,7 +16,8 @@ os.environ.setdefault("COURSE_STRICT_CHECKS", "1")
 # multi-process workers and the tests inherit these variables): a program that one run compiled is loaded
 # by every later run of the same program on the same device count (nbmake's lessons and their student
 # versions, a lab's own repeats, the checkers' 4-device subprocesses) instead of being compiled again.
-# The lessons that assert on measured compile times run without it (tests/matrix.py TIMES_COMPILES).
+# The lessons that assert on compile times they measure switch it off in their setup cell
+# (setup_devices(..., measures_compiles=True); tests/matrix.py TIMES_COMPILES).
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["COURSE_BUILD_DIR"], "jax-cache")
 )

@@ -166,7 +166,9 @@ def _backends_started() -> bool:
         return False
 
 
-def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
+def setup_devices(
+    n_devices: Any = 8, platform: str = "auto", *, measures_compiles: bool = False
+) -> DeviceReport:
     """Make ``n_devices`` JAX devices available and verify the count; call before any JAX operation.
 
     It first checks the environment the notebook inherited (:mod:`course_lib.environment`): a text encoding
@@ -179,6 +181,9 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
       n_devices: how many devices to use: an int, or a decimal string such as ``"8"``.
       platform: ``"auto"`` (GPUs if JAX has a GPU backend, else simulated CPU devices), ``"cpu"``
         (simulated CPU devices even on a GPU host) or ``"gpu"`` (GPUs only; an error without them).
+      measures_compiles: True in a lesson that times compiles (02, 07): a persistent compilation cache
+        (``JAX_COMPILATION_CACHE_DIR``) is switched off in this kernel, with a note
+        (:func:`course_lib.environment.switch_off_persistent_cache`).
 
     Returns:
       A :class:`DeviceReport`; ``report.devices`` are the devices the rest of the notebook uses.
@@ -196,7 +201,10 @@ def setup_devices(n_devices: Any = 8, platform: str = "auto") -> DeviceReport:
     environment.check_checkout()
     notes = [environment.use_inline_plots()]
     jax = environment.import_jax()  # first: course_lib.config imports JAX too
-    notes += environment.check_jax_options(jax.config)
+    cache_notes = environment.check_jax_options(jax.config)  # raises on options that break a lesson
+    if measures_compiles:
+        cache_notes = environment.switch_off_persistent_cache(jax.config)
+    notes += cache_notes
     from .config import PLATFORM, coerce
 
     n = parse_n_devices(n_devices)

@@ -109,6 +109,30 @@ def check_jax_options(config: Any, environ: Mapping[str, str] | None = None) -> 
     return []
 
 
+def switch_off_persistent_cache(config: Any) -> list[str]:
+    """For a lesson that measures compile times: switch a persistent compilation cache off in this process.
+
+    A cache hit loads a compiled program instead of compiling it, so the lesson's compile times (and the
+    asserts on them: a program unrolled 32 times compiles slower than one loop) would be load times. Call
+    it before the first compilation (``setup_devices(..., measures_compiles=True)`` does): JAX decides once
+    per process whether it uses the cache.
+
+    Args:
+      config: ``jax.config``.
+
+    Returns:
+      A note to print when a cache was configured (``JAX_COMPILATION_CACHE_DIR``), else nothing.
+    """
+    cache = getattr(config, "jax_compilation_cache_dir", None)
+    if not cache:
+        return []
+    config.update("jax_enable_compilation_cache", False)
+    return [
+        f"JAX_COMPILATION_CACHE_DIR={cache}: switched off in this kernel (this lesson measures compile "
+        "times; a cache hit would be a load, not a compile)"
+    ]
+
+
 def check_encoding(encoding: str | None = None, environ: Mapping[str, str] | None = None) -> None:
     """The lessons print and pass non-ASCII text (×, –, …): Python must encode file names and text as UTF-8.
 

@@ -57,8 +57,6 @@ def pytest_collection_modifyitems(config, items):
             item.runtest = _standing_in(item.runtest, item.path.stem)
         elif item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-        if item.path.suffix == ".ipynb" and item.path.stem in matrix.TIMES_COMPILES:
-            item.runtest = _uncached(item.runtest, item.path.stem)
 
     def rank(item):
         name = _group(item)
@@ -66,16 +64,6 @@ def pytest_collection_modifyitems(config, items):
         return first, item.path.suffix != ".ipynb"
 
     items.sort(key=rank)  # stable: the order within a group and among the other tests is kept
-
-
-def _uncached(runtest, stem):
-    def run():
-        import matrix
-
-        with matrix.uncached_environ(stem):  # nbmake's kernel inherits this process's environment
-            runtest()
-
-    return run
 
 
 def _standing_in(runtest, stem):

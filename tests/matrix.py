@@ -51,27 +51,8 @@ COMPARED = (
 counts that do not divide the tiny profile's batch of 32, e.g. ``MATRIX=3``, the batch is rounded up and
 the losses differ: 8 is then left out.)"""
 TIMES_COMPILES = ("02_jit", "07_debugging")
-"""Lessons that assert on compile times they measure: they run without the session's persistent compilation
-cache (root conftest), where a compile would be a load from the cache."""
-
-
-def uncached(stem: str) -> dict:
-    """The environment change that runs ``stem`` without the persistent compilation cache (if it times
-    compiles), as :func:`course_tools.execution.execute` takes it (None removes a variable)."""
-    return {"JAX_COMPILATION_CACHE_DIR": None} if stem in TIMES_COMPILES else {}
-
-
-@contextlib.contextmanager
-def uncached_environ(stem: str):
-    """Within the block, ``os.environ`` (which a kernel started here inherits) lacks the cache if ``stem``
-    times compiles."""
-    saved = {k: os.environ.pop(k) for k in uncached(stem) if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
+"""The lessons that time compiles: their setup switches the session's persistent compilation cache (root
+conftest) off (``setup_devices(..., measures_compiles=True)``)."""
 PRESET_ENV = {1: {"MPLBACKEND": "Agg"}, 4: {"JAX_NUM_CPU_DEVICES": "2"}}
 """Variables a user may bring, preset for the runs at a count: a non-inline plot backend (the plots must
 still appear, see test_invariance) and another device count (setup_devices must override it)."""
@@ -144,7 +125,7 @@ def notebook_run(stem: str, n: int) -> Path:
         return course_run()
 
     def produce(folder: Path):
-        env = {**PRESET_ENV.get(n, {}), **uncached(stem)}
+        env = dict(PRESET_ENV.get(n, {}))
         if stem == MULTIHOST:
             (folder / "tmp").mkdir()
             env["TMPDIR"] = str(folder / "tmp")

@@ -66,6 +66,46 @@ def test_a_persistent_compilation_cache_is_a_note():
     ]
 
 
+CACHED_COMPILE = """
+import jax, jax.numpy as jnp
+from course_lib.devices import setup_devices
+rep = setup_devices(2, "cpu", measures_compiles={measures})
+print("notes:", rep.notes)
+jax.jit(lambda x: jnp.tanh(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()
+"""
+
+
+@pytest.mark.parametrize("measures", [False, True])
+def test_a_lesson_that_times_compiles_switches_a_persistent_cache_off(tmp_path, measures):
+    # A cache hit is a load: lessons 02 and 07 (measures_compiles=True) would time loads, not compiles.
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env.update(
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", CACHED_COMPILE.format(measures=measures)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    written = list(cache.glob("*-cache")) if cache.exists() else []
+    if measures:
+        assert written == [], written
+        assert f"JAX_COMPILATION_CACHE_DIR={cache}: switched off in this kernel" in r.stdout
+    else:
+        assert written, "the cache was not used"
+        assert "compile times measured here include persistent-cache hits" in r.stdout
+
+
+def test_switching_the_cache_off_without_one_changes_nothing():
+    assert environment.switch_off_persistent_cache(config()) == []
+
+
 def test_a_non_utf8_encoding_names_the_locale_and_the_fix():
     environment.check_encoding("utf-8")
     environment.check_encoding("UTF8")
