@@ -18,10 +18,7 @@ os.environ.setdefault("COURSE_STRICT_CHECKS", "1")
 # versions, a lab's own repeats, the checkers' 4-device subprocesses) instead of being compiled again.
 # The lessons that assert on compile times they measure switch it off in their setup cell
 # (setup_devices(..., measures_compiles=True); tests/matrix.py TIMES_COMPILES).
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["COURSE_BUILD_DIR"], "jax-cache")
-)
-os.environ.setdefault(
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"
-)  # the lessons' small programs too
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Always the session's own folder: a cache the shell names is not filled with the tests' programs.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["COURSE_BUILD_DIR"], "jax-cache")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the lessons' small programs too
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
