@@ -66,32 +66,38 @@ def terminate_as_interrupt() -> Iterator[None]:
     except ValueError:  # not the main thread
         yield
         return
-    previous_hook = sys.unraisablehook
-    sys.unraisablehook = _redeliver_swallowed_interrupts(previous_hook)
+    previous_hook, timers = sys.unraisablehook, []
+    sys.unraisablehook = _redeliver_swallowed_interrupts(previous_hook, timers)
     try:
         yield
     finally:
-        sys.unraisablehook = previous_hook
-        signal.signal(signal.SIGTERM, old)
+        try:  # an interrupt swallowed in the block's last moments is raised here, handlers still set
+            for timer in list(timers):
+                timer.join()
+        finally:
+            sys.unraisablehook = previous_hook
+            signal.signal(signal.SIGTERM, old)
 
 
 REDELIVER_AFTER_S = 0.05
 """How long a swallowed interrupt waits before it is sent again (the collection that swallowed it ends)."""
 
 
-def _redeliver_swallowed_interrupts(previous):
+def _redeliver_swallowed_interrupts(previous, timers: list):
     """An ``sys.unraisablehook`` that sends a swallowed Ctrl-C (SIGINT) or :class:`Terminated` (SIGTERM)
-    to this process again, from a timer thread, so that it is raised in the main thread's next ordinary
-    bytecode; any other unraisable exception goes to ``previous``."""
+    to this process again, from a timer thread (kept in ``timers``, which the block waits for), so that it
+    is raised in the main thread's next ordinary bytecode; any other unraisable exception goes to
+    ``previous``."""
 
     def hook(unraisable):
         if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
             import threading
 
-            signum = (
-                signal.SIGTERM if issubclass(unraisable.exc_type, Terminated) else signal.SIGINT
-            )
-            threading.Timer(REDELIVER_AFTER_S, os.kill, (os.getpid(), signum)).start()
+            term = issubclass(unraisable.exc_type, Terminated)
+            signum = signal.SIGTERM if term else signal.SIGINT
+            timer = threading.Timer(REDELIVER_AFTER_S, os.kill, (os.getpid(), signum))
+            timers.append(timer)
+            timer.start()
             return
         previous(unraisable)
 
