@@ -7,6 +7,8 @@ environment), so the lab's ``results_dir="auto"`` writes there, never into the r
 import os
 import tempfile
 
+_CACHE_VARIABLES = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAX_ENABLE_COMPILATION_CACHE")
+
 os.environ.setdefault("COURSE_BUILD_DIR", tempfile.mkdtemp(prefix="course-test-build-"))
 # The solution notebooks must answer every exercise: an answer left unwritten fails their run instead of
 # printing its hint (the student-version tests unset this).
@@ -18,7 +20,14 @@ os.environ.setdefault("COURSE_STRICT_CHECKS", "1")
 # versions, a lab's own repeats, the checkers' 4-device subprocesses) instead of being compiled again.
 # The lessons that assert on compile times they measure switch it off in their setup cell
 # (setup_devices(..., measures_compiles=True); tests/matrix.py TIMES_COMPILES).
-# Always the session's own folder: a cache the shell names is not filled with the tests' programs.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["COURSE_BUILD_DIR"], "jax-cache")
+# Always a folder of this session's own (the pytest-xdist workers inherit the controller's choice): a cache
+# the shell names is not filled with the tests' programs, and no cache setting from the shell applies.
+if "COURSE_TEST_JAX_CACHE" not in os.environ:
+    for var in [v for v in os.environ if v.startswith(_CACHE_VARIABLES)]:
+        del os.environ[var]
+    os.environ["COURSE_TEST_JAX_CACHE"] = tempfile.mkdtemp(
+        prefix="jax-cache-", dir=os.environ["COURSE_BUILD_DIR"]
+    )
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["COURSE_TEST_JAX_CACHE"]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the lessons' small programs too
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"

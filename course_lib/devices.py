@@ -201,10 +201,11 @@ def setup_devices(
     environment.check_checkout()
     notes = [environment.use_inline_plots()]
     jax = environment.import_jax()  # first: course_lib.config imports JAX too
-    cache_notes = environment.check_jax_options(jax.config)  # raises on options that break a lesson
-    if measures_compiles:
-        cache_notes = environment.switch_off_persistent_cache(jax.config)
-    notes += cache_notes
+    jax_notes = environment.check_jax_options(jax.config)  # raises on options that break a lesson
+    if measures_compiles:  # the cache's note replaced by the switch's
+        jax_notes = [n for n in jax_notes if not n.startswith("JAX_COMPILATION_CACHE_DIR=")]
+        jax_notes += environment.switch_off_persistent_cache(jax.config, _backends_started())
+    notes += jax_notes
     from .config import PLATFORM, coerce
 
     n = parse_n_devices(n_devices)

@@ -109,7 +109,7 @@ def check_jax_options(config: Any, environ: Mapping[str, str] | None = None) -> 
     return []
 
 
-def switch_off_persistent_cache(config: Any) -> list[str]:
+def switch_off_persistent_cache(config: Any, jax_started: bool = False) -> list[str]:
     """For a lesson that measures compile times: switch a persistent compilation cache off in this process.
 
     A cache hit loads a compiled program instead of compiling it, so the lesson's compile times (and the
@@ -119,6 +119,7 @@ def switch_off_persistent_cache(config: Any) -> list[str]:
 
     Args:
       config: ``jax.config``.
+      jax_started: JAX ran before this call (its backends started): it may have decided to use the cache.
 
     Returns:
       A note to print when a cache was configured (``JAX_COMPILATION_CACHE_DIR``), else nothing.
@@ -126,6 +127,11 @@ def switch_off_persistent_cache(config: Any) -> list[str]:
     cache = getattr(config, "jax_compilation_cache_dir", None)
     if not cache:
         return []
+    if jax_started and getattr(config, "jax_enable_compilation_cache", True):
+        return [
+            f"JAX_COMPILATION_CACHE_DIR={cache}: JAX ran before this setup and may use the cache already; "
+            "restart the kernel and run the setup first to time real compiles"
+        ]
     config.update("jax_enable_compilation_cache", False)
     return [
         f"JAX_COMPILATION_CACHE_DIR={cache}: switched off in this kernel (this lesson measures compile "

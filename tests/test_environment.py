@@ -106,6 +106,12 @@ def test_switching_the_cache_off_without_one_changes_nothing():
     assert environment.switch_off_persistent_cache(config()) == []
 
 
+def test_switching_the_cache_off_after_jax_ran_says_to_restart():
+    cfg = config(jax_compilation_cache_dir="/tmp/c", jax_enable_compilation_cache=True)
+    (note,) = environment.switch_off_persistent_cache(cfg, jax_started=True)
+    assert "JAX ran before this setup" in note and "restart the kernel" in note
+
+
 def test_a_non_utf8_encoding_names_the_locale_and_the_fix():
     environment.check_encoding("utf-8")
     environment.check_encoding("UTF8")

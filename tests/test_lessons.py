@@ -60,6 +60,8 @@ def test_conventions(name):
     assert (
         "setup_devices(n_devices, platform" in second.source and "import jax" not in second.source
     )
+    # the lessons that time compiles switch a persistent compilation cache off; the others keep it
+    assert ("measures_compiles=True" in second.source) == (name in ("02_jit", "07_debugging"))
     for c in cells:
         assert c.outputs == [] and c.execution_count is None
         assert "raises-exception" not in c.metadata.get(
