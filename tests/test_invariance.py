@@ -190,6 +190,11 @@ def test_the_labs_runs_are_a_scaling_study():
     assert (table["efficiency"] > 0).all() and (table["samples_per_s"] > 0).all()
 
 
+def _outputs(nb: dict) -> list[dict]:
+    """Every output of an executed notebook's code cells, in order."""
+    return [o for c in nb["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
+
+
 @pytest.mark.xdist_group("matrix-n1")
 @pytest.mark.notebook
 @pytest.mark.skipif(1 not in COUNTS, reason="the preset backend is tried at 1 device")
@@ -197,7 +202,7 @@ def test_plots_show_inline_with_a_non_inline_backend_preset():
     folder = matrix.notebook_run(matrix.LAB, 1)  # run with MPLBACKEND=Agg in its environment
     assert matrix.PRESET_ENV[1] == {"MPLBACKEND": "Agg"}
     nb = json.loads((folder / "08_lab.ipynb").read_text())
-    outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
+    outputs = _outputs(nb)
     images = sum("image/png" in o.get("data", {}) for o in outputs)
     assert images >= 2, images  # the loss curves and the comparison, inline
     printed = "".join("".join(o.get("text", "")) for o in outputs)
@@ -215,12 +220,7 @@ def test_the_runs_share_one_compilation_cache_but_the_lessons_that_time_compiles
     cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])  # the root conftest's
     for stem in matrix.NOTEBOOKS:
         nb = json.loads((matrix.notebook_run(stem, n) / f"{stem}.ipynb").read_text())
-        printed = "".join(
-            "".join(o.get("text", ""))
-            for c in nb["cells"]
-            if c["cell_type"] == "code"
-            for o in c["outputs"]
-        )
+        printed = "".join("".join(o.get("text", "")) for o in _outputs(nb))
         off = f"JAX_COMPILATION_CACHE_DIR={cache}: switched off in this kernel" in printed
         used = f"JAX_COMPILATION_CACHE_DIR={cache}: compile times measured here include" in printed
         assert (off, used) == ((True, False) if stem in matrix.TIMES_COMPILES else (False, True)), (

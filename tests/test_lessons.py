@@ -10,6 +10,7 @@
 import ast
 from pathlib import Path
 
+import matrix
 import nbformat
 import pytest
 
@@ -61,7 +62,7 @@ def test_conventions(name):
         "setup_devices(n_devices, platform" in second.source and "import jax" not in second.source
     )
     # the lessons that time compiles switch a persistent compilation cache off; the others keep it
-    assert ("measures_compiles=True" in second.source) == (name in ("02_jit", "07_debugging"))
+    assert ("measures_compiles=True" in second.source) == (name in matrix.TIMES_COMPILES)
     for c in cells:
         assert c.outputs == [] and c.execution_count is None
         assert "raises-exception" not in c.metadata.get(

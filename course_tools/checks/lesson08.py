@@ -31,15 +31,15 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
-def _zero1_program(body: Callable, devices: Sequence[Any], model_config):
-    """The learner's body in ``shard_map`` on a 1-D data mesh of ``devices``, on the CNN of ``model_config``."""
-    n = len(devices)
+def _zero1_mapped(body: Callable, model_config, n: int, mesh: Any):
+    """The learner's body in ``shard_map`` over ``mesh`` (``n`` devices on the data axis, concrete or
+    abstract): ``(mapped, state_specs, graphdef, params, optimizer, specs)``; parameters replicated, the
+    optimizer state sharded as FSDP shards the parameters."""
     graphdef, params = model.init_model(jax.random.key(0), model_config)
     optimizer = steps.make_optimizer(0.01)
     specs = parallel.fsdp_specs(params, n)
     opt_specs = parallel.specs_like(jax.eval_shape(optimizer.init, params), params, specs)
     state_specs = steps.TrainState(jax.tree.map(lambda _: P(), params), opt_specs)
-    mesh = data_mesh(devices, axis_type="explicit")
     fn = partial(
         body,
         apply_fn=partial(model.apply, graphdef),
@@ -53,6 +53,15 @@ def _zero1_program(body: Callable, devices: Sequence[Any], model_config):
         in_specs=(state_specs, (P(DATA), P(DATA))),
         out_specs=(state_specs, P()),
         check_vma=True,
+    )
+    return mapped, state_specs, graphdef, params, optimizer, specs
+
+
+def _zero1_program(body: Callable, devices: Sequence[Any], model_config):
+    """The learner's body in ``shard_map`` on a 1-D data mesh of ``devices``, on the CNN of ``model_config``."""
+    mesh = data_mesh(devices, axis_type="explicit")
+    mapped, state_specs, graphdef, params, optimizer, specs = _zero1_mapped(
+        body, model_config, len(devices), mesh
     )
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs, is_leaf=_is_spec)
     return (
@@ -221,25 +230,8 @@ def _traced_collectives(body: Callable, model_config, n: int) -> list[tuple[str,
 
     from course_lib import programs
 
-    graphdef, params = model.init_model(jax.random.key(0), model_config)
-    optimizer = steps.make_optimizer(0.01)
-    specs = parallel.fsdp_specs(params, n)
-    opt_specs = parallel.specs_like(jax.eval_shape(optimizer.init, params), params, specs)
-    state_specs = steps.TrainState(jax.tree.map(lambda _: P(), params), opt_specs)
-    fn = partial(
-        body,
-        apply_fn=partial(model.apply, graphdef),
-        optimizer=optimizer,
-        specs=specs,
-        axis_name=DATA,
-    )
-    mapped = jax.shard_map(
-        fn,
-        mesh=AbstractMesh((n,), (DATA,), axis_types=(AxisType.Auto,)),
-        in_specs=(state_specs, (P(DATA), P(DATA))),
-        out_specs=(state_specs, P()),
-        check_vma=True,
-    )
+    abstract = AbstractMesh((n,), (DATA,), axis_types=(AxisType.Auto,))
+    mapped, _, _, params, optimizer, _ = _zero1_mapped(body, model_config, n, abstract)
     s = model_config.image_size
     batch = (
         jax.ShapeDtypeStruct((BATCH_PER_DEVICE * n, s, s, model_config.in_channels), np.float32),
