@@ -32,7 +32,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """Summary of repeated wall-clock measurements, in seconds.
+    """Summary of repeated measurements, in seconds (wall time unless another clock was read).
 
     Attributes:
       median_s: median seconds per call (warm-up calls excluded).
@@ -62,8 +62,19 @@ class Timing:
         return cls(statistics.median(xs), xs[0], xs[-1], iqr, len(xs))
 
 
-def time_calls(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> Timing:
+def time_calls(
+    fn: Callable[[], Any],
+    repeats: int = 5,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Timing:
     """Time ``fn()`` ``repeats`` times after ``warmup`` untimed calls, synchronising on its result.
+
+    Args:
+      clock: read before and after each call, in seconds. ``time.perf_counter`` (the default) is wall
+        time. ``time.process_time`` is the CPU time of every thread of this process: on simulated CPU
+        devices the work itself, which other programs waiting for the same cores do not stretch (taught in
+        ``notebooks/07_debugging.ipynb``, the straggler); on GPUs it misses the device's work.
 
     Raises:
       ValueError: ``repeats`` < 1 or ``warmup`` < 0.
@@ -74,9 +85,9 @@ def time_calls(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> Timi
         jax.block_until_ready(fn())
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - t0)
+        samples.append(clock() - t0)
     return Timing.from_samples(samples)
 
 

@@ -1,6 +1,7 @@
 """Measurement: timing, compiled-program statistics, collectives, memory, scaling efficiency."""
 
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,15 @@ def test_time_calls_synchronises_and_counts():
     assert len(calls) == 5 and t.n == 3 and t.median_s > 0
     with pytest.raises(ValueError, match="repeats=0"):
         measure.time_calls(lambda: f(x), repeats=0)
+
+
+def test_time_calls_reads_the_clock_it_is_given():
+    # process_time counts this process's CPU time: a sleep, which waits without working, hardly counts.
+    wall = measure.time_calls(lambda: time.sleep(0.05), repeats=2, warmup=0)
+    cpu = measure.time_calls(lambda: time.sleep(0.05), repeats=2, warmup=0, clock=time.process_time)
+    assert wall.min_s >= 0.05 and cpu.max_s < 0.02
+    ticks = iter(range(0, 100, 3))  # a fake clock: each call "takes" 3 of its seconds
+    assert measure.time_calls(lambda: None, repeats=4, clock=lambda: next(ticks)).median_s == 3
 
 
 def test_compile_and_analyse_matmul_flops_and_memory():
