@@ -71,10 +71,18 @@ def time_calls(
     """Time ``fn()`` ``repeats`` times after ``warmup`` untimed calls, synchronising on its result.
 
     Args:
-      clock: read before and after each call, in seconds. ``time.perf_counter`` (the default) is wall
-        time. ``time.process_time`` is the CPU time of every thread of this process: on simulated CPU
-        devices the work itself, which other programs waiting for the same cores do not stretch (taught in
-        ``notebooks/07_debugging.ipynb``, the straggler); on GPUs it misses the device's work.
+      fn: the call to time, with no arguments; its result is waited for (``jax.block_until_ready``).
+      repeats: timed calls, at least 1.
+      warmup: untimed calls before them (compiles, first-touch allocations), at least 0.
+      clock: read before and after each timed call, in seconds. ``time.perf_counter`` (the default) is
+        wall time. ``time.process_time`` is the CPU time of every thread of this process (XLA:CPU runs the
+        computation on its worker threads, so ``time.thread_time`` would miss it): on simulated CPU
+        devices it leaves out the time those threads wait for a core another program holds
+        (``notebooks/07_debugging.ipynb``, the straggler); on GPUs it counts only host threads, not the
+        device's work.
+
+    Returns:
+      :class:`Timing` of the ``repeats`` timed calls, in the clock's seconds.
 
     Raises:
       ValueError: ``repeats`` < 1 or ``warmup`` < 0.

@@ -34,8 +34,13 @@ def test_time_calls_reads_the_clock_it_is_given():
     wall = measure.time_calls(lambda: time.sleep(0.05), repeats=2, warmup=0)
     cpu = measure.time_calls(lambda: time.sleep(0.05), repeats=2, warmup=0, clock=time.process_time)
     assert wall.min_s >= 0.05 and cpu.max_s < 0.02
-    ticks = iter(range(0, 100, 3))  # a fake clock: each call "takes" 3 of its seconds
-    assert measure.time_calls(lambda: None, repeats=4, clock=lambda: next(ticks)).median_s == 3
+    now = [0.0]  # a fake clock that only the call moves on: the reads surround each timed call
+
+    def work():
+        now[0] += 3.0
+
+    t = measure.time_calls(work, repeats=4, warmup=1, clock=lambda: now[0])
+    assert t.min_s == t.max_s == 3.0 and t.n == 4 and now[0] == 15.0
 
 
 def test_compile_and_analyse_matmul_flops_and_memory():
