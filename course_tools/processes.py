@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -91,8 +92,6 @@ def _redeliver_swallowed_interrupts(previous, timers: list):
 
     def hook(unraisable):
         if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-            import threading
-
             term = issubclass(unraisable.exc_type, Terminated)
             signum = signal.SIGTERM if term else signal.SIGINT
             timer = threading.Timer(REDELIVER_AFTER_S, os.kill, (os.getpid(), signum))

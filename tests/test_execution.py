@@ -6,6 +6,8 @@ The notebooks here need no JAX: a kernel starts in a second or two, so each case
 import errno
 import json
 import os
+import subprocess
+import sys
 
 import faults
 import pytest
@@ -184,9 +186,6 @@ def test_an_interrupt_swallowed_by_a_collection_callback_is_delivered_again(
 ):
     # Without the redelivery Python prints "Exception ignored in: <function slow_collection ...>" and the
     # run goes on: a Ctrl-C while the kernel starts was lost that way (JAX's collection callback).
-    import subprocess
-    import sys
-
     script = tmp_path / "gc_interrupt.py"
     script.write_text(GC_INTERRUPT)
     done = subprocess.run(

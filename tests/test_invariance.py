@@ -195,6 +195,11 @@ def _outputs(nb: dict) -> list[dict]:
     return [o for c in nb["cells"] if c["cell_type"] == "code" for o in c["outputs"]]
 
 
+def _printed(outputs: list[dict]) -> str:
+    """The text those outputs printed (stdout and stderr streams), joined."""
+    return "".join("".join(o.get("text", "")) for o in outputs)
+
+
 @pytest.mark.xdist_group("matrix-n1")
 @pytest.mark.notebook
 @pytest.mark.skipif(1 not in COUNTS, reason="the preset backend is tried at 1 device")
@@ -205,7 +210,7 @@ def test_plots_show_inline_with_a_non_inline_backend_preset():
     outputs = _outputs(nb)
     images = sum("image/png" in o.get("data", {}) for o in outputs)
     assert images >= 2, images  # the loss curves and the comparison, inline
-    printed = "".join("".join(o.get("text", "")) for o in outputs)
+    printed = _printed(outputs)
     assert "MPLBACKEND='Agg' from the environment replaced by the inline backend" in printed
     for png in ("loss_curves.png", "comparison.png"):  # and as files
         assert (folder / "lab" / png).stat().st_size > 10_000
@@ -220,7 +225,7 @@ def test_the_runs_share_one_compilation_cache_but_the_lessons_that_time_compiles
     cache = Path(os.environ["JAX_COMPILATION_CACHE_DIR"])  # the root conftest's
     for stem in matrix.NOTEBOOKS:
         nb = json.loads((matrix.notebook_run(stem, n) / f"{stem}.ipynb").read_text())
-        printed = "".join("".join(o.get("text", "")) for o in _outputs(nb))
+        printed = _printed(_outputs(nb))
         off = f"JAX_COMPILATION_CACHE_DIR={cache}: switched off in this kernel" in printed
         used = f"JAX_COMPILATION_CACHE_DIR={cache}: compile times measured here include" in printed
         assert (off, used) == ((True, False) if stem in matrix.TIMES_COMPILES else (False, True)), (
