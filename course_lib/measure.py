@@ -86,9 +86,17 @@ def time_calls(
 
     Raises:
       ValueError: ``repeats`` < 1 or ``warmup`` < 0.
+      TypeError: ``fn`` or ``clock`` is not callable.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} is not callable: pass the call to time, e.g. lambda: step(x)")
+    if not callable(clock):
+        raise TypeError(
+            f"clock={clock!r} is not callable: pass a clock function, e.g. time.perf_counter or "
+            "time.process_time (not its value, time.perf_counter())"
+        )
     for _ in range(warmup):
         jax.block_until_ready(fn())
     samples = []

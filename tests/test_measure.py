@@ -41,6 +41,10 @@ def test_time_calls_reads_the_clock_it_is_given():
 
     t = measure.time_calls(work, repeats=4, warmup=1, clock=lambda: now[0])
     assert t.min_s == t.max_s == 3.0 and t.n == 4 and now[0] == 15.0
+    with pytest.raises(TypeError, match=r"clock=\d.* is not callable.*time.perf_counter"):
+        measure.time_calls(work, clock=time.perf_counter())  # the clock's value, not the clock
+    with pytest.raises(TypeError, match="fn=.* is not callable"):
+        measure.time_calls(work())  # the call's result, not the call
 
 
 def test_compile_and_analyse_matmul_flops_and_memory():
