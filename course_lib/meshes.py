@@ -17,6 +17,12 @@ DATA = "data"
 """Name of the data-parallel mesh axis (the batch is split over it)."""
 MODEL = "model"
 """Name of the tensor-parallel mesh axis (layer features are split over it)."""
+CONTEXT = "context"
+"""Name of the context-parallel axis: the sequence is split over it (ring attention, ``10_transformers``)."""
+STAGE = "stage"
+"""Name of the pipeline axis: each device holds a slice of the layers (``11_pipeline_experts``)."""
+EXPERT = "expert"
+"""Name of the expert-parallel axis: each device holds some of a mixture's experts (``11_pipeline_experts``)."""
 
 AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
 
@@ -122,6 +128,43 @@ def data_model_mesh(
         )
     t = _axis_type(axis_type)
     return Mesh(np.array(devs).reshape(n_data, n_model), (DATA, MODEL), axis_types=(t, t))
+
+
+def mesh_of(
+    axes: dict[str, int],
+    devices: Sequence[Any] | None = None,
+    axis_type: str | AxisType = "explicit",
+) -> Mesh:
+    """A mesh with the named axes, in the order given; the last axis varies fastest over the devices.
+
+    Lessons 10–12 combine axes this way, e.g. ``mesh_of({DATA: 2, STAGE: 2, MODEL: 2})``; put the axis whose
+    collectives are most frequent last, so its groups are neighbouring devices (on a GPU server, the ones with
+    the fastest links).
+
+    Args:
+      axes: axis name → size, e.g. ``{"data": 4, "model": 2}``.
+      devices: the devices (default: all of ``jax.devices()``); their number must equal the sizes' product.
+      axis_type: ``"explicit"`` or ``"auto"``, for every axis.
+
+    Raises:
+      ValueError: an empty ``axes``, a size that is not a positive integer, a repeated name, or a product of
+        sizes that differs from the number of devices.
+    """
+    devs = _devices(devices)
+    if not axes:
+        raise ValueError("axes is empty; name at least one axis, e.g. {'data': len(devices)}")
+    for name, size in axes.items():
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"axis {name!r} has size {size!r}; sizes must be positive integers")
+    total = int(np.prod(list(axes.values())))
+    if total != len(devs):
+        raise ValueError(
+            f"mesh {dict(axes)} needs {total} devices but {len(devs)} were given; "
+            f"choose sizes whose product is {len(devs)} (each a divisor: {divisors(len(devs))})"
+        )
+    t = _axis_type(axis_type)
+    shape = tuple(int(s) for s in axes.values())
+    return Mesh(np.array(devs).reshape(shape), tuple(axes), axis_types=(t,) * len(shape))
 
 
 def describe(mesh: Mesh) -> str:

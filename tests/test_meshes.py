@@ -35,3 +35,13 @@ def test_meshes():
 def test_bad_mesh_shapes_are_named(shape):
     with pytest.raises(ValueError, match="must be two positive integers"):
         meshes.data_model_mesh(jax.devices()[:4], shape)
+
+
+def test_mesh_of_names_any_axes_in_order(report):
+    mesh = meshes.mesh_of({meshes.DATA: 2, meshes.STAGE: 2, meshes.MODEL: 2}, report.devices)
+    assert mesh.axis_names == ("data", "stage", "model") and mesh.devices.shape == (2, 2, 2)
+    assert [d.id for d in mesh.devices[0, 0]] == [report.devices[0].id, report.devices[1].id]
+    with pytest.raises(ValueError, match="needs 6 devices but 8 were given"):
+        meshes.mesh_of({meshes.DATA: 3, meshes.MODEL: 2}, report.devices)
+    with pytest.raises(ValueError, match="axis 'model' has size 0"):
+        meshes.mesh_of({meshes.DATA: 8, meshes.MODEL: 0}, report.devices)
