@@ -30,7 +30,7 @@ from jupyter_client.manager import AsyncKernelManager
 from papermill.engines import NBClientEngine, NotebookExecutionManager, papermill_engines
 from traitlets import default
 
-from .folders import write_atomic
+from .folders import write_atomic, write_error
 from .processes import Terminated, describe_exit, ignoring_sigint, tail
 
 KERNEL = "python3"
@@ -329,10 +329,13 @@ def execute(
     except (
         OSError
     ) as e:  # saving the executed notebook (a full disk): the last complete save is kept
+        kept = (
+            f"the executed notebook's last complete save is kept at {output}"
+            if output.exists()
+            else "no copy of the executed notebook could be saved"
+        )
         raise NotebookFailed(
-            f"{notebook.name}: cannot write {e.filename or output} ({e.strerror or e}) {run.where()}; "
-            f"the executed notebook's last complete save is kept at {output}",
-            output,
+            f"{notebook.name}: {write_error(e, e.filename or output)} {run.where()}; {kept}", output
         ) from None
     except (
         RuntimeError

@@ -6,6 +6,7 @@ The fault cases run the real command line (``main``) in its own process group, a
 on small notebooks that need no JAX; the lab's real runs come from the invariance matrix (tests/matrix.py).
 """
 
+import errno
 import json
 import os
 import re
@@ -16,13 +17,14 @@ import threading
 import time
 
 import book_browser
+import disks
 import faults
 import matrix
 import pandas as pd
 import pytest
 
 from course_lib import strategies
-from course_tools import processes, results, run, site
+from course_tools import folders, processes, results, run, site
 from course_tools.execution import RunRefused
 
 
@@ -437,3 +439,97 @@ def test_site_refuses_to_overwrite(rendered, course_run, tmp_path):
         site.build_site(course_run, rendered)
     with pytest.raises(FileNotFoundError, match="make course"):
         site.build_site(tmp_path, tmp_path / "out")
+
+
+# --- the second time, a full disk: one message, the run marked, the newest finished run found -----------
+
+
+@pytest.fixture
+def quick_course(tmp_path, monkeypatch):
+    """A course of three notebooks that need no JAX, run in this process by ``run.main``."""
+    nbs = tmp_path / "notebooks"
+    faults.make_notebook(nbs / "00_quick.ipynb", "print('quick')")
+    faults.make_notebook(nbs / "01_big.ipynb", "print('x' * 1000)", "print('more')")
+    faults.make_notebook(nbs / "02_last.ipynb", "print('last')")
+    monkeypatch.setattr(run, "NOTEBOOKS", nbs)
+    return ["course", "--n-devices", "2", "--platform", "cpu", "--build", str(tmp_path / "build")]
+
+
+def test_a_course_run_twice_goes_to_two_folders_and_the_book_reads_the_newest(
+    quick_course, tmp_path, capsys
+):
+    build = tmp_path / "build"
+    assert run.main(quick_course) == 0 and run.main(quick_course) == 0
+    first, second = (folders.read_run(build / n) for n in ("course", "course-2"))
+    assert first.status == second.status == "ok" and first.started <= second.started
+    capsys.readouterr()
+    import argparse
+
+    newest = site._source(argparse.Namespace(source=None, newest_in=str(build), student=False))
+    assert newest == build / "course-2"
+    said = capsys.readouterr().out
+    assert (
+        said.startswith(f"the book of the course run {build / 'course-2'} (started ")
+        and "ended ok" in said
+    )
+    assert "note:" not in said
+    named = site._source(
+        argparse.Namespace(source=str(build / "course"), newest_in=None, student=False)
+    )
+    said = capsys.readouterr().out
+    assert (
+        named == build / "course"
+        and f"note: a newer course run exists: {build / 'course-2'}" in said
+    )
+
+
+def test_a_full_disk_mid_course_ends_with_one_message_and_the_run_marked(
+    quick_course, tmp_path, capsys, monkeypatch
+):
+    real_replace, saves = os.replace, []
+
+    def replace(src, dst):  # the disk fills after 01_big's first saves
+        saves.extend([dst] if str(dst).endswith("01_big.ipynb") else [])
+        if len(saves) > 3 and str(dst).endswith("01_big.ipynb"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert run.main(quick_course) == 1
+    err = capsys.readouterr().err
+    course = tmp_path / "build" / "course"
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    said = f"01_big.ipynb: cannot write {course / '01_big.ipynb'} (No space left on device; "
+    assert said in err and " MB free there) in cell [" in err, err
+    assert f"kept in {course}" in err and "run.json there records how the run ended" in err
+    assert list(pd.read_csv(course / "timings.csv")["status"]) == ["ok", "FAILED"]
+    assert folders.read_run(course).status == "FAILED"
+    assert json.loads((course / "01_big.ipynb").read_text())["cells"]  # its last complete save
+    assert not [p for p in course.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_disk_that_fills_up_leaves_a_run_the_book_passes_over(
+    quick_course, tmp_path, capsys, monkeypatch
+):
+    build = tmp_path / "build"
+    with disks.small_disk(build, mb=2):
+        # the room checks pass (1 MB): the disk fills while the executed notebook is saved
+        monkeypatch.setattr(folders, "MIN_FREE_MB", 1)
+        monkeypatch.setitem(folders.WRITES_MB, "course", 1)
+        nbs = run.NOTEBOOKS
+        faults.make_notebook(nbs / "01_big.ipynb", "print('x' * 3_000_000)", "print('more')")
+        code = run.main(quick_course)
+        err = capsys.readouterr().err
+        assert code == 1 and "No space left on device" in err and "Traceback" not in err, err
+        info = folders.read_run(build / "course")
+        assert info.status in ("unfinished", "FAILED") and not info.running
+        with pytest.raises(FileNotFoundError, match="no finished course run"):
+            folders.newest_run(build, "course")
+
+
+def test_a_course_run_still_running_is_not_made_into_a_book(tmp_path):
+    import argparse
+
+    folder = folders.claim_run_dir(lambda: results.prepare_results_dir(tmp_path / "course"))
+    with pytest.raises(ValueError, match="is still running: build its book when it has ended"):
+        site._source(argparse.Namespace(source=str(folder), newest_in=None, student=False))
