@@ -204,7 +204,8 @@ def reference_note(name: str = "cpu") -> str:
                 recorded = "recorded " + line.removeprefix("# recorded ").split(";")[0].strip()
     except OSError:
         recorded = "missing"
-    return f"{path.relative_to(PROJECT_ROOT)} ({recorded})"
+    shown = path.relative_to(PROJECT_ROOT) if path.is_relative_to(PROJECT_ROOT) else path
+    return f"{shown} ({recorded})"
 
 
 def load_reference(name: str = "cpu") -> pd.DataFrame:
