@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -75,10 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.busy < 0:
         ap.error(f"--busy {args.busy}: give 0 or more busy processes")
     cores = os.cpu_count() or 1
-    print(
-        f"cpu_load: {args.busy} busy process(es) beside `{' '.join(command)}` on {cores} core(s)",
-        flush=True,
-    )
+    shown = " ".join(shlex.quote(c) for c in command).replace("\n", " ")
+    shown = shown if len(shown) <= 100 else shown[:97] + "..."
+    print(f"cpu_load: {args.busy} busy process(es) beside `{shown}` on {cores} core(s)", flush=True)
     busy, samples, t0 = start_busy(args.busy), [], time.monotonic()
     stop, proc = {"signal": None}, None
 
