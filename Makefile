@@ -142,6 +142,7 @@ else
 endif
 
 jupyter: setup
+	@$(PY) -m course_tools.student notebooks --check $(JUPYTER_DIR)
 	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False --ServerApp.root_dir=$(JUPYTER_DIR) \
 	  --KernelManager.transport_encryption=auto $(if $(filter 0,$(shell id -u)),--allow-root,)
 

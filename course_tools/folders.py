@@ -219,6 +219,17 @@ def removed_on_failure(folder: Path, made: bool = True) -> Iterator[Path]:
         raise
 
 
+def scratch_folder(prefix: str = "course-") -> Path:
+    """A new folder in the temporary folder, removed when this Python process exits (a notebook's kernel:
+    when it is shut down or restarted), for files a lesson makes and reads back at once (profiler traces,
+    prepared inputs, checkpoints). ``tempfile.mkdtemp`` alone leaves one behind on every run."""
+    import atexit
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 # --- finding and describing earlier runs -------------------------------------------------------------------
 
 

@@ -137,7 +137,8 @@ def _stage(
         else:
             nb = _lesson_notebook(notebooks[lesson["stem"]], lesson, source, student)
             nbformat.write(nb, staging / f"{lesson['stem']}.ipynb")
-    context = {"student": student, "lessons": lessons}
+    # in the student package (no tests/, no solutions) the book names the commands the package has
+    context = {"student": student, "lessons": lessons, "in_package": not (ROOT / "tests").is_dir()}
     if not student:
         run = book.run_context(
             source, [n for n in lessons if not n["missing"]], [n["stem"] for n in missing]

@@ -28,6 +28,9 @@ def test_a_run_keeps_the_kernel_output_out_of_the_terminal(tmp_path, capfd):
     assert "without encryption" not in err and "fd2" not in err  # the kernel's own output ...
     log = (tmp_path / "out" / "ok.kernel.log").read_text()
     assert "fd2" in log  # ... is in the kernel log beside the notebook
+    assert (
+        "without encryption" not in log
+    )  # its channels are encrypted: ipykernel has nothing to warn of
     assert sorted(p.name for p in out.parent.iterdir()) == [
         "ok.ipynb",
         "ok.kernel.log",

@@ -164,3 +164,36 @@ def test_a_folder_without_a_claim_reads_as_unknown(tmp_path):
     info = folders.read_run(tmp_path / "course")
     assert info.status == "unknown" and info.started.startswith(time.strftime("%Y"))
     assert folders.read_run(tmp_path / "missing").started == ""
+
+
+def test_a_scratch_folder_is_removed_when_the_process_exits(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "from course_tools import folders\n"
+        "d = folders.scratch_folder('jax-trace-'); (d / 'trace.json').write_text('{}'); print(d)"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    made = r.stdout.strip()
+    assert r.returncode == 0 and made.startswith(f"{tmp_path}/jax-trace-"), r.stderr
+    assert not os.path.exists(made) and list(tmp_path.iterdir()) == []
+
+
+def test_a_notebooks_scratch_folder_is_gone_when_its_run_ends(tmp_path):
+    import faults
+
+    from course_tools.execution import execute
+
+    made = tmp_path / "made.txt"
+    cell = (
+        "from course_tools import folders\n"
+        f"d = folders.scratch_folder('course-09-'); (d / 'x').write_text('1'); open({str(made)!r}, 'w').write(str(d))"
+    )
+    nb = faults.make_notebook(tmp_path / "scratch.ipynb", cell)
+    execute(nb, tmp_path / "out.ipynb", {}, progress=False)
+    folder = made.read_text()
+    assert "course-09-" in folder and not os.path.exists(folder)

@@ -156,3 +156,9 @@ def test_make_student_twice_replaces_the_handout_with_overwrite_1(tmp_path):
         "my answer" in kept.read_text()
         and f"kept the edited 01_grad.ipynb in {kept.parent}" in third.stdout
     )
+
+
+def test_make_jupyter_starts_kernels_with_encrypted_channels_and_checks_a_student_folder():
+    printed = make("jupyter", "JUPYTER_DIR=build/student").stdout
+    assert "--KernelManager.transport_encryption=auto" in printed  # no "running without encryption"
+    assert "course_tools.student notebooks --check build/student" in printed

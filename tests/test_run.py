@@ -129,23 +129,24 @@ def test_a_build_folder_that_cannot_be_used_is_refused_before_anything(
     assert (tmp_path / "afile").read_text() == "mine"
 
 
-@pytest.mark.skipif(
-    os.geteuid() == 0, reason="root writes into a read-only folder; the cases above refuse for root"
-)
 def test_a_read_only_build_folder_is_refused(tmp_path, capsys):
-    (tmp_path / "ro").mkdir(mode=0o500)
-    assert run.main(["lab", "--build", str(tmp_path / "ro")]) == 1
+    with disks.read_only(
+        tmp_path / "ro"
+    ) as ro:  # a read-only file system for root, permissions else
+        assert run.main(["lab", "--build", str(ro)]) == 1
+    err = capsys.readouterr().err
     assert (
-        f"cannot write the build folder {tmp_path / 'ro'} (Permission denied)"
-        in capsys.readouterr().err
-    )
+        f"cannot write the build folder {ro} (" in err and "--build DIR (make: BUILD=DIR)" in err
+    ), err
 
 
 def test_a_build_folder_without_room_is_refused(tmp_path, capsys, monkeypatch):
-    usage = processes.shutil.disk_usage(tmp_path)._replace(free=3 * 2**20)
-    monkeypatch.setattr(processes.shutil, "disk_usage", lambda path: usage)
+    disks.fake_free(monkeypatch, 3)
     assert run.main(["lab", "--build", str(tmp_path)]) == 1
-    assert "only 3.0 MB free for the build folder" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "only 3.0 MB free for the build folder" in err and "this step writes about 2 MB" in err
+    assert run.main(["course", "--only", "00", "--build", str(tmp_path)]) == 1
+    assert "this step writes about 12 MB" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
