@@ -534,3 +534,40 @@ def test_a_course_run_still_running_is_not_made_into_a_book(tmp_path):
     folder = folders.claim_run_dir(lambda: results.prepare_results_dir(tmp_path / "course"))
     with pytest.raises(ValueError, match="is still running: build its book when it has ended"):
         site._source(argparse.Namespace(source=str(folder), newest_in=None, student=False))
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("folder", ["read-only", "small-disk"])
+def test_the_lab_through_papermill_stops_in_its_setup_cell_when_results_cannot_be_saved(
+    tmp_path, folder
+):
+    # papermill ... -p results_dir DIR: the notebook's own setup cell checks DIR (the library call it
+    # makes, results.prepare_results_dir), before any strategy trains
+    out = tmp_path / "08_lab.ipynb"
+    where = (
+        disks.read_only(tmp_path / "ro")
+        if folder == "read-only"
+        else disks.small_disk(tmp_path / "small", 4)
+    )
+    params = {"n_devices": 2, "platform": "cpu", "profile": "tiny", "scaling": False}
+    with where as results_dir:
+        with pytest.raises(run.NotebookFailed) as e:
+            run.execute(
+                run.NOTEBOOKS / "08_lab.ipynb",
+                out,
+                {**params, "results_dir": str(results_dir)},
+                progress=False,
+            )
+        assert list(results_dir.iterdir()) == []
+    message = str(e.value)
+    expected = (
+        f"cannot write the results folder {results_dir} ("
+        if folder == "read-only"
+        else f"only 4.0 MB free for the results folder {results_dir}"
+    )
+    assert "08_lab.ipynb failed in cell [4] with FolderError: " + expected in message, message
+    assert "-p results_dir DIR" in message
+    ran = [c for c in faults.cells(out) if c["count"]]
+    assert (
+        len(ran) == 4
+    )  # parameters, injected parameters, device setup, imports and the results folder
