@@ -84,6 +84,7 @@ def check_folder(
     fix = fix or "choose another folder"
     if not str(path).strip():
         raise FolderError(f"the {what} is empty; give a folder such as 'build'")
+    made = [p for p in (path, *path.parents) if not p.exists()]  # removed again when refused
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")
@@ -96,12 +97,23 @@ def check_folder(
     need = max(MIN_FREE_MB, writes_mb)
     free = free_mb(path)
     if free < need:
+        for folder in made:  # innermost first: only the empty folders this check made
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         step = f"this step writes about {writes_mb:g} MB and " if writes_mb else ""
         raise FolderError(
             f"only {free:.1f} MB free for the {what} {path}; {step}a run needs at least {need:g} MB "
             f"free: make room there, or {fix}"
         )
     return path
+
+
+class WriteFailed(OSError):
+    """Writing an output failed (a full disk, a quota, a folder made read-only): ``OSError(errno,
+    message)`` whose text is the message alone (:func:`write_error`), without the ``[Errno 28]`` prefix."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def write_error(error: OSError, target: str | os.PathLike, fix: str = "") -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .folders import WRITES_MB, FolderError, check_folder, write_error
+from .folders import WRITES_MB, FolderError, WriteFailed, check_folder, write_error
 
 RESULTS_FILE = "lab_results.csv"
 CURVES_FILE = "loss_curves.csv"
@@ -82,7 +82,11 @@ RESULTS_FIX = "give another results_dir (papermill: -p results_dir DIR; make: BU
 
 
 def prepare_results_dir(
-    results_dir: str | os.PathLike, overwrite: bool = False, writes_mb: float = WRITES_MB["lab"]
+    results_dir: str | os.PathLike,
+    overwrite: bool = False,
+    writes_mb: float = WRITES_MB["lab"],
+    what: str = "results folder",
+    fix: str = RESULTS_FIX,
 ) -> Path:
     """The folder this run writes to, checked writable and with room; an earlier run's results are never
     silently replaced.
@@ -95,6 +99,8 @@ def prepare_results_dir(
     The folder is then checked (:func:`course_tools.folders.check_folder`): a file is written and removed
     in it, and at least ``max(MIN_FREE_MB, writes_mb)`` MB must be free — so that the lab's setup cell
     (``notebooks/08_lab.ipynb`` calls this) stops before any training when its results could not be saved.
+
+    ``what`` and ``fix`` name the folder and the remedy in messages (the book: "book folder").
 
     Raises:
       ValueError: ``results_dir`` is empty or names an existing file, not a folder.
@@ -111,10 +117,8 @@ def prepare_results_dir(
             path if overwrite or not path.exists() or not any(path.iterdir()) else _sibling(path)
         )
     except OSError as e:
-        raise FolderError(
-            f"cannot write the results folder {path} ({e.strerror or e}): {RESULTS_FIX}"
-        ) from None
-    return check_folder(chosen, "results folder", RESULTS_FIX, writes_mb)
+        raise FolderError(f"cannot write the {what} {path} ({e.strerror or e}): {fix}") from None
+    return check_folder(chosen, what, fix, writes_mb)
 
 
 def _sibling(path: Path) -> Path:
@@ -154,7 +158,7 @@ def write_csv(
         OSError
     ) as e:  # a full disk, a folder made read-only since: one sentence, no temporary file
         tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, write_error(e, path, RESULTS_FIX), str(path)) from None
+        raise WriteFailed(e.errno, write_error(e, path, RESULTS_FIX)) from None
     return path
 
 

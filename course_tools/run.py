@@ -37,6 +37,7 @@ from .folders import (
     CLAIM_FILE,
     WRITES_MB,
     FolderError,
+    WriteFailed,
     check_folder,
     claim_run_dir,
     finish_run,
@@ -278,7 +279,7 @@ def run_scaling(
     try:
         plots.save(study.plot_study(table, ref, simulated=simulated), out / "study.png")
     except OSError as e:
-        raise OSError(e.errno, write_error(e, out / "study.png", BUILD_FIX)) from None
+        raise WriteFailed(e.errno, write_error(e, out / "study.png", BUILD_FIX)) from None
     finish_run(out, "ok")
     print(table.to_string(index=False))
     print(f"scaling study in {out}")

@@ -12,6 +12,7 @@ Taught by none of the notebooks: it is the course's publishing step.
 from __future__ import annotations
 
 import argparse
+import errno
 import html
 import re
 import shutil
@@ -104,7 +105,12 @@ def build_site(
         _sphinx(staging, Path(tmp) / "doctrees", Path(tmp) / "html" / "book", student, strict)
         out.mkdir(parents=True, exist_ok=True)
         for item in (Path(tmp) / "html" / "book").iterdir():
-            shutil.move(item, out / item.name)
+            try:
+                shutil.move(item, out / item.name)
+            except OSError as e:  # a full disk: main removes what was moved
+                raise folders.WriteFailed(
+                    e.errno, folders.write_error(e, out, "make room there")
+                ) from None
     names = ["index", *(lesson["stem"] for lesson in lessons)]
     if not student:
         names += ["lab-report", "run", "instructor-guide"]
@@ -239,6 +245,17 @@ def _sphinx(staging: Path, doctrees: Path, out: Path, student: bool, strict: boo
     cmd += ["-t", "student"] if student else []
     cmd += ["-W", "--keep-going"] if strict else []
     proc = subprocess.run([*cmd, str(staging), str(out)], capture_output=True, text=True)
+    if proc.returncode != 0 and re.search(
+        r"No space left on device|Errno 28|Disk quota exceeded", proc.stderr
+    ):
+        where = (
+            staging.parent
+        )  # Sphinx's traceback is not the reader's business: where, and the fix
+        raise folders.WriteFailed(
+            errno.ENOSPC,
+            f"the book could not be staged: no space left in the temporary folder {where} "
+            f"({folders.free_mb(where):.1f} MB free): {TMP_FIX}",
+        )
     if proc.stderr:
         print(proc.stderr, file=sys.stderr, end="")
     if proc.returncode != 0:
@@ -275,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     out = None
     try:
         source = _source(args)
-        out = results.prepare_results_dir(args.out, writes_mb=folders.WRITES_MB["book"])
+        out = results.prepare_results_dir(
+            args.out, writes_mb=folders.WRITES_MB["book"], what="book folder", fix=OUT_FIX
+        )
         folders.check_folder(
             tempfile.gettempdir(), "temporary folder", TMP_FIX, folders.WRITES_MB["book"]
         )
@@ -293,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 TMP_FIX = "point TMPDIR at a folder with room (Sphinx stages the book there)"
+OUT_FIX = "give another folder for the book (make: BUILD=DIR)"
 
 
 def _source(args) -> Path:

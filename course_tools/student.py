@@ -136,7 +136,7 @@ def generate(src: Path, dst: Path, overwrite: bool = False) -> list[tuple[Path, 
         for name, text in texts.items():
             folders.write_atomic(dst / name, text)
     except OSError as e:
-        raise OSError(
+        raise folders.WriteFailed(
             e.errno, folders.write_error(e, dst, "make room and run it again (it is incomplete)")
         ) from None
     manifest = {
@@ -268,7 +268,9 @@ def package(root: Path, zip_path: Path, overwrite: bool = False) -> Path:
     except BaseException as e:
         tmp_zip.unlink(missing_ok=True)
         if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
-            raise OSError(e.errno, folders.write_error(e, zip_path, "make room there")) from None
+            raise folders.WriteFailed(
+                e.errno, folders.write_error(e, zip_path, "make room there")
+            ) from None
         raise
     return zip_path
 

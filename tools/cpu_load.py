@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = " ".join(shlex.quote(c) for c in command).replace("\n", " ")
     shown = shown if len(shown) <= 100 else shown[:97] + "..."
     print(f"cpu_load: {args.busy} busy process(es) beside `{shown}` on {cores} core(s)", flush=True)
-    busy, samples, t0 = start_busy(args.busy), [], time.monotonic()
-    stop, proc = {"signal": None}, None
+    stop, proc, busy, samples, t0 = {"signal": None}, None, [], [], time.monotonic()
 
     def forward(signum, frame):
         # Ctrl-C in a terminal reaches the whole process group, the command included; a SIGTERM (a CI job
@@ -91,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        busy = start_busy(args.busy)  # after the handlers: a signal from now on stops them too
         proc = subprocess.Popen(command)
         while proc.poll() is None:
             try:
