@@ -165,9 +165,13 @@ def run_course(
     n, platform = coerce(N_DEVICES, n_devices), coerce(PLATFORM, platform)
     notebooks = course_notebooks()
     if only:
+        numbers = sorted({p.name[:2] for p in notebooks})
+        for o in only:  # each one names a notebook: "0" or "88" would silently run others or fewer
+            if len(o) < 2 or not any(p.name.startswith(o) for p in notebooks):
+                raise ValueError(
+                    f"--only {o!r} names no notebook: give their numbers ({' '.join(numbers)}) or names"
+                )
         notebooks = [p for p in notebooks if any(p.name.startswith(o) for o in only)]
-        if not notebooks:
-            raise ValueError(f"no notebook matches {list(only)}; names start with 00 to 09")
     plan = [(nb, _course_params(nb, n, platform, Path(), lab_params)) for nb in notebooks]
     for nb, params in plan:
         check_parameters(nb, params)

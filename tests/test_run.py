@@ -571,3 +571,10 @@ def test_the_lab_through_papermill_stops_in_its_setup_cell_when_results_cannot_b
     assert (
         len(ran) == 4
     )  # parameters, injected parameters, device setup, imports and the results folder
+
+
+@pytest.mark.parametrize("only", [["0"], ["00", "88"], ["8"]])
+def test_only_names_notebooks_or_is_refused(tmp_path, capsys, only):
+    assert run.main(["course", "--only", *only, "--build", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "names no notebook: give their numbers (00 01" in err and list(tmp_path.iterdir()) == []
