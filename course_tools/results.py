@@ -22,7 +22,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from .folders import WRITES_MB, FolderError, WriteFailed, check_folder, write_error
+from .folders import (
+    WRITES_MB,
+    FolderError,
+    WriteFailed,
+    check_folder,
+    write_atomic,
+    write_error,
+)
 
 RESULTS_FILE = "lab_results.csv"
 CURVES_FILE = "loss_curves.csv"
@@ -150,14 +157,9 @@ def write_csv(
     if missing:
         raise ValueError(f"results for {path} lack the columns {missing}")
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        df.to_csv(tmp, index=False)
-        os.replace(tmp, path)  # never a half-written results file
-    except (
-        OSError
-    ) as e:  # a full disk, a folder made read-only since: one sentence, no temporary file
-        tmp.unlink(missing_ok=True)
+    try:  # never a half-written results file, and no temporary file left
+        write_atomic(path, df.to_csv(index=False))
+    except OSError as e:  # a full disk, a folder made read-only since: one sentence
         raise WriteFailed(e.errno, write_error(e, path, RESULTS_FIX)) from None
     return path
 
