@@ -326,9 +326,8 @@ def execute(
         ) from None
     except DeadKernelError:
         raise _kernel_died(notebook, output, run) from None
-    except (
-        OSError
-    ) as e:  # saving the executed notebook (a full disk): the last complete save is kept
+    except OSError as e:
+        # saving the executed notebook (a full disk): the last complete save is kept
         kept = (
             f"the executed notebook's last complete save is kept at {output}"
             if output.exists()

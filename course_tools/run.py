@@ -193,13 +193,8 @@ def run_course(
     finally:
         with ignoring_sigint():
             _write_timings(out, rows)
-            done = len(rows) == len(plan) and all(r["status"] == "ok" for r in rows)
-            finish_run(
-                out,
-                "ok"
-                if done
-                else next((r["status"] for r in rows if r["status"] != "ok"), "unfinished"),
-            )
+            whole = "ok" if len(rows) == len(plan) else "unfinished"
+            finish_run(out, next((r["status"] for r in rows if r["status"] != "ok"), whole))
     return out
 
 
@@ -224,9 +219,8 @@ def _write_timings(out: Path, rows: list[dict]) -> None:
         table = pd.DataFrame(rows)
         try:
             results.write_csv(table, out / "timings.csv")
-        except (
-            OSError
-        ) as e:  # a full disk: the table is printed, the run's own error is the message
+        except OSError as e:
+            # a full disk: the table is printed below, and the run's own error is the message
             print(f"timings.csv not written: {e}", file=sys.stderr)
         print("\n" + table.to_string(index=False))
         print(f"total {table['seconds'].sum():.0f} s; executed notebooks in {out}")
