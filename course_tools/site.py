@@ -248,9 +248,8 @@ def _sphinx(staging: Path, doctrees: Path, out: Path, student: bool, strict: boo
     if proc.returncode != 0 and re.search(
         r"No space left on device|Errno 28|Disk quota exceeded", proc.stderr
     ):
-        where = (
-            staging.parent
-        )  # Sphinx's traceback is not the reader's business: where, and the fix
+        # Sphinx's traceback is not the reader's business: where it ran out of room, and the fix
+        where = staging.parent
         raise folders.WriteFailed(
             errno.ENOSPC,
             f"the book could not be staged: no space left in the temporary folder {where} "

@@ -267,7 +267,7 @@ def package(root: Path, zip_path: Path, overwrite: bool = False) -> Path:
         os.replace(tmp_zip, zip_path)
     except BaseException as e:
         tmp_zip.unlink(missing_ok=True)
-        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+        if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, folders.WriteFailed)):
             raise folders.WriteFailed(
                 e.errno, folders.write_error(e, zip_path, "make room there")
             ) from None
