@@ -313,6 +313,7 @@ def describe(info: RunInfo) -> str:
     if info.dirty:
         commit += " with uncommitted changes"
     how = "still running" if info.running else f"ended {info.status}"
+    how = "how it ended not recorded" if info.status == "unknown" else how
     return f"{info.folder} ({f'started {when}' if when else 'start unknown'}, {commit}, {how})"
 
 
@@ -327,13 +328,15 @@ def runs_beside(build: str | os.PathLike, name: str) -> list[RunInfo]:
 
 
 def newest_run(build: str | os.PathLike, name: str) -> RunInfo:
-    """The newest run ``<build>/<name>[-k]`` that ended ``ok``.
+    """The newest run ``<build>/<name>[-k]`` that ended ``ok`` (or, when none did, the newest that
+    recorded no end: a run folder made before run folders recorded one).
 
     Raises:
       FileNotFoundError: there is none (the message says what runs exist and how to make one).
     """
     runs = runs_beside(build, name)
-    done = [r for r in runs if r.status == "ok"]
+    # runs made before run folders recorded their end read "unknown": taken only when no run ended ok
+    done = [r for r in runs if r.status == "ok"] or [r for r in runs if r.status == "unknown"]
     if not done:
         others = "; ".join(describe(r) for r in runs) or "none"
         raise FileNotFoundError(

@@ -105,9 +105,12 @@ class Browser:
         from playwright.sync_api import sync_playwright
 
         self.shots = shots
-        self._pw = sync_playwright().start()
+        executable = (
+            chromium()
+        )  # skips before Playwright starts: a started one left behind keeps its
+        self._pw = sync_playwright().start()  # event loop running, and the next browser test fails
         self._browser = self._pw.chromium.launch(
-            executable_path=chromium(), chromium_sandbox=False, args=CHROMIUM_FLAGS
+            executable_path=executable, chromium_sandbox=False, args=CHROMIUM_FLAGS
         )
         self._page = self._browser.new_page(viewport={"width": 1280, "height": 1400})
 

@@ -197,3 +197,13 @@ def test_a_notebooks_scratch_folder_is_gone_when_its_run_ends(tmp_path):
     execute(nb, tmp_path / "out.ipynb", {}, progress=False)
     folder = made.read_text()
     assert "course-09-" in folder and not os.path.exists(folder)
+
+
+def test_runs_that_recorded_no_end_are_taken_only_when_none_ended_ok(tmp_path):
+    (tmp_path / "course").mkdir()  # an older run folder: no run.json
+    info = folders.newest_run(tmp_path, "course")
+    assert info.folder == tmp_path / "course" and "how it ended not recorded" in folders.describe(
+        info
+    )
+    _fake_run(tmp_path, "course-2", "2000-01-01T00:00:00+0000")
+    assert folders.newest_run(tmp_path, "course").folder == tmp_path / "course-2"

@@ -75,6 +75,6 @@ def test_what_it_writes_says_how_when_and_of_which_commit(data_dir, tmp_path):
     )
     commit = folders.source_version()["commit"]
     assert f"; commit {(commit or 'unknown')[:12]}" in header[1] and "lab run lab-3;" in header[1]
-    assert results.load_reference("mine")["strategy"].tolist() == ["jit"]
+    assert results.load_reference("mine.csv")["strategy"].tolist() == ["jit"]
     assert f"(recorded {header[1].split()[2].rstrip(';')})" in results.reference_note("mine.csv")
     assert pd.read_csv(targets[1], comment="#")["strategy"].tolist() == ["pmap"]
