@@ -105,10 +105,10 @@ class Browser:
         from playwright.sync_api import sync_playwright
 
         self.shots = shots
-        executable = (
-            chromium()
-        )  # skips before Playwright starts: a started one left behind keeps its
-        self._pw = sync_playwright().start()  # event loop running, and the next browser test fails
+        # skip before Playwright starts: one started and left behind keeps its event loop running in this
+        # thread, and the next browser test of the process fails instead of skipping
+        executable = chromium()
+        self._pw = sync_playwright().start()
         self._browser = self._pw.chromium.launch(
             executable_path=executable, chromium_sandbox=False, args=CHROMIUM_FLAGS
         )
