@@ -13,7 +13,8 @@ _CACHE_VARIABLES = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAX_ENABLE
 # A build folder of this session's own (the pytest-xdist workers inherit it): removed when the session
 # passes, kept and named when it fails. One the shell names is the shell's, and left alone.
 _MADE_BUILD_DIR = "COURSE_BUILD_DIR" not in os.environ
-os.environ.setdefault("COURSE_BUILD_DIR", tempfile.mkdtemp(prefix="course-test-build-"))
+if _MADE_BUILD_DIR:  # (setdefault would make a folder in every worker, and leave it)
+    os.environ["COURSE_BUILD_DIR"] = tempfile.mkdtemp(prefix="course-test-build-")
 # The solution notebooks must answer every exercise: an answer left unwritten fails their run instead of
 # printing its hint (the student-version tests unset this).
 os.environ.setdefault("COURSE_STRICT_CHECKS", "1")
