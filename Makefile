@@ -1,4 +1,4 @@
-# The course's commands. `make help` lists them.
+# The course's commands. `make help` lists them with the options each one takes.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,24 +8,87 @@ PROFILE ?= auto
 BUILD ?= build
 PYTEST_ARGS ?=
 JUPYTER_DIR ?= notebooks
+COUNTS ?= 1 2 4 8
+MATRIX ?= 1 2 4
+COURSE ?=
+STUDENT ?=
+OVERWRITE ?=
+LOAD ?= 0
+ONLY ?=
 
-.PHONY: help setup lab course scaling site test matrix jupyter student bench reference clean-venv
+# --- the options each target takes -------------------------------------------------------------------
+# A variable given on make's command line that none of the named targets reads is refused by name (make
+# would otherwise run with the defaults and say nothing). PYTHON and VENV reach every target (each one sets
+# up .venv first). tests/test_make.py checks every target's options against README.
+OPTIONS_help :=
+OPTIONS_setup :=
+OPTIONS_lab := N_DEVICES PLATFORM PROFILE BUILD
+OPTIONS_course := N_DEVICES PLATFORM PROFILE BUILD ONLY
+OPTIONS_scaling := COUNTS PLATFORM PROFILE BUILD
+OPTIONS_site := COURSE STUDENT BUILD
+OPTIONS_student := BUILD OVERWRITE
+OPTIONS_reference := OVERWRITE
+OPTIONS_test := PYTEST_ARGS LOAD
+OPTIONS_matrix := MATRIX PYTEST_ARGS LOAD
+OPTIONS_jupyter := JUPYTER_DIR
+OPTIONS_bench := N_DEVICES PLATFORM PROFILE
+OPTIONS_clean-venv :=
+TARGETS := help setup lab course scaling site student reference test matrix jupyter bench clean-venv
+
+GOALS := $(or $(MAKECMDGOALS),help)
+GIVEN := $(sort $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
+UNKNOWN_GOALS := $(filter-out $(TARGETS),$(GOALS))
+ifneq ($(UNKNOWN_GOALS),)
+$(error there is no target '$(firstword $(UNKNOWN_GOALS))': the targets are $(TARGETS) (make help says what each does))
+endif
+ACCEPTED := PYTHON VENV $(foreach g,$(GOALS),$(OPTIONS_$(g)))
+REFUSED := $(filter-out $(ACCEPTED),$(GIVEN))
+ifneq ($(REFUSED),)
+$(error make $(GOALS) takes no $(firstword $(REFUSED)) (given: $(firstword $(REFUSED))=$($(firstword $(REFUSED)))): \
+its options are $(or $(sort $(foreach g,$(GOALS),$(OPTIONS_$(g)))),none) besides PYTHON and VENV; make help lists each target's options)
+endif
+define yes_or_no # $(call yes_or_no,NAME): NAME is empty, 0 or 1
+$(if $(filter-out 0 1,$($(1))),$(error $(1)=$($(1)) is not 0 or 1 (e.g. $(1)=1)))
+endef
+$(call yes_or_no,STUDENT)
+$(call yes_or_no,OVERWRITE)
+ifneq ($(shell echo '$(LOAD)' | grep -Ex '[0-9]+'),$(LOAD))
+$(error LOAD=$(LOAD) is not a number of busy processes (e.g. LOAD=2; 0 runs without them))
+endif
+YES = $(filter 1,$($(1)))
+# The student package (make student's zip) holds no tests/ and no solutions: targets that need them say so.
+IN_PACKAGE := $(if $(wildcard tests/conftest.py),,1)
+define not_in_package
+	@echo "make $@ is not part of the student package (it needs the course's tests/ and solution notebooks):"\
+	 "run it in a clone of the course repository" >&2; exit 2
+endef
+# `make test LOAD=2`: the suite with 2 busy processes beside it (tools/cpu_load.py), as on a loaded machine.
+UNDER_LOAD = $(if $(filter-out 0,$(LOAD)),$(PY) tools/cpu_load.py --busy $(LOAD) --,)
+
+.PHONY: $(TARGETS)
 
 help:
-	@echo "make lab       set up, then run the capstone lab (08_lab) into a new folder under $(BUILD)/"
-	@echo "               (N_DEVICES=8 PLATFORM=auto|cpu|gpu PROFILE=auto|cpu|gpu|tiny)"
-	@echo "make course    run every notebook in order into a new folder under $(BUILD)/course, with a time table"
-	@echo "make scaling   run the lab at 1, 2, 4, 8 devices (COUNTS=...) and draw the scaling study"
-	@echo "make test      set up, then lint (ruff) and run the whole test suite (what CI runs)"
+	@echo "make lab       set up, then run the capstone lab (08_lab) into a new folder $(BUILD)/lab[-k]"
+	@echo "               N_DEVICES=8 PLATFORM=auto|cpu|gpu PROFILE=auto|cpu|gpu|tiny BUILD=build"
+	@echo "make course    every notebook in order into a new folder $(BUILD)/course[-k], with a time table"
+	@echo "               N_DEVICES PLATFORM PROFILE (the lab's) BUILD, ONLY='00 08' runs a subset"
+	@echo "make scaling   the lab at COUNTS='1 2 4 8' devices, one process each, and the scaling study"
+	@echo "               into a new folder $(BUILD)/scaling[-k]; PLATFORM PROFILE BUILD"
+	@echo "make site      the newest course run under $(BUILD)/ as a book (Sphinx) in a new folder $(BUILD)/site[-k];"
+	@echo "               COURSE=$(BUILD)/course-2 picks a run; STUDENT=1: the student version (no solutions,"
+	@echo "               no outputs) in $(BUILD)/site-student[-k]"
+	@echo "make jupyter   set up, then open JupyterLab on JUPYTER_DIR=notebooks (localhost only, token auth)"
+ifeq ($(IN_PACKAGE),)
+	@echo "make student   the student notebooks (solutions removed) in $(BUILD)/student and a zip to hand out,"
+	@echo "               $(BUILD)/jax-course-student.zip; OVERWRITE=1 replaces an earlier one"
+	@echo "make test      set up, then lint (ruff) and run the whole test suite (what CI runs);"
+	@echo "               PYTEST_ARGS='-k lab' passes pytest options; LOAD=2 runs it beside 2 busy processes"
 	@echo "make matrix    every notebook under papermill at MATRIX='1 2 4' devices, results compared across"
-	@echo "               them and 8 (part of make test; MATRIX=3 checks the odd-count promise)"
-	@echo "make jupyter   set up, then open JupyterLab on notebooks/ (localhost only, token auth);"
-	@echo "               JUPYTER_DIR=build/student opens the student notebooks (after make student)"
-	@echo "make student   write the student notebooks (solutions removed) to $(BUILD)/student and a zip to hand out"
-	@echo "               (ONLY='00 08' runs a subset; PROFILE applies to the lab)"
-	@echo "make site      the course run COURSE=$(BUILD)/course as a book (Sphinx) in a new folder $(BUILD)/site[-k];"
-	@echo "               STUDENT=1: the student version (no solutions, no outputs) in $(BUILD)/site-student[-k]"
-	@echo "make bench     print the strategies' step-time ratios and memory on this machine"
+	@echo "               them and 8 (part of make test; MATRIX=3 checks the odd-count promise); PYTEST_ARGS LOAD"
+	@echo "make reference record data/reference_cpu_8sim*.csv again (OVERWRITE=1 replaces the committed ones)"
+endif
+	@echo "make bench     the strategies' step-time ratios and memory on this machine (N_DEVICES PLATFORM PROFILE)"
+	@echo "Every target also takes PYTHON=python3.12 (the Python that builds .venv) and VENV=.venv."
 
 setup: $(VENV)/.installed
 
@@ -44,34 +107,55 @@ lab: setup
 course: setup
 	$(PY) -m course_tools.run course --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD) $(if $(ONLY),--only $(ONLY),)
 
-COUNTS ?= 1 2 4 8
 scaling: setup
 	$(PY) -m course_tools.run scaling --counts $(COUNTS) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
 
-COURSE ?= $(BUILD)/course
 site: setup
-	$(PY) -m course_tools.site $(if $(STUDENT),--student notebooks $(BUILD)/site-student,$(COURSE) $(BUILD)/site)
+ifneq ($(call YES,STUDENT),)
+	$(if $(COURSE),$(error make site STUDENT=1 builds the student version from notebooks/, not a course run: drop COURSE=$(COURSE)))
+	$(PY) -m course_tools.site --student notebooks $(BUILD)/site-student
+else
+	$(PY) -m course_tools.site $(or $(COURSE),--newest-in $(BUILD)) $(BUILD)/site
+endif
 
 reference: setup
-	$(PY) tools/make_reference.py
+ifeq ($(IN_PACKAGE),)
+	$(PY) tools/make_reference.py $(if $(call YES,OVERWRITE),--overwrite,)
+else
+	$(not_in_package)
+endif
 
 test: setup
+ifeq ($(IN_PACKAGE),)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(UNDER_LOAD) $(PY) -m pytest $(PYTEST_ARGS)
+else
+	$(not_in_package)
+endif
 
-MATRIX ?= 1 2 4
 matrix: setup
-	COURSE_MATRIX_COUNTS="$(MATRIX)" $(PY) -m pytest tests/test_invariance.py $(PYTEST_ARGS)
+ifeq ($(IN_PACKAGE),)
+	COURSE_MATRIX_COUNTS="$(MATRIX)" $(UNDER_LOAD) $(PY) -m pytest tests/test_invariance.py $(PYTEST_ARGS)
+else
+	$(not_in_package)
+endif
 
 jupyter: setup
-	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False --ServerApp.root_dir=$(JUPYTER_DIR) $(if $(filter 0,$(shell id -u)),--allow-root,)
+	@$(PY) -m course_tools.student notebooks --check $(JUPYTER_DIR)
+	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.open_browser=False --ServerApp.root_dir=$(JUPYTER_DIR) \
+	  --KernelManager.transport_encryption=auto $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 student: setup
-	$(PY) -m course_tools.student notebooks $(BUILD)/student --zip $(BUILD)/jax-course-student.zip
+ifeq ($(IN_PACKAGE),)
+	$(PY) -m course_tools.student notebooks $(BUILD)/student --zip $(BUILD)/jax-course-student.zip \
+	  $(if $(call YES,OVERWRITE),--overwrite,)
+else
+	$(not_in_package)
+endif
 
 bench: setup
-	$(PY) tools/bench_strategies.py
+	$(PY) tools/bench_strategies.py --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE)
 
 clean-venv:
 	rm -rf $(VENV)

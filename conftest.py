@@ -5,11 +5,16 @@ environment), so the lab's ``results_dir="auto"`` writes there, never into the r
 """
 
 import os
+import shutil
 import tempfile
 
 _CACHE_VARIABLES = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAX_ENABLE_COMPILATION_CACHE")
 
-os.environ.setdefault("COURSE_BUILD_DIR", tempfile.mkdtemp(prefix="course-test-build-"))
+# A build folder of this session's own (the pytest-xdist workers inherit it): removed when the session
+# passes, kept and named when it fails. One the shell names is the shell's, and left alone.
+_MADE_BUILD_DIR = "COURSE_BUILD_DIR" not in os.environ
+if _MADE_BUILD_DIR:  # (setdefault would make a folder in every worker, and leave it)
+    os.environ["COURSE_BUILD_DIR"] = tempfile.mkdtemp(prefix="course-test-build-")
 # The solution notebooks must answer every exercise: an answer left unwritten fails their run instead of
 # printing its hint (the student-version tests unset this).
 os.environ.setdefault("COURSE_STRICT_CHECKS", "1")
@@ -31,3 +36,23 @@ if "COURSE_TEST_JAX_CACHE" not in os.environ:
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["COURSE_TEST_JAX_CACHE"]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the lessons' small programs too
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+def _owns_build_dir(config) -> bool:
+    return _MADE_BUILD_DIR and not hasattr(
+        config, "workerinput"
+    )  # the controller, not an xdist worker
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _owns_build_dir(config) and exitstatus != 0:
+        terminalreporter.write_line(
+            f"the session's build folder is kept for a look: {os.environ['COURSE_BUILD_DIR']}"
+        )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A passing session leaves nothing in the temporary folder (its runs and compilation cache are
+    hundreds of MB)."""
+    if _owns_build_dir(session.config) and exitstatus == 0:
+        shutil.rmtree(os.environ["COURSE_BUILD_DIR"], ignore_errors=True)

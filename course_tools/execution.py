@@ -22,14 +22,15 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import nbformat
 from jupyter_client.manager import AsyncKernelManager
 from papermill.engines import NBClientEngine, NotebookExecutionManager, papermill_engines
+from traitlets import default
 
+from .folders import write_atomic, write_error
 from .processes import Terminated, describe_exit, ignoring_sigint, tail
 
 KERNEL = "python3"
@@ -109,18 +110,6 @@ class _Run:
         return describe_exit(codes[-1]) if codes and codes[-1] is not None else "no exit status"
 
 
-def _write_atomic(text: str, path: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".", suffix=".ipynb.tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class _Manager(NotebookExecutionManager):
     """papermill's execution manager, saving atomically and telling the run which cell is running."""
 
@@ -132,7 +121,7 @@ class _Manager(NotebookExecutionManager):
         if kwargs.get("nb"):
             self.nb = kwargs["nb"]
         if self.output_path:
-            _write_atomic(nbformat.writes(self.nb), self.output_path)
+            write_atomic(self.output_path, nbformat.writes(self.nb))
         self.last_save_time = self.now()
 
     def cell_start(self, cell, cell_index=None, **kwargs):
@@ -196,6 +185,14 @@ def _kernel_manager_class(run: _Run) -> type:
     """A kernel manager that logs the kernel's own output to ``run.log`` and keeps its process."""
 
     class CourseKernelManager(AsyncKernelManager):
+        @default("transport_encryption")
+        def _encrypted(self):
+            # The kernel's channels encrypted with CurveZMQ keys made for this kernel (ipykernel's spec
+            # declares support): no "Kernel is running over TCP without encryption" warning in its log.
+            import zmq
+
+            return "auto" if zmq.has("curve") else "disabled"
+
         async def _async_launch_kernel(self, kernel_cmd, **kw):
             kw["stdout"] = kw["stderr"] = run.log
             env = dict(kw.get("env") or os.environ)
@@ -329,13 +326,15 @@ def execute(
         ) from None
     except DeadKernelError:
         raise _kernel_died(notebook, output, run) from None
-    except (
-        OSError
-    ) as e:  # saving the executed notebook (a full disk): the last complete save is kept
+    except OSError as e:
+        # saving the executed notebook (a full disk): the last complete save is kept
+        kept = (
+            f"the executed notebook's last complete save is kept at {output}"
+            if output.exists()
+            else "no copy of the executed notebook could be saved"
+        )
         raise NotebookFailed(
-            f"{notebook.name}: cannot write {e.filename or output} ({e.strerror or e}) {run.where()}; "
-            f"the executed notebook's last complete save is kept at {output}",
-            output,
+            f"{notebook.name}: {write_error(e, e.filename or output)} {run.where()}; {kept}", output
         ) from None
     except (
         RuntimeError

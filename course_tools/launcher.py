@@ -167,7 +167,7 @@ def launch(
       fail_process: make this process raise on purpose (to demonstrate failure handling); None for a normal run.
       fail_stage: where it raises: ``"init"`` (before joining) or ``"train"`` (after joining, before step 0).
       out_dir: folder for logs and outputs (if it already holds files, a new sibling ``<out_dir>-2`` is
-        used); default a new temporary folder.
+        used); default a new folder ``build/multihost[-k]`` (under ``$COURSE_BUILD_DIR`` when set).
       check_only: join the group and report devices without training.
       tail_lines: output lines quoted in an error.
 
@@ -253,13 +253,9 @@ def _validate(args: dict) -> dict:
 def _output_folder(out_dir) -> Path:
     """A folder for this launch alone: an earlier launch's logs and outputs are kept (a used folder gets a
     sibling), and a launch started at the same moment into the same folder gets another one."""
-    import tempfile
-
     from .results import prepare_results_dir, resolve_results_dir
 
-    base = resolve_results_dir(
-        tempfile.mkdtemp(prefix="course-multihost-") if out_dir is None else out_dir
-    )
+    base = resolve_results_dir("auto" if out_dir is None else out_dir, "multihost")
     check_folder(base.parent, "output folder", "give another out_dir")
     return claim_run_dir(lambda: prepare_results_dir(base), "output folder")
 
@@ -405,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=arg_type(MULTIHOST_PARAMS["steps"]), default=3)
     p.add_argument("--timeout-s", type=arg_type(MULTIHOST_PARAMS["timeout_s"]), default=180.0)
     p.add_argument("--check-only", action="store_true")
-    p.add_argument("--out", help="folder for the logs and outputs (default: a new temporary one)")
+    p.add_argument(
+        "--out", help="folder for the logs and outputs (default: a new folder build/multihost[-k])"
+    )
     args = p.parse_args(argv)
     try:
         with terminate_as_interrupt():

@@ -1,5 +1,5 @@
-"""Operating-system plumbing of the course's commands: process groups, signals, exit statuses, output
-folders, ports, environments and logs.
+"""Operating-system plumbing of the course's commands: process groups, signals, exit statuses, ports,
+environments and logs (output folders: :mod:`course_tools.folders`).
 
 Used by :mod:`course_tools.launcher` (a local multi-process run) and :mod:`course_tools.run` /
 :mod:`course_tools.execution` (notebook runs); nothing here is JAX.
@@ -8,18 +8,23 @@ Used by :mod:`course_tools.launcher` (a local multi-process run) and :mod:`cours
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from .folders import (  # noqa: F401 - the folder plumbing's old home: imported from here too
+    CLAIM_FILE,
+    MIN_FREE_MB,
+    FolderError,
+    check_folder,
+    claim_run_dir,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 """The repository: the workers run from here, with it on ``PYTHONPATH``."""
@@ -36,13 +41,6 @@ _STRIP_ENV = (
     "JAX_PROCESS_ID",
     "COURSE_MULTIHOST_FAIL",
 )
-
-
-MIN_FREE_MB = 50
-"""Free space a run folder needs before a run starts (an executed lab with its plots is a few MB)."""
-
-CLAIM_FILE = "run.json"
-"""Written first, exclusively, into a run folder: which command owns it (start time, pid, host, command)."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -135,71 +133,6 @@ def describe_exit(code: int | None) -> str:
         "SIGABRT": ": an abort in compiled code, e.g. a failed allocation or an invalid XLA flag",
     }.get(name, "")
     return f"killed by {name}{hint}"
-
-
-def check_folder(path: str | os.PathLike, what: str = "build folder", fix: str = "") -> Path:
-    """Make sure ``path`` is a folder this process can write, with room for a run; create it if needed.
-
-    The check writes and removes a file (permission bits do not tell: root ignores them, a read-only mount
-    shows them writable).
-
-    Raises:
-      FolderError (a ``ValueError``): a file in the way, a folder that cannot be created or written, or
-        less than :data:`MIN_FREE_MB` free; the message names the folder, the cause and ``fix``.
-    """
-    path = Path(path)
-    fix = fix or "choose another folder"
-    if not str(path).strip():
-        raise FolderError(f"the {what} is empty; give a folder such as 'build'")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")
-        os.close(fd)
-        os.unlink(probe)
-    except FileExistsError:
-        raise FolderError(f"the {what} {path} is a file, not a folder: {fix}") from None
-    except OSError as e:
-        raise FolderError(f"cannot write the {what} {path} ({e.strerror or e}): {fix}") from None
-    free_mb = shutil.disk_usage(path).free / 2**20
-    if free_mb < MIN_FREE_MB:
-        raise FolderError(
-            f"only {free_mb:.1f} MB free for the {what} {path}; a run needs at least {MIN_FREE_MB} MB: {fix}"
-        )
-    return path
-
-
-class FolderError(ValueError):
-    """An output folder that cannot be used; the message names it and the fix."""
-
-
-def claim_run_dir(choose, what: str = "run folder") -> Path:
-    """A run folder that belongs to this process alone, even when another run starts at the same moment.
-
-    ``choose()`` returns a candidate (e.g. :func:`course_tools.results.prepare_results_dir`, which gives an
-    unused folder or a fresh sibling). The folder is this run's once :data:`CLAIM_FILE` is created in it
-    with ``O_EXCL``; a run that loses that race asks ``choose()`` again and gets the next sibling.
-
-    Raises:
-      FolderError: the folder cannot be written (named, with the fix).
-    """
-    for _ in range(100):
-        folder = Path(choose())
-        try:
-            fd = os.open(folder / CLAIM_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            continue  # another run claimed it between its choice and ours
-        except OSError as e:
-            raise FolderError(f"cannot write the {what} {folder} ({e.strerror or e})") from None
-        claim = {
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
-        }
-        with os.fdopen(fd, "w") as f:
-            json.dump(claim, f, indent=1)
-        return folder
-    raise FolderError(f"could not claim a {what}: 100 candidates were taken")  # pragma: no cover
 
 
 def free_port(host: str = "127.0.0.1") -> int:

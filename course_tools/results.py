@@ -22,6 +22,15 @@ from pathlib import Path
 
 import pandas as pd
 
+from .folders import (
+    WRITES_MB,
+    FolderError,
+    WriteFailed,
+    check_folder,
+    write_atomic,
+    write_error,
+)
+
 RESULTS_FILE = "lab_results.csv"
 CURVES_FILE = "loss_curves.csv"
 SCALING_FILE = "scaling.csv"
@@ -76,26 +85,51 @@ def resolve_results_dir(results_dir: str | os.PathLike, name: str = "lab") -> Pa
     return path if path.is_absolute() else PROJECT_ROOT / path
 
 
-def prepare_results_dir(results_dir: str | os.PathLike, overwrite: bool = False) -> Path:
-    """The folder this run writes to; an earlier run's results are never silently replaced.
+RESULTS_FIX = "give another results_dir (papermill: -p results_dir DIR; make: BUILD=DIR)"
+
+
+def prepare_results_dir(
+    results_dir: str | os.PathLike,
+    overwrite: bool = False,
+    writes_mb: float = WRITES_MB["lab"],
+    what: str = "results folder",
+    fix: str = RESULTS_FIX,
+) -> Path:
+    """The folder this run writes to, checked writable and with room; an earlier run's results are never
+    silently replaced.
 
     ``results_dir`` goes through :func:`resolve_results_dir` first (``"auto"``, relative paths).
 
     If ``results_dir`` does not exist or is empty, it is used (created). If it holds anything (an earlier
     run, or files of the reader's): with ``overwrite=True`` it is used and the results files written
     later replace theirs; otherwise a new sibling folder ``<results_dir>-2`` (``-3``, …) is created and returned.
+    The folder is then checked (:func:`course_tools.folders.check_folder`): a file is written and removed
+    in it, and at least ``max(MIN_FREE_MB, writes_mb)`` MB must be free — so that the lab's setup cell
+    (``notebooks/08_lab.ipynb`` calls this) stops before any training when its results could not be saved.
+
+    ``what`` and ``fix`` name the folder and the remedy in messages (the book: "book folder").
 
     Raises:
       ValueError: ``results_dir`` is empty or names an existing file, not a folder.
+      FolderError (a ``ValueError``): the folder cannot be created or written, or has too little room;
+        the message names it and the fix.
     """
     if results_dir is None or str(results_dir).strip() == "":
         raise ValueError("results_dir is empty; give a folder such as 'build/lab', or 'auto'")
     path = resolve_results_dir(results_dir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"results_dir={str(path)!r} is a file, not a folder; give a folder path")
-    if overwrite or not path.exists() or not any(path.iterdir()):
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+    try:
+        chosen = (
+            path if overwrite or not path.exists() or not any(path.iterdir()) else _sibling(path)
+        )
+    except OSError as e:
+        raise FolderError(f"cannot write the {what} {path} ({e.strerror or e}): {fix}") from None
+    return check_folder(chosen, what, fix, writes_mb)
+
+
+def _sibling(path: Path) -> Path:
+    """A new, empty folder ``<path>-k`` (the first free k from 2), created."""
     k = 2
     while True:
         candidate = path.with_name(f"{path.name}-{k}")
@@ -113,6 +147,8 @@ def write_csv(
 
     Raises:
       ValueError: no rows, or a required column is missing (named).
+      OSError: the file cannot be written (a full disk): the message names the file and the folder; the
+        previous version of the file, if any, is kept and no temporary file is left.
     """
     df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
     if df.empty:
@@ -121,9 +157,10 @@ def write_csv(
     if missing:
         raise ValueError(f"results for {path} lack the columns {missing}")
     path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    df.to_csv(tmp, index=False)
-    os.replace(tmp, path)  # never a half-written results file
+    try:  # never a half-written results file, and no temporary file left
+        write_atomic(path, df.to_csv(index=False))
+    except OSError as e:  # a full disk, a folder made read-only since: one sentence
+        raise WriteFailed(e.errno, write_error(e, path, RESULTS_FIX)) from None
     return path
 
 
@@ -154,6 +191,29 @@ def load_results(results_dir: str | os.PathLike) -> dict[str, pd.DataFrame]:
     return out
 
 
+REFERENCE_FILES = {
+    "cpu": "reference_cpu_8sim.csv",
+    "cpu_scaling": "reference_cpu_8sim_scaling.csv",
+    "article": "article_reported.csv",
+    "gpu": "reference_gpu.csv",
+}
+
+
+def reference_note(name: str = "cpu") -> str:
+    """Which reference file ``name`` is and when it was recorded (its ``# recorded …`` header line):
+    ``data/reference_cpu_8sim.csv (recorded 2026-12-01T13:27:44+00:00)``."""
+    path = DATA_DIR / REFERENCE_FILES.get(name, name)
+    recorded = "date not recorded"
+    try:
+        for line in path.read_text().splitlines()[:5]:
+            if line.startswith("# recorded "):
+                recorded = "recorded " + line.removeprefix("# recorded ").split(";")[0].strip()
+    except OSError:
+        recorded = "missing"
+    shown = path.relative_to(PROJECT_ROOT) if path.is_relative_to(PROJECT_ROOT) else path
+    return f"{shown} ({recorded})"
+
+
 def load_reference(name: str = "cpu") -> pd.DataFrame:
     """A committed reference table from ``data/``.
 
@@ -166,13 +226,7 @@ def load_reference(name: str = "cpu") -> pd.DataFrame:
     Raises:
       FileNotFoundError: no such reference file (the message lists the ones present).
     """
-    files = {
-        "cpu": "reference_cpu_8sim.csv",
-        "cpu_scaling": "reference_cpu_8sim_scaling.csv",
-        "article": "article_reported.csv",
-        "gpu": "reference_gpu.csv",
-    }
-    fname = files.get(name, name)
+    fname = REFERENCE_FILES.get(name, name)
     path = DATA_DIR / fname
     if not path.exists():
         have = sorted(p.name for p in DATA_DIR.glob("*.csv"))

@@ -33,15 +33,17 @@ from .execution import (
     check_parameters,
     execute,
 )
-from .processes import (
+from .folders import (
     CLAIM_FILE,
+    WRITES_MB,
     FolderError,
-    Terminated,
+    WriteFailed,
     check_folder,
     claim_run_dir,
-    ignoring_sigint,
-    terminate_as_interrupt,
+    finish_run,
+    write_error,
 )
+from .processes import Terminated, ignoring_sigint, terminate_as_interrupt
 from .results import PROJECT_ROOT, prepare_results_dir, resolve_results_dir
 
 __all__ = [
@@ -61,8 +63,9 @@ NOTEBOOKS = PROJECT_ROOT / "notebooks"
 BUILD_FIX = "give a writable folder with --build DIR (make: BUILD=DIR)"
 
 
-def run_folder(build: str | os.PathLike, name: str) -> Path:
-    """A new run folder ``<build>/<name>[-k]`` that this run alone owns.
+def run_folder(build: str | os.PathLike, name: str, writes_mb: float = WRITES_MB["lab"]) -> Path:
+    """A new run folder ``<build>/<name>[-k]`` that this run alone owns, in a build folder checked
+    writable and with room for ``writes_mb`` MB (:func:`course_tools.folders.check_folder`).
 
     Raises:
       FolderError: an empty build path, a build folder that cannot be written or has no room (named).
@@ -70,8 +73,8 @@ def run_folder(build: str | os.PathLike, name: str) -> Path:
     if not str(build).strip():
         raise FolderError(f"the build folder is empty: {BUILD_FIX}")
     base = resolve_results_dir(Path(build) / name)
-    check_folder(base.parent, "build folder", BUILD_FIX)
-    return claim_run_dir(lambda: prepare_results_dir(base))
+    check_folder(base.parent, "build folder", BUILD_FIX, writes_mb)
+    return claim_run_dir(lambda: prepare_results_dir(base, writes_mb=writes_mb))
 
 
 def kept(folder: Path) -> str:
@@ -82,9 +85,12 @@ def kept(folder: Path) -> str:
         if p.is_file() and p.name != CLAIM_FILE and not p.name.startswith(".")
     )
     shown = [f for f in files if not f.endswith(".kernel.log")]
+    ended = f"; {CLAIM_FILE} there records how the run ended"
     if not any(f.endswith((".csv", ".png")) for f in shown):
-        return f"kept in {folder}: {', '.join(shown) or 'nothing'} (no results were saved yet)"
-    return f"kept in {folder}: {', '.join(shown)}"
+        return (
+            f"kept in {folder}: {', '.join(shown) or 'nothing'} (no results were saved yet){ended}"
+        )
+    return f"kept in {folder}: {', '.join(shown)}{ended}"
 
 
 def _with_kept(error: BaseException, folder: Path) -> BaseException:
@@ -113,7 +119,7 @@ def run_lab(
     lab = NOTEBOOKS / "08_lab.ipynb"
     check_parameters(lab, _lab_params(n, platform, profile, Path(), **(extra or {})))
     check_kernel()
-    run_dir = run_folder(build, "lab")
+    run_dir = run_folder(build, "lab", WRITES_MB["lab"])
     params = _lab_params(n, platform, profile, run_dir, **(extra or {}))
     shown = ", ".join(
         f"{k}={v!r}" for k, v in params.items() if k not in ("results_dir", "overwrite")
@@ -122,7 +128,9 @@ def run_lab(
     try:
         seconds = execute(lab, run_dir / "08_lab.ipynb", params, progress)
     except (NotebookFailed, RunInterrupted) as e:
+        finish_run(run_dir, _status(e))
         raise _with_kept(e, run_dir) from None
+    finish_run(run_dir, "ok")
     print(f"lab done in {seconds:.0f} s; executed notebook, results and plots in {run_dir}:")
     for p in sorted(run_dir.iterdir()):
         print(f"  {p.name}")
@@ -157,14 +165,18 @@ def run_course(
     n, platform = coerce(N_DEVICES, n_devices), coerce(PLATFORM, platform)
     notebooks = course_notebooks()
     if only:
+        numbers = sorted({p.name[:2] for p in notebooks})
+        for o in only:  # each one names a notebook: "0" or "88" would silently run others or fewer
+            if len(o) < 2 or not any(p.name.startswith(o) for p in notebooks):
+                raise ValueError(
+                    f"--only {o!r} names no notebook: give their numbers ({' '.join(numbers)}) or names"
+                )
         notebooks = [p for p in notebooks if any(p.name.startswith(o) for o in only)]
-        if not notebooks:
-            raise ValueError(f"no notebook matches {list(only)}; names start with 00 to 09")
     plan = [(nb, _course_params(nb, n, platform, Path(), lab_params)) for nb in notebooks]
     for nb, params in plan:
         check_parameters(nb, params)
     check_kernel()
-    out = run_folder(build, "course")
+    out = run_folder(build, "course", WRITES_MB["course"])
     rows = []
     try:
         for i, (nb, params) in enumerate(plan):
@@ -181,6 +193,8 @@ def run_course(
     finally:
         with ignoring_sigint():
             _write_timings(out, rows)
+            whole = "ok" if len(rows) == len(plan) else "unfinished"
+            finish_run(out, next((r["status"] for r in rows if r["status"] != "ok"), whole))
     return out
 
 
@@ -203,7 +217,11 @@ def _write_timings(out: Path, rows: list[dict]) -> None:
 
     if rows:
         table = pd.DataFrame(rows)
-        table.to_csv(out / "timings.csv", index=False)
+        try:
+            results.write_csv(table, out / "timings.csv")
+        except OSError as e:
+            # a full disk: the table is printed below, and the run's own error is the message
+            print(f"timings.csv not written: {e}", file=sys.stderr)
         print("\n" + table.to_string(index=False))
         print(f"total {table['seconds'].sum():.0f} s; executed notebooks in {out}")
         if (out / "lab").is_dir():
@@ -234,7 +252,7 @@ def run_scaling(
     _draw_with_agg()
     from . import study
 
-    out = run_folder(build, "scaling")
+    out = run_folder(build, "scaling", WRITES_MB["lab"] * len(ns))
     run_dirs = []
     for n in ns:
         run_dir = out / f"n{n}"
@@ -244,29 +262,44 @@ def run_scaling(
         try:
             execute(lab, run_dir / "08_lab.ipynb", params, progress)
         except (NotebookFailed, RunInterrupted) as e:
+            finish_run(out, _status(e))
             done = ", ".join(str(d) for d in run_dirs) or "none"
             e.args = (f"{e}\ncompleted runs kept: {done}; no study was written",)
             raise
         run_dirs.append(run_dir)
     rows = study.aggregate(run_dirs)
     table = study.efficiency(rows)
-    table.to_csv(out / "study.csv", index=False)
+    results.write_csv(table, out / "study.csv")
     simulated = bool(rows["platform"].eq("cpu").all())
-    ref = None
-    try:
-        ref_rows = results.load_reference("cpu_scaling")
-        same = set(ref_rows["profile"]) == set(rows["profile"]) and set(
-            ref_rows["platform"]
-        ) == set(rows["platform"])
-        ref = study.efficiency(ref_rows.assign(run="reference")) if same else None
-    except FileNotFoundError:
-        pass
+    ref = _reference_study(rows)
     from course_lib import plots
 
-    plots.save(study.plot_study(table, ref, simulated=simulated), out / "study.png")
+    try:
+        plots.save(study.plot_study(table, ref, simulated=simulated), out / "study.png")
+    except OSError as e:
+        raise WriteFailed(e.errno, write_error(e, out / "study.png", BUILD_FIX)) from None
+    finish_run(out, "ok")
     print(table.to_string(index=False))
     print(f"scaling study in {out}")
     return out
+
+
+def _reference_study(rows):
+    """The committed reference study's efficiency table when it is of the same profile and platform as
+    ``rows`` (else None); says which file it is and when it was recorded, or why it is left out."""
+    from . import study
+
+    try:
+        ref_rows = results.load_reference("cpu_scaling")
+    except FileNotFoundError:
+        return None
+    which = results.reference_note("cpu_scaling")
+    same = all(set(ref_rows[c]) == set(rows[c]) for c in ("profile", "platform"))
+    if not same:
+        print(f"the reference study {which} is of another profile or platform: not drawn")
+        return None
+    print(f"drawn beside the reference study {which}")
+    return study.efficiency(ref_rows.assign(run="reference"))
 
 
 def _draw_with_agg() -> None:

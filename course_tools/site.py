@@ -12,6 +12,7 @@ Taught by none of the notebooks: it is the course's publishing step.
 from __future__ import annotations
 
 import argparse
+import errno
 import html
 import re
 import shutil
@@ -28,7 +29,7 @@ if (
 
 import nbformat  # noqa: E402
 
-from . import book, results  # noqa: E402
+from . import book, folders, results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "docs" / "book"
@@ -104,7 +105,12 @@ def build_site(
         _sphinx(staging, Path(tmp) / "doctrees", Path(tmp) / "html" / "book", student, strict)
         out.mkdir(parents=True, exist_ok=True)
         for item in (Path(tmp) / "html" / "book").iterdir():
-            shutil.move(item, out / item.name)
+            try:
+                shutil.move(item, out / item.name)
+            except OSError as e:  # a full disk: main removes what was moved
+                raise folders.WriteFailed(
+                    e.errno, folders.write_error(e, out, "make room there")
+                ) from None
     names = ["index", *(lesson["stem"] for lesson in lessons)]
     if not student:
         names += ["lab-report", "run", "instructor-guide"]
@@ -137,7 +143,8 @@ def _stage(
         else:
             nb = _lesson_notebook(notebooks[lesson["stem"]], lesson, source, student)
             nbformat.write(nb, staging / f"{lesson['stem']}.ipynb")
-    context = {"student": student, "lessons": lessons}
+    # in the student package (no tests/, no solutions) the book names the commands the package has
+    context = {"student": student, "lessons": lessons, "in_package": not (ROOT / "tests").is_dir()}
     if not student:
         run = book.run_context(
             source, [n for n in lessons if not n["missing"]], [n["stem"] for n in missing]
@@ -238,6 +245,16 @@ def _sphinx(staging: Path, doctrees: Path, out: Path, student: bool, strict: boo
     cmd += ["-t", "student"] if student else []
     cmd += ["-W", "--keep-going"] if strict else []
     proc = subprocess.run([*cmd, str(staging), str(out)], capture_output=True, text=True)
+    if proc.returncode != 0 and re.search(
+        r"No space left on device|Errno 28|Disk quota exceeded", proc.stderr
+    ):
+        # Sphinx's traceback is not the reader's business: where it ran out of room, and the fix
+        where = staging.parent
+        raise folders.WriteFailed(
+            errno.ENOSPC,
+            f"the book could not be staged: no space left in the temporary folder {where} "
+            f"({folders.free_mb(where):.1f} MB free): {TMP_FIX}",
+        )
     if proc.stderr:
         print(proc.stderr, file=sys.stderr, end="")
     if proc.returncode != 0:
@@ -245,16 +262,24 @@ def _sphinx(staging: Path, doctrees: Path, out: Path, student: bool, strict: boo
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m course_tools.site SOURCE OUT`` (or ``--newest-in BUILD OUT``); returns the exit status:
+    0 built, 2 refused or failed (one message), 130 Ctrl-C."""
     ap = argparse.ArgumentParser(
         prog="python -m course_tools.site", description=__doc__.splitlines()[0]
     )
     ap.add_argument(
         "source",
+        nargs="?",
         help="a course run (make course writes build/course); with --student, a folder of notebooks",
     )
     ap.add_argument(
         "out",
         help="folder for the book (if it is already used, a new sibling such as site-2 is made)",
+    )
+    ap.add_argument(
+        "--newest-in",
+        metavar="BUILD",
+        help="instead of SOURCE: the newest course run under BUILD that ended ok (what make site reads)",
     )
     ap.add_argument(
         "--student",
@@ -265,19 +290,57 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = None
     try:
+        source = _source(args)
         out = results.prepare_results_dir(
-            args.out
-        )  # a new sibling (site-2, ...) when the folder is already used
-        pages = build_site(args.source, out, student=args.student, strict=args.strict)
-    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError, KeyboardInterrupt) as e:
+            args.out, writes_mb=folders.WRITES_MB["book"], what="book folder", fix=OUT_FIX
+        )
+        folders.check_folder(
+            tempfile.gettempdir(), "temporary folder", TMP_FIX, folders.WRITES_MB["book"]
+        )
+        with folders.removed_on_failure(out):  # made (or found empty) for this book
+            pages = build_site(source, out, student=args.student, strict=args.strict)
+    except (OSError, ValueError, RuntimeError, KeyboardInterrupt) as e:
         if out is not None and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()  # made for this build and left empty: the book is moved in only once Sphinx succeeded
+            out.rmdir()  # made for this build and left empty
         print("interrupted" if isinstance(e, KeyboardInterrupt) else f"error: {e}", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 2
     print(
         f"{len(pages)} pages in {out}; open {out / 'index.html'} (or serve it: python -m http.server -d {out})"
     )
     return 0
+
+
+TMP_FIX = "point TMPDIR at a folder with room (Sphinx stages the book there)"
+OUT_FIX = "give another folder for the book (make: BUILD=DIR)"
+
+
+def _source(args) -> Path:
+    """The folder the book is made of; for a course run, named with its date and commit, and what a
+    reader should know about it (a newer run beside it, another commit) printed as notes.
+
+    Raises:
+      ValueError: neither or both of SOURCE and ``--newest-in``; a run still running.
+      FileNotFoundError: ``--newest-in`` found no finished course run.
+    """
+    if (args.source is None) == (args.newest_in is None):
+        raise ValueError("give a course run folder, or --newest-in BUILD (not both)")
+    if args.student:
+        if args.newest_in is not None:
+            raise ValueError("--student builds from a folder of notebooks such as notebooks/")
+        return Path(args.source)
+    info = (
+        folders.newest_run(args.newest_in, "course")
+        if args.newest_in is not None
+        else folders.read_run(args.source)
+    )
+    if info.running:
+        raise ValueError(
+            f"{folders.describe(info)} is still running: build its book when it has ended"
+        )
+    print(f"the book of the course run {folders.describe(info)}")
+    for note in folders.notes_on(info, "course"):
+        print(f"note: {note}")
+    return info.folder
 
 
 if __name__ == "__main__":

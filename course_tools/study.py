@@ -15,7 +15,7 @@ import pandas as pd
 
 from course_lib.measure import scaling_efficiency
 
-from . import results
+from . import folders, results
 
 COMPARABLE = ("profile", "platform", "device_kind", "jax_version", "global_batch", "image_size")
 """Columns that must be equal across runs for their throughputs to be compared."""
@@ -41,7 +41,24 @@ def aggregate(run_dirs: Sequence[str | os.PathLike]) -> pd.DataFrame:
         raise ValueError("no runs given")
     allrows = pd.concat(frames, ignore_index=True)
     check_comparable(allrows)
+    for note in commit_notes(run_dirs):
+        print(f"note: {note}")
     return allrows
+
+
+def commit_notes(run_dirs: Sequence[str | os.PathLike]) -> list[str]:
+    """A note when the runs were made by different commits of the course (their ``run.json``, in the
+    folder or the one above it: ``make scaling`` keeps its runs in one claimed folder): their code differs,
+    so a difference in their numbers may be the code's."""
+    commits = {}
+    for d in run_dirs:
+        d = Path(d)
+        claim = next((p for p in (d, d.parent) if (p / folders.CLAIM_FILE).exists()), None)
+        if claim is not None and (commit := folders.read_run(claim).commit):
+            commits[d.name] = commit[:7]
+    if len(set(commits.values())) > 1:
+        return [f"the runs are of different commits of the course: {commits}"]
+    return []
 
 
 def check_comparable(rows: pd.DataFrame) -> None:

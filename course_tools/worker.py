@@ -101,16 +101,15 @@ def _train_and_save(args: Any, me: int) -> dict:
     import jax
     import numpy as np
 
-    inputs = args.inputs
-    if (
-        not inputs
-    ):  # no shared folder (e.g. a cluster job): every process makes the same inputs itself
+    data = args.data or ("file" if args.inputs else "device")
+    if args.inputs:
+        runs = train_strategies(jax.devices(), args.inputs, args.strategies, args.steps, data=data)
+    else:  # no shared folder (e.g. a cluster job): every process makes the same inputs itself, removed after
         import tempfile
 
-        folder = tempfile.mkdtemp(prefix=f"course-inputs-{me}-")
-        inputs = prepare_inputs(folder, args.profile, args.steps, args.seed, batches=False)
-    data = args.data or ("file" if args.inputs else "device")
-    runs = train_strategies(jax.devices(), inputs, args.strategies, args.steps, data=data)
+        with tempfile.TemporaryDirectory(prefix=f"course-inputs-{me}-") as folder:
+            inputs = prepare_inputs(folder, args.profile, args.steps, args.seed, batches=False)
+            runs = train_strategies(jax.devices(), inputs, args.strategies, args.steps, data=data)
     out = {
         "strategies": {k: {f: v for f, v in r.items() if f != "params"} for k, r in runs.items()}
     }

@@ -105,9 +105,12 @@ class Browser:
         from playwright.sync_api import sync_playwright
 
         self.shots = shots
+        # skip before Playwright starts: one started and left behind keeps its event loop running in this
+        # thread, and the next browser test of the process fails instead of skipping
+        executable = chromium()
         self._pw = sync_playwright().start()
         self._browser = self._pw.chromium.launch(
-            executable_path=chromium(), chromium_sandbox=False, args=CHROMIUM_FLAGS
+            executable_path=executable, chromium_sandbox=False, args=CHROMIUM_FLAGS
         )
         self._page = self._browser.new_page(viewport={"width": 1280, "height": 1400})
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import disks
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,7 +145,11 @@ def test_an_existing_results_folder_is_never_overwritten(tmp_path, fake_python):
 
 def test_dry_run_plans_the_pinned_cuda_build_and_a_new_dated_folder(tmp_path, fake_python):
     py, mark = fake_python
-    r = run("--dry-run", "--python", str(py), env=fake_nvidia_smi(tmp_path), timeout=10)
+    env = {
+        **fake_nvidia_smi(tmp_path),
+        **disks.fake_df(tmp_path, 10_000),
+    }  # room for the CUDA wheels
+    r = run("--dry-run", "--python", str(py), env=env, timeout=10)
     assert r.returncode == 0, r.stderr
     pin = re.search(r"^jax==(\S+)", (ROOT / "requirements.txt").read_text(), re.M).group(1)
     assert f"jax[cuda12]=={pin}" in r.stdout and f"jaxlib=={pin}" in r.stdout
@@ -180,3 +185,50 @@ def test_a_relative_out_folder_is_where_the_command_was_typed(tmp_path, fake_pyt
     r = run("--dry-run", "--python", str(py), "--out", "run1", env=fake_nvidia_smi(tmp_path),
             cwd=tmp_path, timeout=10)  # fmt: skip
     assert r.returncode == 0 and f"results folder   : {tmp_path}/run1 (new)" in r.stdout, r.stderr
+
+
+def test_a_second_check_on_the_same_day_gets_a_new_folder(tmp_path, fake_python):
+    py, mark = fake_python
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    first = tmp_path / "results" / f"{today}-h100-80gb-hbm3-x2"
+    first.mkdir(parents=True)
+    (first / "summary.txt").write_text("the morning's check\n")
+    env = {**fake_nvidia_smi(tmp_path), "GPU_CHECK_RESULTS_ROOT": str(tmp_path / "results")}
+    r = run("--dry-run", "--skip-install", "--python", str(py), env=env, timeout=10)
+    assert r.returncode == 0, r.stderr
+    assert f"results folder   : {first}-2 (new)" in r.stdout
+    (tmp_path / "results" / f"{first.name}-2").mkdir()
+    r = run("--dry-run", "--skip-install", "--python", str(py), env=env, timeout=10)
+    assert f"results folder   : {first}-3 (new)" in r.stdout, r.stdout
+    assert (first / "summary.txt").read_text() == "the morning's check\n" and not mark.exists()
+
+
+def test_a_results_folder_that_cannot_be_written_stops_before_the_install(tmp_path, fake_python):
+    py, mark = fake_python
+    with disks.read_only(tmp_path / "ro") as ro:
+        r = run(
+            "--python", str(py), "--out", str(ro / "gpu"), env=fake_nvidia_smi(tmp_path), timeout=10
+        )
+    assert r.returncode == 4, (r.stdout, r.stderr)
+    assert f"cannot write the results folder '{ro}/gpu'" in r.stderr and "--out" in r.stderr
+    assert "Nothing was installed" in r.stderr and not mark.exists()
+
+
+@pytest.mark.parametrize(
+    "free_mb, skip_install, message",
+    [
+        (20, True, "only 20 MB free for the results folder"),
+        (1000, False, "only 1000 MB free for the course environment (for the CUDA build of JAX)"),
+    ],
+    ids=["results", "install"],
+)
+def test_too_little_room_stops_before_the_install(
+    tmp_path, fake_python, free_mb, skip_install, message
+):
+    py, mark = fake_python
+    env = {**fake_nvidia_smi(tmp_path), **disks.fake_df(tmp_path, free_mb)}
+    args = ["--skip-install"] if skip_install else []
+    r = run(*args, "--python", str(py), "--out", str(tmp_path / "out"), env=env, timeout=10)
+    assert r.returncode == 4 and message in r.stderr, (r.stdout, r.stderr)
+    assert "Nothing was installed" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists() and not mark.exists()

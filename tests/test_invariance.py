@@ -163,7 +163,11 @@ def test_random_draws_and_placed_parameters_are_the_same_on_any_number_of_shards
         images, labels = start.dataset.batch(
             jax.random.fold_in(start.data_key, 0), 32, NamedSharding(mesh, PartitionSpec("data"))
         )
-        np.testing.assert_array_equal(np.asarray(images), ref_images, err_msg=f"{n} shards")
+        # images: the same bits through float math compiled per shard shape, a few ulp apart on some CPUs
+        # (tests/test_data.py FLOAT_ATOL); labels (integers) and placed parameters (copies): exact
+        np.testing.assert_allclose(
+            np.asarray(images), ref_images, rtol=0, atol=1e-6, err_msg=f"{n} shards"
+        )
         np.testing.assert_array_equal(np.asarray(labels), ref_labels, err_msg=f"{n} shards")
         for key in ("sharded_jit", "shard_map"):
             strat = strategies.build(key, start.graphdef, start.params, opt, report.devices[:n])

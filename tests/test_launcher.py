@@ -225,6 +225,15 @@ def test_each_launch_claims_its_own_output_folder(tmp_path):
     assert all((p / "run.json").exists() for p in (first, second))
 
 
+def test_without_an_output_folder_a_launch_writes_a_new_one_in_the_build_folder(
+    tmp_path, monkeypatch
+):
+    # not a temporary folder left behind in /tmp on every launch: the build folder, named and kept
+    monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path))
+    first, second = launcher._output_folder(None), launcher._output_folder(None)
+    assert (first, second) == (tmp_path / "multihost", tmp_path / "multihost-2")
+
+
 def test_a_jax_option_that_changes_the_numbers_stops_the_launch(inputs, tmp_path):
     import jax
 

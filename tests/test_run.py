@@ -6,6 +6,7 @@ The fault cases run the real command line (``main``) in its own process group, a
 on small notebooks that need no JAX; the lab's real runs come from the invariance matrix (tests/matrix.py).
 """
 
+import errno
 import json
 import os
 import re
@@ -16,13 +17,14 @@ import threading
 import time
 
 import book_browser
+import disks
 import faults
 import matrix
 import pandas as pd
 import pytest
 
 from course_lib import strategies
-from course_tools import processes, results, run, site
+from course_tools import folders, processes, results, run, site
 from course_tools.execution import RunRefused
 
 
@@ -127,23 +129,24 @@ def test_a_build_folder_that_cannot_be_used_is_refused_before_anything(
     assert (tmp_path / "afile").read_text() == "mine"
 
 
-@pytest.mark.skipif(
-    os.geteuid() == 0, reason="root writes into a read-only folder; the cases above refuse for root"
-)
 def test_a_read_only_build_folder_is_refused(tmp_path, capsys):
-    (tmp_path / "ro").mkdir(mode=0o500)
-    assert run.main(["lab", "--build", str(tmp_path / "ro")]) == 1
+    with disks.read_only(
+        tmp_path / "ro"
+    ) as ro:  # a read-only file system for root, permissions else
+        assert run.main(["lab", "--build", str(ro)]) == 1
+    err = capsys.readouterr().err
     assert (
-        f"cannot write the build folder {tmp_path / 'ro'} (Permission denied)"
-        in capsys.readouterr().err
-    )
+        f"cannot write the build folder {ro} (" in err and "--build DIR (make: BUILD=DIR)" in err
+    ), err
 
 
 def test_a_build_folder_without_room_is_refused(tmp_path, capsys, monkeypatch):
-    usage = processes.shutil.disk_usage(tmp_path)._replace(free=3 * 2**20)
-    monkeypatch.setattr(processes.shutil, "disk_usage", lambda path: usage)
+    disks.fake_free(monkeypatch, 3)
     assert run.main(["lab", "--build", str(tmp_path)]) == 1
-    assert "only 3.0 MB free for the build folder" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "only 3.0 MB free for the build folder" in err and "this step writes about 2 MB" in err
+    assert run.main(["course", "--only", "00", "--build", str(tmp_path)]) == 1
+    assert "this step writes about 12 MB" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -437,3 +440,141 @@ def test_site_refuses_to_overwrite(rendered, course_run, tmp_path):
         site.build_site(course_run, rendered)
     with pytest.raises(FileNotFoundError, match="make course"):
         site.build_site(tmp_path, tmp_path / "out")
+
+
+# --- the second time, a full disk: one message, the run marked, the newest finished run found -----------
+
+
+@pytest.fixture
+def quick_course(tmp_path, monkeypatch):
+    """A course of three notebooks that need no JAX, run in this process by ``run.main``."""
+    nbs = tmp_path / "notebooks"
+    faults.make_notebook(nbs / "00_quick.ipynb", "print('quick')")
+    faults.make_notebook(nbs / "01_big.ipynb", "print('x' * 1000)", "print('more')")
+    faults.make_notebook(nbs / "02_last.ipynb", "print('last')")
+    monkeypatch.setattr(run, "NOTEBOOKS", nbs)
+    return ["course", "--n-devices", "2", "--platform", "cpu", "--build", str(tmp_path / "build")]
+
+
+def test_a_course_run_twice_goes_to_two_folders_and_the_book_reads_the_newest(
+    quick_course, tmp_path, capsys
+):
+    build = tmp_path / "build"
+    assert run.main(quick_course) == 0 and run.main(quick_course) == 0
+    first, second = (folders.read_run(build / n) for n in ("course", "course-2"))
+    assert first.status == second.status == "ok" and first.started <= second.started
+    capsys.readouterr()
+    import argparse
+
+    newest = site._source(argparse.Namespace(source=None, newest_in=str(build), student=False))
+    assert newest == build / "course-2"
+    said = capsys.readouterr().out
+    assert (
+        said.startswith(f"the book of the course run {build / 'course-2'} (started ")
+        and "ended ok" in said
+    )
+    assert "note:" not in said
+    named = site._source(
+        argparse.Namespace(source=str(build / "course"), newest_in=None, student=False)
+    )
+    said = capsys.readouterr().out
+    assert (
+        named == build / "course"
+        and f"note: a newer course run exists: {build / 'course-2'}" in said
+    )
+
+
+def test_a_full_disk_mid_course_ends_with_one_message_and_the_run_marked(
+    quick_course, tmp_path, capsys, monkeypatch
+):
+    real_replace, saves = os.replace, []
+
+    def replace(src, dst):  # the disk fills after 01_big's first saves
+        saves.extend([dst] if str(dst).endswith("01_big.ipynb") else [])
+        if len(saves) > 3 and str(dst).endswith("01_big.ipynb"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert run.main(quick_course) == 1
+    err = capsys.readouterr().err
+    course = tmp_path / "build" / "course"
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    said = f"01_big.ipynb: cannot write {course / '01_big.ipynb'} (No space left on device; "
+    assert said in err and " MB free there) in cell [" in err, err
+    assert f"kept in {course}" in err and "run.json there records how the run ended" in err
+    assert list(pd.read_csv(course / "timings.csv")["status"]) == ["ok", "FAILED"]
+    assert folders.read_run(course).status == "FAILED"
+    assert json.loads((course / "01_big.ipynb").read_text())["cells"]  # its last complete save
+    assert not [p for p in course.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_disk_that_fills_up_leaves_a_run_the_book_passes_over(
+    quick_course, tmp_path, capsys, monkeypatch
+):
+    build = tmp_path / "build"
+    with disks.small_disk(build, mb=2):
+        # the room checks pass (1 MB): the disk fills while the executed notebook is saved
+        monkeypatch.setattr(folders, "MIN_FREE_MB", 1)
+        monkeypatch.setitem(folders.WRITES_MB, "course", 1)
+        nbs = run.NOTEBOOKS
+        faults.make_notebook(nbs / "01_big.ipynb", "print('x' * 3_000_000)", "print('more')")
+        code = run.main(quick_course)
+        err = capsys.readouterr().err
+        assert code == 1 and "No space left on device" in err and "Traceback" not in err, err
+        info = folders.read_run(build / "course")
+        assert info.status in ("unfinished", "FAILED") and not info.running
+        with pytest.raises(FileNotFoundError, match="no finished course run"):
+            folders.newest_run(build, "course")
+
+
+def test_a_course_run_still_running_is_not_made_into_a_book(tmp_path):
+    import argparse
+
+    folder = folders.claim_run_dir(lambda: results.prepare_results_dir(tmp_path / "course"))
+    with pytest.raises(ValueError, match="is still running: build its book when it has ended"):
+        site._source(argparse.Namespace(source=str(folder), newest_in=None, student=False))
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("folder", ["read-only", "small-disk"])
+def test_the_lab_through_papermill_stops_in_its_setup_cell_when_results_cannot_be_saved(
+    tmp_path, folder
+):
+    # papermill ... -p results_dir DIR: the notebook's own setup cell checks DIR (the library call it
+    # makes, results.prepare_results_dir), before any strategy trains
+    out = tmp_path / "08_lab.ipynb"
+    where = (
+        disks.read_only(tmp_path / "ro")
+        if folder == "read-only"
+        else disks.small_disk(tmp_path / "small", 4)
+    )
+    params = {"n_devices": 2, "platform": "cpu", "profile": "tiny", "scaling": False}
+    with where as results_dir:
+        with pytest.raises(run.NotebookFailed) as e:
+            run.execute(
+                run.NOTEBOOKS / "08_lab.ipynb",
+                out,
+                {**params, "results_dir": str(results_dir)},
+                progress=False,
+            )
+        assert list(results_dir.iterdir()) == []
+    message = str(e.value)
+    expected = (
+        f"cannot write the results folder {results_dir} ("
+        if folder == "read-only"
+        else f"only 4.0 MB free for the results folder {results_dir}"
+    )
+    assert "08_lab.ipynb failed in cell [4] with FolderError: " + expected in message, message
+    assert "-p results_dir DIR" in message
+    ran = [c for c in faults.cells(out) if c["count"]]
+    assert (
+        len(ran) == 4
+    )  # parameters, injected parameters, device setup, imports and the results folder
+
+
+@pytest.mark.parametrize("only", [["0"], ["00", "88"], ["8"]])
+def test_only_names_notebooks_or_is_refused(tmp_path, capsys, only):
+    assert run.main(["course", "--only", *only, "--build", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "names no notebook: give their numbers (00 01" in err and list(tmp_path.iterdir()) == []

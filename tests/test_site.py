@@ -2,10 +2,14 @@
 built from ``notebooks/`` and checked in headless Chromium. The book of a real course run is checked in
 tests/test_lab_runs.py, which runs one."""
 
+import errno
 import html
 import re
+import shutil
+import subprocess
 
 import book_browser
+import disks
 import nbformat
 import pytest
 
@@ -292,3 +296,83 @@ def test_run_pages_state_the_devices_and_the_failed_and_missing_notebooks(tmp_pa
         and "## Reference run" in report_page
     )
     assert (staging / "reference" / "comparison.png").stat().st_size > 10_000
+
+
+# --- a full disk while the book is built: one message, nothing half-written left -------------------------
+
+
+@pytest.fixture
+def one_lesson(tmp_path, monkeypatch):
+    """A folder of one lesson for the student book, and Sphinx stood in for by a quick fake."""
+    src = tmp_path / "src"
+    src.mkdir()
+    nbformat.write(
+        _nb([("markdown", "# 00 · setup", None, None), ("code", "x = 1", [], None)]),
+        src / "00_setup.ipynb",
+    )
+
+    def fake_sphinx(staging, doctrees, out, student, strict):
+        out.mkdir(parents=True)
+        for name in ("index.html", "00_setup.html", "search.html"):
+            (out / name).write_text("<html></html>")
+
+    monkeypatch.setattr(site, "_sphinx", fake_sphinx)
+    return src
+
+
+def test_the_book_is_built_into_a_new_folder_each_time(one_lesson, tmp_path, capsys):
+    out = tmp_path / "site"
+    assert site.main(["--student", str(one_lesson), str(out)]) == 0
+    assert site.main(["--student", str(one_lesson), str(out)]) == 0
+    assert (out / "index.html").exists() and (tmp_path / "site-2" / "index.html").exists()
+
+
+def test_a_disk_that_fills_while_the_book_is_moved_leaves_no_half_book(
+    one_lesson, tmp_path, capsys, monkeypatch
+):
+    real_move, moved = shutil.move, []
+
+    def move(src, dst):
+        if moved:
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        moved.append(dst)
+        return real_move(src, dst)
+
+    monkeypatch.setattr(site.shutil, "move", move)
+    out = tmp_path / "site"
+    assert site.main(["--student", str(one_lesson), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"error: cannot write {out} (No space left on device; ")
+        and "make room there" in err
+    )
+    assert len(err.strip().splitlines()) == 1 and "Errno" not in err
+    assert moved and not out.exists()  # what was moved is removed with the folder made for it
+
+
+def test_sphinx_running_out_of_space_is_one_message_naming_the_temporary_folder(
+    one_lesson, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.undo()  # the real _sphinx, a Sphinx process that fails as a full disk makes it fail
+    traceback = (
+        "Traceback (most recent call last):\n  ...\nOSError: [Errno 28] No space left on device\n"
+    )
+    monkeypatch.setattr(
+        site.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 2, "", traceback)
+    )
+    out = tmp_path / "site"
+    assert site.main(["--student", str(one_lesson), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "error: the book could not be staged: no space left in the temporary folder " in err, err
+    assert "point TMPDIR at a folder with room" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_book_folder_without_room_is_refused_before_anything_is_staged(
+    one_lesson, tmp_path, capsys, monkeypatch
+):
+    disks.fake_free(monkeypatch, 30)
+    assert site.main(["--student", str(one_lesson), str(tmp_path / "site")]) == 2
+    err = capsys.readouterr().err
+    assert "only 30.0 MB free for the book folder" in err and "writes about 60 MB" in err
+    assert not (tmp_path / "site").exists()

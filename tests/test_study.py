@@ -56,3 +56,22 @@ def test_incomparable_runs_are_refused(tmp_path, col, value):
 def test_missing_run_folder(tmp_path):
     with pytest.raises(FileNotFoundError):
         study.aggregate([tmp_path])
+
+
+def test_runs_of_different_commits_are_named(tmp_path, capsys):
+    import json
+
+    from course_tools import folders
+
+    dirs = []
+    for name, commit in (("lab", "a" * 40), ("lab-2", "b" * 40)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / folders.CLAIM_FILE).write_text(
+            json.dumps({"started": "2026-05-01T10:00:00", "commit": commit})
+        )
+        dirs.append(d)
+    assert study.commit_notes(dirs) == [
+        "the runs are of different commits of the course: {'lab': 'aaaaaaa', 'lab-2': 'bbbbbbb'}"
+    ]
+    assert study.commit_notes(dirs[:1]) == [] and study.commit_notes([tmp_path / "none"]) == []

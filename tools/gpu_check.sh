@@ -24,8 +24,9 @@ The course's GPU check, run once on a GPU host (target: under 5 minutes). In ord
 Steps 4 and 5 run even when an earlier one fails; the summary (summary.txt) says which passed.
 
 Options:
-  --out DIR             results folder (default data/gpu_reference/<date>-<gpu>-x<count>); it must not
-                        exist: an earlier GPU reference run is never overwritten (exit 4)
+  --out DIR             results folder (default data/gpu_reference/<date>-<gpu>-x<count>, or -2, -3, ...
+                        when an earlier check of the same day has it); it must not exist: an earlier GPU
+                        reference run is never overwritten (exit 4)
   --skip-install        use the environment as it is (the CUDA build of JAX already installed)
   --timeout SECONDS     limit for each step: install, tests, each lab run (default 300)
   --python PATH         the course environment's python (default .venv/bin/python, made by make setup)
@@ -33,15 +34,21 @@ Options:
                         without internet: fill DIR elsewhere with
                         pip download "jax[cuda12]==<pin>" -d DIR  (same Python version and platform)
   --lab-param N=V       one more papermill parameter for both lab runs, e.g. --lab-param steps=30
-  --dry-run             find the GPUs, check the results folder, print the plan; change nothing
+  --dry-run             find the GPUs, check the results folder (writable, with room), print the plan;
+                        change nothing
   --rehearse            check this script itself on a machine without GPUs: every step after the install,
                         on 2 simulated CPU devices, lab profile tiny, GPU tests skipped; needs --out, and
                         what it writes is NOT a GPU reference run
   -h, --help            this text
 
+Before anything is installed it checks that the results folder can be written with 50 MB free, and that
+the course environment has 4 GB free for the CUDA wheels (unless --skip-install).
+
 Exit status: 0 every step passed; 1 a test or a lab run failed (results still written); 2 bad arguments;
-3 no GPU found; 4 the results folder exists; 5 the environment cannot run JAX on the GPUs.
-Environment: GPU_CHECK_NVIDIA_SMI names the nvidia-smi to use (default: nvidia-smi on PATH).
+3 no GPU found; 4 the results folder exists, cannot be written or lacks room (or the environment lacks room
+for the install); 5 the environment cannot run JAX on the GPUs.
+Environment: GPU_CHECK_NVIDIA_SMI names the nvidia-smi to use (default: nvidia-smi on PATH);
+GPU_CHECK_RESULTS_ROOT the folder of the dated results folders (default data/gpu_reference).
 EOF
 }
 
@@ -111,10 +118,32 @@ fi
 GPU_NAME=$(head -n 1 <<<"$GPU_CSV" | cut -d, -f2 | sed 's/^ *//; s/ *$//')
 SLUG=$(tr '[:upper:]' '[:lower:]' <<<"$GPU_NAME" | sed 's/^nvidia //; s/[^a-z0-9]\{1,\}/-/g; s/^-//; s/-$//')
 DATE=$(date -u +%Y-%m-%d)
-OUT=${OUT:-$ROOT/data/gpu_reference/$DATE-${SLUG:-gpu}-x$N_GPUS}
-if [[ -e $OUT ]]; then
+if [[ -z $OUT ]]; then # a second check on the same day gets a new folder beside the first
+  BASE="${GPU_CHECK_RESULTS_ROOT:-$ROOT/data/gpu_reference}/$DATE-${SLUG:-gpu}-x$N_GPUS"
+  OUT=$BASE
+  for ((k = 2; k < 1000; k++)); do [[ -e $OUT ]] || break; OUT=$BASE-$k; done
+elif [[ -e $OUT ]]; then
   die 4 "refusing to overwrite '$OUT': it exists, and a GPU reference run is never overwritten. Move it" \
     "away, or give a new folder with --out. Nothing was installed."
+fi
+
+check_room() { # check_room FOLDER NEED_MB WHAT FIX: writable (a file written and removed), NEED_MB free
+  local folder=$1 need=$2 what=$3 fix=$4 near=$1 probe free
+  while [[ ! -e $near ]]; do near=$(dirname "$near"); done
+  [[ -d $near ]] || die 4 "cannot make the $what '$folder': '$near' is a file. $fix. Nothing was installed."
+  probe=$(mktemp "$near/.gpu-check-write-test.XXXXXX" 2>/dev/null) ||
+    die 4 "cannot write the $what '$folder': '$near' is not writable (read-only, or permissions)." \
+      "$fix. Nothing was installed."
+  rm -f "$probe"
+  free=$(df -Pk "$near" | awk 'NR == 2 { print int($4 / 1024) }')
+  [[ ${free:-0} -ge $need ]] ||
+    die 4 "only ${free:-0} MB free for the $what '$folder' ('$near'); the check needs $need MB there." \
+      "Make room there, or: $fix. Nothing was installed."
+}
+check_room "$OUT" 50 "results folder" "Give another folder with --out"
+if [[ $SKIP_INSTALL -eq 0 ]]; then # the CUDA wheels of jax, cudnn, cublas, nccl: about 3 GB
+  check_room "$(dirname "$(dirname "$PY")")" 4096 "course environment (for the CUDA build of JAX)" \
+    "Give another environment with --python, or install the CUDA build yourself and pass --skip-install"
 fi
 
 # ---- the pinned JAX ---------------------------------------------------------------------------------
