@@ -24,15 +24,14 @@ FIRST = (
     "matrix-n4",
     "matrix-n2",
     "matrix-n1",
-    "tests/test_lessons.py",
     "matrix-n8",
     "notebooks/08_lab.ipynb",
 )
 """The longest units of work, longest first (measured), so that both workers start on a long chain: the
-invariance matrix's counts (each count's notebooks run in order on one worker), the student versions, the
-lab's tiny profile and notebook 09 at 8, the lab as committed. Then the other notebooks (nbmake), then the
-rest in collection order; the cross-count comparisons last (they wait for the runs they read: sent early,
-they would hold a worker idle)."""
+invariance matrix's counts (each count's notebooks run in order on one worker; at 1 device the lessons run
+as their student versions, which tests/test_lessons.py reads), the lab's tiny profile and notebook 09 at 8,
+the lab as committed. Then the other notebooks (nbmake), then the rest in collection order; the cross-count
+comparisons last (they wait for the runs they read: sent early, they would hold a worker idle)."""
 LAST = ("matrix-compare",)
 
 

@@ -50,6 +50,14 @@ COMPARED = (
 """The counts whose results are compared: the matrix's and nbmake's; the first is the reference. (At
 counts that do not divide the tiny profile's batch of 32, e.g. ``MATRIX=3``, the batch is rounded up and
 the losses differ: 8 is then left out.)"""
+STUDENT_COUNT = 1
+"""The count at which the matrix runs each lesson's **student version** (solutions replaced by stubs, no
+strict checks: every checker prints "not written yet" and the run goes on). That run is both the lesson at
+this count — every cell but the solutions, with its own asserts — and the student version's run to the end
+(``tests/test_lessons.py``), instead of two runs. The solutions themselves run at the other counts and at 8
+(nbmake); the checkers are also tested on their own (``tests/test_checks_*.py``)."""
+LABS = ("08_lab",)
+"""The capstone labs: their student versions are not run here (their exercises are whole strategies)."""
 TIMES_COMPILES = ("02_jit", "07_debugging")
 """The lessons that time compiles: their setup switches the session's persistent compilation cache (root
 conftest) off (``setup_devices(..., measures_compiles=True)``)."""
@@ -115,11 +123,30 @@ def parameters(stem: str, n: int, folder: Path) -> dict:
     return injected
 
 
+def runs_student_version(stem: str, n: int) -> bool:
+    """True when the matrix's run of ``stem`` at ``n`` devices is its student version (:data:`STUDENT_COUNT`)."""
+    return n == STUDENT_COUNT and stem not in LABS
+
+
+def _student_copy(stem: str, folder: Path) -> Path:
+    """The student version of ``stem``, written to ``folder/src`` (the kernel's working folder)."""
+    import nbformat
+
+    from course_tools.student import student_notebook
+
+    nb, _ = student_notebook(nbformat.read(NOTEBOOKS[stem], as_version=4), stem)
+    (folder / "src").mkdir()
+    path = folder / "src" / f"{stem}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
 def notebook_run(stem: str, n: int) -> Path:
     """The folder holding ``stem`` executed at ``n`` devices.
 
     The lab runs at profile tiny without its scaling sweep; notebook 09's scratch folders (its inputs and
-    the workers' ``process_<i>.json``) go to ``<folder>/tmp``.
+    the workers' ``process_<i>.json``) go to ``<folder>/tmp``. At :data:`STUDENT_COUNT` a lesson runs as its
+    student version (:func:`runs_student_version`).
     """
     if n == 2 and stem in ("00_setup", LAB):
         return course_run()
@@ -130,6 +157,10 @@ def notebook_run(stem: str, n: int) -> Path:
             (folder / "tmp").mkdir()
             env["TMPDIR"] = str(folder / "tmp")
         nb = NOTEBOOKS[stem]
+        if runs_student_version(stem, n):
+            nb = _student_copy(stem, folder)
+            # as a learner runs it: an unwritten answer prints its hint
+            env["COURSE_STRICT_CHECKS"] = None
         execute(nb, folder / nb.name, parameters(stem, n, folder), progress=False, env=env)
 
     return ensure(f"n{n}/{stem}", produce)

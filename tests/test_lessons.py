@@ -117,21 +117,19 @@ def test_exercise_floors(name):
 
 
 @pytest.mark.notebook
-@pytest.mark.parametrize("name", LESSONS)
-def test_student_version_runs_to_the_end_with_every_check_printing_its_hint(name, monkeypatch):
-    from nbclient import NotebookClient
-
-    monkeypatch.delenv(
-        "COURSE_STRICT_CHECKS", raising=False
-    )  # the kernel inherits this environment
-    student, _ = student_notebook(_read(name), name)
-    NotebookClient(
-        student,
-        timeout=300,
-        kernel_name="python3",
-        allow_errors=True,
-        resources={"metadata": {"path": str(ROOT)}},
-    ).execute()
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xdist_group(f"matrix-n{matrix.STUDENT_COUNT}"))
+        for n in LESSONS
+    ],
+)
+def test_student_version_runs_to_the_end_with_every_check_printing_its_hint(name):
+    # The matrix's run of the lesson at STUDENT_COUNT devices is its student version (tests/matrix.py).
+    assert matrix.runs_student_version(name, matrix.STUDENT_COUNT)
+    folder = matrix.notebook_run(name, matrix.STUDENT_COUNT)
+    student = nbformat.read(folder / f"{name}.ipynb", as_version=4)
+    assert "BEGIN SOLUTION" not in "".join(c.source for c in student.cells)
     errors = [
         (c.source[:80], o.ename, o.evalue[:200])
         for c in _code_cells(student)
