@@ -233,7 +233,8 @@ def check_fsdp_tp_step(fn: Callable, devices: Sequence[Any]) -> bool:
       second layer's partial sums, are free to use either axis). On a mesh axis of size 1 nothing moves,
       so there the traced types are read for a gather over model instead.
 
-    Returns True (and prints a confirmation); raises ExerciseError naming the first broken rule.
+    Returns True; raises ExerciseError naming the first broken rule (the exported checker prints the
+    confirmation).
     """
     n = len(devices)
     params, velocity, x, y = problem(n)
