@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import P, lax
+from jax import lax
 
 from course_lib.meshes import DATA, MODEL
 
@@ -64,6 +64,10 @@ def predict_scatter_full(n_data, n_model):  # wrong: psum_scatter keeps the whol
     d = predict(n_data, n_model)
     d["s"] = ((8, 6), {DATA})
     return d
+
+
+def predict_all_wrong_vma(n_data, n_model):  # wrong: the right shapes, every vma empty
+    return {k: (shape, set()) for k, (shape, _) in predict(n_data, n_model).items()}
 
 
 # ---- exercise 2: a ring all-reduce --------------------------------------------------------------------------
@@ -197,6 +201,16 @@ def ring_wrong_index(
     return out.reshape(x_block.shape)
 
 
+def ring_gather_then_sum(x_block, axis_name):  # wrong: an all-gather by ppermute, then a local sum
+    n = lax.axis_size(axis_name)
+    to_right = [(i, (i + 1) % n) for i in range(n)]
+    blocks, send = [x_block], x_block
+    for _ in range(n - 1):
+        send = lax.ppermute(send, axis_name, to_right)  # the whole block, every step
+        blocks.append(send)
+    return sum(blocks[1:], blocks[0])
+
+
 def ring_nothing(x_block, axis_name):  # wrong: returns the block
     return x_block
 
@@ -240,6 +254,15 @@ def tp_cross_entropy_onehot(logits_block, labels, axis_name):  # other correct f
     return jnp.log(lax.psum(jnp.exp(z).sum(-1), axis_name)) - target
 
 
+def tp_cross_entropy_two_level(
+    logits_block, labels, axis_name
+):  # other correct form: two logsumexps
+    local = jax.nn.logsumexp(logits_block, axis=-1)  # [b]: log Σ over this shard's classes
+    top = lax.pmax(lax.stop_gradient(local), axis_name)
+    log_norm = top + jnp.log(lax.psum(jnp.exp(local - top), axis_name))  # log Σ over every shard
+    return log_norm - lax.psum(_target(logits_block, labels, axis_name), axis_name)
+
+
 def tp_cross_entropy_no_shift(logits_block, labels, axis_name):  # wrong: overflows for large logits
     log_norm = jnp.log(lax.psum(jnp.sum(jnp.exp(logits_block), axis=-1), axis_name))
     return log_norm - lax.psum(_target(logits_block, labels, axis_name), axis_name)
@@ -281,106 +304,82 @@ def tp_cross_entropy_unmasked(
     return jnp.log(lax.psum(jnp.sum(jnp.exp(z), axis=-1), axis_name)) - lax.psum(picked, axis_name)
 
 
-# ---- exercise 4: a tensor-parallel MLP, fewest collectives -------------------------------------------------
+# ---- exercise 4: a stencil with a halo exchange ----------------------------------------------------------
 
 
-def mlp_layout(data_axis, model_axis):  # reference: column-parallel, then row-parallel
-    return {"w1": P(None, model_axis), "b1": P(model_axis), "w2": P(model_axis, None), "b2": P()}
+def halo_stencil(x_block, kernel, axis_name):  # reference
+    n = lax.axis_size(axis_name)
+    r = kernel.shape[0] // 2
+    to_next = [(i, i + 1) for i in range(n - 1)]  # no pair wraps around: the ends receive zeros
+    to_prev = [(i + 1, i) for i in range(n - 1)]
+    before = lax.ppermute(
+        x_block[x_block.shape[0] - r :], axis_name, to_next
+    )  # the last r rows of i-1
+    after = lax.ppermute(x_block[:r], axis_name, to_prev)  # the first r rows of i+1
+    padded = jnp.concatenate([before, x_block, after])  # [L/n + 2r, C]
+    rows = x_block.shape[0]
+    return sum(kernel[j] * padded[j : j + rows] for j in range(kernel.shape[0]))
 
 
-def tp_mlp_loss_and_grads(params, x_block, y_block, data_axis, model_axis):  # reference
-    def global_loss(p):
-        h = jax.nn.relu(x_block @ p["w1"] + p["b1"])  # [b, H/m]: no communication
-        out = lax.psum(h @ p["w2"], model_axis) + p["b2"]  # [b, K]: one psum, then the bias once
-        return lax.pmean(jnp.mean((out - y_block) ** 2), data_axis)
-
-    return jax.value_and_grad(global_loss)(params)
-
-
-def mlp_layout_tuples(data_axis, model_axis):  # other correct form: specs as tuples
-    return {"w1": (None, model_axis), "b1": (model_axis,), "w2": (model_axis,), "b2": ()}
-
-
-def tp_mlp_sum_form(
-    params, x_block, y_block, data_axis, model_axis
-):  # other correct form: a global sum
-    n_total = x_block.shape[0] * lax.axis_size(data_axis) * y_block.shape[1]
-
-    def global_loss(p):
-        h = jax.nn.relu(jnp.dot(x_block, p["w1"]) + p["b1"])
-        out = lax.psum(jnp.dot(h, p["w2"]), model_axis) + p["b2"]
-        return lax.psum(jnp.sum((out - y_block) ** 2), data_axis) / n_total
-
-    return jax.value_and_grad(global_loss)(params)
+def halo_stencil_conv(x_block, kernel, axis_name):  # other correct form: lax.conv, a masked ring
+    n = lax.axis_size(axis_name)
+    me = lax.axis_index(axis_name)
+    r = kernel.shape[0] // 2
+    ring_next = [(i, (i + 1) % n) for i in range(n)]
+    ring_prev = [((i + 1) % n, i) for i in range(n)]
+    before = lax.ppermute(x_block[-r:], axis_name, ring_next)
+    after = lax.ppermute(x_block[:r], axis_name, ring_prev)
+    before = jnp.where(me == 0, 0.0, before)  # the wrap-around halves masked to zero
+    after = jnp.where(me == n - 1, 0.0, after)
+    padded = jnp.concatenate([before, x_block, after])  # [rows + 2r, C]
+    lhs = padded.T[:, None, :]  # [C, 1, rows + 2r]: channels as the batch
+    out = lax.conv_general_dilated(lhs, kernel[None, None, :], (1,), "VALID")
+    return out[:, 0, :].T
 
 
-def tp_mlp_two_passes(
-    params, x_block, y_block, data_axis, model_axis
-):  # wasteful: the forward twice
-    loss = tp_mlp_loss_and_grads(params, x_block, y_block, data_axis, model_axis)[0]
-    grads = tp_mlp_loss_and_grads(params, x_block, y_block, data_axis, model_axis)[1]
-    return loss, grads
+def halo_ring(x_block, kernel, axis_name):  # wrong: a ring wraps the ends around
+    n = lax.axis_size(axis_name)
+    r = kernel.shape[0] // 2
+    before = lax.ppermute(x_block[-r:], axis_name, [(i, (i + 1) % n) for i in range(n)])
+    after = lax.ppermute(x_block[:r], axis_name, [((i + 1) % n, i) for i in range(n)])
+    padded = jnp.concatenate([before, x_block, after])
+    return sum(kernel[j] * padded[j : j + x_block.shape[0]] for j in range(kernel.shape[0]))
 
 
-def tp_mlp_article_grads(
-    params, x_block, y_block, data_axis, model_axis
-):  # wrong: pmean the gradients
-    def local_loss(p):
-        h = jax.nn.relu(x_block @ p["w1"] + p["b1"])
-        out = lax.psum(h @ p["w2"], model_axis) + p["b2"]
-        return jnp.mean((out - y_block) ** 2)
-
-    loss, grads = jax.value_and_grad(local_loss)(params)
-    return lax.pmean(loss, data_axis), lax.pmean(grads, data_axis)
+def halo_flipped(x_block, kernel, axis_name):  # wrong: a convolution (the kernel reversed)
+    return halo_stencil(x_block, kernel[::-1], axis_name)
 
 
-def tp_mlp_bias_before_psum(
-    params, x_block, y_block, data_axis, model_axis
-):  # wrong: b2 inside the psum
-    def global_loss(p):
-        h = jax.nn.relu(x_block @ p["w1"] + p["b1"])
-        out = lax.psum(h @ p["w2"] + p["b2"], model_axis)
-        return lax.pmean(jnp.mean((out - y_block) ** 2), data_axis)
-
-    return jax.value_and_grad(global_loss)(params)
+def halo_none(x_block, kernel, axis_name):  # wrong: zeros at every block's edges
+    r = kernel.shape[0] // 2
+    z = jnp.zeros((r, x_block.shape[1]), x_block.dtype)
+    padded = jnp.concatenate([z, x_block, z])
+    return sum(kernel[j] * padded[j : j + x_block.shape[0]] for j in range(kernel.shape[0]))
 
 
-def tp_mlp_no_psum(
-    params, x_block, y_block, data_axis, model_axis
-):  # wrong: partial sums taken as outputs
-    def global_loss(p):
-        h = jax.nn.relu(x_block @ p["w1"] + p["b1"])
-        return lax.pmean(jnp.mean((h @ p["w2"] + p["b2"] - y_block) ** 2), data_axis)
-
-    return jax.value_and_grad(global_loss)(params)
-
-
-def mlp_layout_columns(data_axis, model_axis):  # wrong layout: both column-parallel
-    return {
-        "w1": P(None, model_axis),
-        "b1": P(model_axis),
-        "w2": P(None, model_axis),
-        "b2": P(model_axis),
-    }
+def halo_swapped(x_block, kernel, axis_name):  # wrong: each neighbour's edge put on the wrong side
+    n = lax.axis_size(axis_name)
+    r = kernel.shape[0] // 2
+    before = lax.ppermute(x_block[:r], axis_name, [(i + 1, i) for i in range(n - 1)])
+    after = lax.ppermute(x_block[-r:], axis_name, [(i, i + 1) for i in range(n - 1)])
+    padded = jnp.concatenate([before, x_block, after])
+    return sum(kernel[j] * padded[j : j + x_block.shape[0]] for j in range(kernel.shape[0]))
 
 
-def tp_mlp_columns(
-    params, x_block, y_block, data_axis, model_axis
-):  # its body: gathers h, splits the loss
-    def global_loss(p):
-        h = jax.nn.relu(x_block @ p["w1"] + p["b1"])
-        h_all = lax.all_gather(h, model_axis, axis=1, tiled=True)  # [b, H]
-        out = h_all @ p["w2"] + p["b2"]  # [b, K/m]
-        sq = lax.psum(jnp.sum((out - y_block_cols(y_block, model_axis)) ** 2), model_axis)
-        return lax.pmean(sq / (y_block.shape[0] * y_block.shape[1]), data_axis)
-
-    return jax.value_and_grad(global_loss)(params)
+def halo_whole_blocks(x_block, kernel, axis_name):  # wrong: right values, whole blocks sent
+    n = lax.axis_size(axis_name)
+    r = kernel.shape[0] // 2
+    prev = lax.ppermute(x_block, axis_name, [(i, i + 1) for i in range(n - 1)])
+    nxt = lax.ppermute(x_block, axis_name, [(i + 1, i) for i in range(n - 1)])
+    padded = jnp.concatenate([prev[x_block.shape[0] - r :], x_block, nxt[:r]])
+    return sum(kernel[j] * padded[j : j + x_block.shape[0]] for j in range(kernel.shape[0]))
 
 
-def y_block_cols(y_block, model_axis):  # this model shard's columns of y
-    k = y_block.shape[1] // lax.axis_size(model_axis)
-    return lax.dynamic_slice_in_dim(y_block, lax.axis_index(model_axis) * k, k, axis=1)
-
-
-def mlp_layout_replicated(data_axis, model_axis):  # wrong: nothing split
-    return {"w1": P(), "b1": P(), "w2": P(), "b2": P()}
+def halo_gather(x_block, kernel, axis_name):  # wrong: gathers the whole signal
+    rows, r = x_block.shape[0], kernel.shape[0] // 2
+    whole = lax.all_gather(x_block, axis_name, tiled=True)
+    z = jnp.zeros((r, x_block.shape[1]), x_block.dtype)
+    padded = jnp.concatenate([z, whole, z])
+    start = lax.axis_index(axis_name) * rows
+    window = lax.dynamic_slice_in_dim(padded, start, rows + 2 * r)
+    return sum(kernel[j] * window[j : j + rows] for j in range(kernel.shape[0]))

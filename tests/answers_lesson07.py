@@ -4,11 +4,13 @@ for tests/test_checks_lesson07.py (tests are not in the student package)."""
 from __future__ import annotations
 
 import concurrent.futures
+import math
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
-from course_tools.checks.lesson07 import local_loss
+from course_tools.checks.lesson07 import layer
 
 # ---- exercise 1: predict memory ---------------------------------------------------------------------------
 
@@ -33,34 +35,115 @@ def predict_memory_one_output():  # wrong: forgets the velocity output
     return {(): (3, 1, 0), (0,): (3, 1, 1), (0, 2): (3, 1, 1), (0, 1, 2): (3, 1, 1)}
 
 
-# ---- exercise 2: the diverging replicas ---------------------------------------------------------------------
+# ---- exercise 2: a checkpoint that saves nothing ----------------------------------------------------------
 
 
-def sgd_step_buggy(params, xb, yb, axis_name):  # the given program
-    grads = jax.grad(local_loss)(params, xb, yb)
-    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+def remat_loss_given(weights, x):  # the given program: a checkpoint around every layer
+    h = x
+    for i in range(weights.shape[0]):
+        h = jax.checkpoint(layer)(h, weights[i])
+    return jnp.mean(h**2)
 
 
-def sgd_step(params, xb, yb, axis_name):  # reference
-    grads = lax.pmean(jax.grad(local_loss)(params, xb, yb), axis_name)
-    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+def remat_loss(weights, x):  # reference: blocks of about sqrt(L) layers
+    n_layers = weights.shape[0]
+    k = min(
+        (d for d in range(1, n_layers + 1) if n_layers % d == 0), key=lambda d: n_layers // d + d
+    )
+
+    def block(h, w_block):
+        for i in range(w_block.shape[0]):
+            h = layer(h, w_block[i])
+        return h
+
+    h = x
+    for start in range(0, n_layers, k):
+        h = jax.checkpoint(block)(h, weights[start : start + k])
+    return jnp.mean(h**2)
 
 
-def sgd_step_average_params(params, xb, yb, axis_name):  # other correct form (for plain SGD)
-    grads = jax.grad(local_loss)(params, xb, yb)
-    return lax.pmean(jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), axis_name)
+def remat_loss_sqrt(weights, x):  # other correct form: k = round(sqrt(L)), a last block shorter
+    n_layers = weights.shape[0]
+    k = max(1, round(math.sqrt(n_layers)))
+
+    @jax.checkpoint
+    def block(h, w_block):
+        for w in w_block:
+            h = jnp.tanh(h @ w)
+        return h
+
+    h = x
+    for start in range(0, n_layers, k):
+        h = block(h, weights[start : start + k])
+    return jnp.mean(h**2)
 
 
-def sgd_step_psum(params, xb, yb, axis_name):  # wrong: sums the gradients
-    grads = lax.psum(jax.grad(local_loss)(params, xb, yb), axis_name)
-    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+def remat_loss_whole(weights, x):  # wrong: one checkpoint around everything
+    def plain(weights, x):
+        h = x
+        for i in range(weights.shape[0]):
+            h = layer(h, weights[i])
+        return jnp.mean(h**2)
+
+    return jax.checkpoint(plain)(weights, x)
 
 
-def sgd_step_pmean_loss(
-    params, xb, yb, axis_name
-):  # wrong under check_vma=False: still local gradients
-    grads = jax.grad(lambda p: lax.pmean(local_loss(p, xb, yb), axis_name))(params)
-    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+def remat_loss_pairs(weights, x):  # wrong: blocks of 2, whatever the depth
+    h, n_layers = x, weights.shape[0]
+
+    def block(h, w_block):
+        for w in w_block:
+            h = layer(h, w)
+        return h
+
+    for start in range(0, n_layers, 2):
+        h = jax.checkpoint(block)(h, weights[start : start + 2])
+    return jnp.mean(h**2)
+
+
+def remat_loss_fixed_4(weights, x):  # wrong: the block size that is best for 16 layers only
+    h, n_layers = x, weights.shape[0]
+
+    def block(h, w_block):
+        for w in w_block:
+            h = layer(h, w)
+        return h
+
+    for start in range(0, n_layers, 4):
+        h = jax.checkpoint(block)(h, weights[start : start + 4])
+    return jnp.mean(h**2)
+
+
+def remat_loss_dots(weights, x):  # wrong: a policy that saves the matmuls: nothing recomputed
+    def plain(weights, x):
+        h = x
+        for i in range(weights.shape[0]):
+            h = layer(h, weights[i])
+        return jnp.mean(h**2)
+
+    return jax.checkpoint(plain, policy=jax.checkpoint_policies.dots_saveable)(weights, x)
+
+
+def remat_loss_scan(weights, x):  # wrong: a scan with a checkpointed body keeps every layer's input
+    h, _ = lax.scan(jax.checkpoint(lambda h, w: (layer(h, w), None)), x, weights)
+    return jnp.mean(h**2)
+
+
+def remat_loss_skips_a_layer(weights, x):  # wrong: the last layer left out
+    return remat_loss(weights[:-1], x) if weights.shape[0] > 1 else jnp.mean(x**2)
+
+
+def remat_loss_fixed_3(weights, x):  # wrong: blocks of 3, right for 4 and 9 layers, not for 25
+    h, n_layers = x, weights.shape[0]
+
+    def block(h, w_block):
+        for w in w_block:
+            h = layer(h, w)
+        return h
+
+    for start in range(0, n_layers, 3):
+        h = jax.checkpoint(block)(h, weights[start : start + 3])
+    return jnp.mean(h**2)
 
 
 # ---- exercise 3: the busy loop -------------------------------------------------------------------------------
@@ -175,4 +258,46 @@ def train_loop_batch_first(
         state, metrics = step(state, batch)
         previous = metrics["loss"]
     log(n_steps - 1, previous)
+    return state
+
+
+def train_loop_two_deep(
+    step, state, make_batch, n_steps, log
+):  # other correct form: log two steps late
+    batch, pending = make_batch(0), []
+    for i in range(n_steps):
+        state, metrics = step(state, batch)
+        if i + 1 < n_steps:
+            batch = make_batch(i + 1)
+        pending.append((i, metrics["loss"]))
+        if len(pending) == 3:
+            log(*pending.pop(0))
+    for item in pending:
+        log(*item)
+    return state
+
+
+def train_loop_batches_up_front(step, state, make_batch, n_steps, log):  # wrong: no overlap at all
+    batches = [make_batch(i) for i in range(n_steps)]  # every batch before the first step
+    previous = None
+    for i, batch in enumerate(batches):
+        state, metrics = step(state, batch)
+        if previous is not None:
+            log(i - 1, previous)
+        previous = metrics["loss"]
+    log(n_steps - 1, previous)
+    return state
+
+
+def train_loop_log_before_next(
+    step, state, make_batch, n_steps, log
+):  # wrong: reads step i at once
+    batch = make_batch(0)
+    for i in range(n_steps):
+        state, metrics = step(state, batch)
+        if i + 1 < n_steps:
+            batch = make_batch(i + 1)  # overlaps step i ...
+        log(
+            i, metrics["loss"]
+        )  # ... but then waits for it: the devices idle until the next dispatch
     return state

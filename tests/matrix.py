@@ -59,6 +59,9 @@ this count — every cell but the solutions, with its own asserts — and the st
 LABS = ("08_lab",)
 """The capstone labs: their student versions are not run here (their exercises are whole strategies)."""
 TIMES_COMPILES = ("02_jit", "07_debugging")
+SCRATCH_CHECKED = ("07_debugging", MULTIHOST)
+"""The lessons that write to the temporary folder (profiler traces; 09's scratch folder): each matrix run
+of them gets one of its own, ``<run>/tmp``, and test_scratch checks what they leave there."""
 """The lessons that time compiles: their setup switches the session's persistent compilation cache (root
 conftest) off (``setup_devices(..., measures_compiles=True)``)."""
 PRESET_ENV = {1: {"MPLBACKEND": "Agg"}, 4: {"JAX_NUM_CPU_DEVICES": "2"}}
@@ -144,18 +147,23 @@ def _student_copy(stem: str, folder: Path) -> Path:
 def notebook_run(stem: str, n: int) -> Path:
     """The folder holding ``stem`` executed at ``n`` devices.
 
-    The lab runs at profile tiny without its scaling sweep; notebook 09's scratch folders (its inputs and
-    the workers' ``process_<i>.json``) go to ``<folder>/tmp``. At :data:`STUDENT_COUNT` a lesson runs as its
-    student version (:func:`runs_student_version`).
+    The lab runs at profile tiny without its scaling sweep; notebooks 07 and 09 get a temporary folder of
+    their own, ``<folder>/tmp`` (what a run leaves there is tested); 09 is told to keep its scratch folder
+    there (its inputs and the workers' ``process_<i>.json``, which :func:`multihost_outputs` reads). At
+    :data:`STUDENT_COUNT` a lesson runs as its student version (:func:`runs_student_version`).
     """
     if n == 2 and stem in ("00_setup", LAB):
         return course_run()
 
     def produce(folder: Path):
         env = dict(PRESET_ENV.get(n, {}))
-        if stem == MULTIHOST:
+        if (
+            stem in SCRATCH_CHECKED
+        ):  # a temporary folder of its own: what the run leaves there shows
             (folder / "tmp").mkdir()
             env["TMPDIR"] = str(folder / "tmp")
+        if stem == MULTIHOST:
+            env["COURSE_KEEP_SCRATCH"] = "1"  # 09 keeps its workers' outputs for multihost_outputs
         nb = NOTEBOOKS[stem]
         if runs_student_version(stem, n):
             nb = _student_copy(stem, folder)
@@ -181,18 +189,20 @@ def nbmake_stands_in(stem: str):
         if not ((folder / ".done").exists() or failed.exists()):
             shutil.rmtree(folder, ignore_errors=True)
             (folder / "tmp").mkdir(parents=True)
-            before = os.environ.get("TMPDIR")
+            before = {k: os.environ.get(k) for k in ("TMPDIR", "COURSE_KEEP_SCRATCH")}
             os.environ["TMPDIR"] = str(folder / "tmp")  # the kernel nbmake starts inherits it
+            os.environ["COURSE_KEEP_SCRATCH"] = "1"  # and keeps its scratch folder there
             try:
                 yield
             except BaseException as e:
                 failed.write_text(f"{name} (nbmake's run of {stem}.ipynb): {e}")
                 raise
             finally:
-                if before is None:
-                    del os.environ["TMPDIR"]
-                else:
-                    os.environ["TMPDIR"] = before
+                for k, v in before.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
             (folder / ".done").touch()
             return
     yield

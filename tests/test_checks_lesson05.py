@@ -4,15 +4,16 @@ and, for the references, at 3 (the checkers take the devices they run on)."""
 
 from functools import partial
 
+import answers_lesson05 as a
 import jax
 import jax.numpy as jnp
 import pytest
 from checking import rejects
-from jax import P
-from jax.sharding import NamedSharding, auto_axes
+from jax import P, lax
+from jax.sharding import NamedSharding
 
 from course_lib.meshes import DATA, MODEL, data_model_mesh
-from course_tools.checks import NotWritten, lesson05
+from course_tools.checks import ExerciseError, NotWritten, lesson05
 
 
 def stub(*args, **kwargs):
@@ -39,54 +40,58 @@ RIGHT = {
     "b": "all-reduce over model",
     "c": None,
     "d": "all-reduce over data",
-    "e": "all-reduce over data and model",
+    "e": "collective-permute over data",
+    "f": "all-gather over model",
 }
 
 
 def test_collective_predictions(report):
     devs = report.devices
     assert lesson05.check_collective_predictions(RIGHT, devs)
-    other = {
+    other = {  # other correct forms: sets, pairs, lists, spellings
         "a": set(),
         "b": ("all-reduce", "model"),
         "c": [],
         "d": {("all_reduce", "data")},
-        "e": [("all-reduce", "data"), ("allreduce", "model")],
+        "e": "collectivepermute over data",
+        "f": [("all-gather", ("model",))],
     }
     assert lesson05.check_collective_predictions(other, devs)
     sizes = data_model_mesh(devs).shape
-    if sizes[MODEL] > 1:
-        rejects(
-            lesson05.check_collective_predictions,
-            {**RIGHT, "b": "none"},
-            devs,
-            match="'b'.*partial row sums",
-        )
-        rejects(
-            lesson05.check_collective_predictions,
-            {**RIGHT, "a": "all-reduce over model"},
-            devs,
-            match="'a'.*no communication",
-        )
-    if sizes[DATA] > 1:
-        rejects(
-            lesson05.check_collective_predictions,
-            {**RIGHT, "d": "all-reduce over model"},
-            devs,
-            match="'d'.*over the rows",
-        )
-        rejects(
-            lesson05.check_collective_predictions,
-            {**RIGHT, "c": "all-to-all over data"},
-            devs,
-            match="'c'.*relabels",
-        )
-        rejects(
-            lesson05.check_collective_predictions,
-            {**RIGHT, "e": "all-reduce over model"},
-            devs,
-            match="'e'.*both",
-        )
+    assert sizes[MODEL] > 1 and sizes[DATA] > 1  # conftest: 8 devices, a 4 x 2 mesh
+    wrong = {  # plausible mistakes, each wrong on a 4 x 2 mesh
+        "b": "none",  # a sum along the rows' own columns looks local
+        "a": "all-reduce over model",  # a matmul always reduces
+        "d": "all-reduce over model",  # the wrong axis
+        "c": "all-to-all over data",  # a transpose moves data
+        "e": "none",  # reversing looks elementwise
+        "f": "all-reduce over model",  # the contraction over D is not split
+    }
+    for k, v in wrong.items():  # each alone: "1 of 6", and the message names no program
+        with pytest.raises(ExerciseError, match="1 of your 6 predictions") as e:
+            lesson05.check_collective_predictions({**RIGHT, k: v}, devs)
+        first = str(e.value).splitlines()[0]
+        assert first == (
+            "✗ 1 of your 6 predictions do not match the compiled programs on the mesh "
+            "{'data': 4, 'model': 2}"
+        ), first
+    rejects(
+        lesson05.check_collective_predictions,
+        {**RIGHT, **wrong},
+        devs,
+        match="6 of your 6 predictions",
+    )
+    rejects(  # the review's wrong answers: e "data only", c all-to-all, a all-gather
+        lesson05.check_collective_predictions,
+        {
+            **RIGHT,
+            "b": "all-reduce over data",
+            "c": "all-to-all over data",
+            "a": "all-gather over model",
+        },
+        devs,
+        match="3 of your 6.*what a device needs",
+    )
     rejects(
         lesson05.check_collective_predictions,
         {**RIGHT, "a": "a broadcast"},
@@ -132,6 +137,37 @@ def train_placed_up_front(step, state, batches, mesh, lr_schedule):  # other cor
         state, loss = step_fn(state, batch, jnp.float32(lr_schedule(i)))
         losses.append(loss)
     return state, jnp.stack(losses)
+
+
+def train_scan(
+    step, state, batches, mesh, lr_schedule
+):  # other correct form: lax.scan over the batches
+    rows = NamedSharding(mesh, P(None, DATA))  # [steps, B@data, ...]: each batch's rows split
+    xs = jax.device_put(jnp.stack([x for x, _ in batches]), rows)
+    ys = jax.device_put(jnp.stack([y for _, y in batches]), rows)
+    lrs = jnp.asarray([lr_schedule(i) for i in range(len(batches))], jnp.float32)
+
+    @jax.jit
+    def run(state, xs, ys, lrs):
+        return lax.scan(lambda s, b: step(s, (b[0], b[1]), b[2]), state, (xs, ys, lrs))
+
+    return run(jax.device_put(state, NamedSharding(mesh, P())), xs, ys, lrs)
+
+
+def train_labels_replicated(
+    step, state, batches, mesh, lr_schedule
+):  # wrong: labels on every device
+    step_fn = jax.jit(step)
+    state = jax.device_put(state, NamedSharding(mesh, P()))
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        b = (
+            jax.device_put(x, NamedSharding(mesh, P(DATA))),
+            jax.device_put(y, NamedSharding(mesh, P())),
+        )
+        state, loss = step_fn(state, b, lr_schedule(i))
+        losses.append(float(loss))
+    return state, losses
 
 
 def train_in_shardings(
@@ -233,6 +269,13 @@ def test_data_parallel_loop(report):
     n = len(devs)
     assert lesson05.check_data_parallel_loop(train_ref, devs)
     assert lesson05.check_data_parallel_loop(train_placed_up_front, devs)
+    assert lesson05.check_data_parallel_loop(train_scan, devs)
+    rejects(
+        lesson05.check_data_parallel_loop,
+        train_labels_replicated,
+        devs,
+        match="labels type .* whole batch",
+    )
     rejects(
         lesson05.check_data_parallel_loop,
         train_in_shardings,
@@ -262,142 +305,41 @@ def test_data_parallel_loop(report):
 
 # ---- exercise 3 ----
 
-
-def _momentum(params, velocity, grads, lr):
-    v = jax.tree.map(lambda v, g: 0.9 * v + g, velocity, grads)
-    return jax.tree.map(lambda p, v: p - lr * v, params, v), v
-
-
-def tp_ref(params, velocity, x, y, lr):
-    def loss_fn(p):
-        h = jax.nn.relu(x @ p["w1"] + p["b1"])  # [B@data, H@model]: no communication
-        out = jnp.matmul(
-            h, p["w2"], out_sharding=P(DATA, None)
-        )  # contracts H: all-reduce over model
-        return jnp.mean((out + p["b2"] - y) ** 2)
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    new_params, new_velocity = _momentum(params, velocity, grads, lr)
-    return new_params, new_velocity, loss
+FSDP_RIGHT = [
+    a.fsdp_tp_step,
+    a.fsdp_tp_step_einsum,
+    a.fsdp_tp_step_auto_matmul,
+    a.fsdp_tp_step_gather_first,
+]
 
 
-def tp_einsum(params, velocity, x, y, lr):  # other correct form: einsum, sum / size, a dict loop
-    def loss_fn(p):
-        h = jnp.maximum(jnp.einsum("bd,dh->bh", x, p["w1"]) + p["b1"], 0.0)
-        out = jnp.einsum("bh,ho->bo", h, p["w2"], out_sharding=P(DATA, None)) + p["b2"]
-        return jnp.sum((out - y) ** 2) / y.size
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    v = {k: 0.9 * velocity[k] + grads[k] for k in params}
-    return {k: params[k] - lr * v[k] for k in params}, v, loss
+@pytest.mark.parametrize("answer", FSDP_RIGHT, ids=lambda f: f.__name__)
+def test_fsdp_tp_step_accepts(report, answer):
+    assert lesson05.check_fsdp_tp_step(answer, report.devices)
 
 
-def tp_auto(
-    params, velocity, x, y, lr
-):  # other correct form: the compiler chooses inside auto_axes
-    def loss_fn(p):
-        h = jax.nn.relu(x @ p["w1"] + p["b1"])
-        out = auto_axes(lambda h, w: h @ w, out_sharding=P(DATA, None))(h, p["w2"]) + p["b2"]
-        return jnp.mean((out - y) ** 2)
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    return (*_momentum(params, velocity, grads, lr), loss)
-
-
-def _with_loss(loss_fn):
-    def step(params, velocity, x, y, lr):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(p, x, y))(params)
-        return (*_momentum(params, velocity, grads, lr), loss)
-
-    return step
-
-
-tp_no_out_sharding = _with_loss(
-    lambda p, x, y: jnp.mean((jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
-)
-tp_gather_w2 = _with_loss(
-    lambda p, x, y: jnp.mean(
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (a.fsdp_tp_step_whole_auto, "gathers 3,072 bytes.*2,048 bytes.*auto_axes"),  # the review's
+        (a.fsdp_tp_step_gather_all, "all-gather over \\('model',\\).*P\\(None, 'model'\\)"),
+        (a.fsdp_tp_step_replicated_out, "gathers 4,096 bytes.*stay split over data"),
+        (a.fsdp_tp_step_keeps_gathered, "parameters \\['w1', 'w2'\\] changed sharding"),
+        (a.fsdp_tp_step_sgd, "new velocity of.*0.9 \\* v"),
+        (a.fsdp_tp_step_loss_after, "loss .* before the update"),
+        (a.fsdp_tp_step_no_out_sharding, "ShardingTypeError.*out_sharding=P\\('data', None\\)"),
         (
-            jax.reshard(jax.nn.relu(x @ p["w1"] + p["b1"]), P(DATA, None))
-            @ jax.reshard(p["w2"], P())
-            + p["b2"]
-            - y
-        )
-        ** 2
-    )
+            lambda p, v, x, y, lr: a.fsdp_tp_step(p, v, x, y, lr)[0],
+            "new_params, new_velocity, loss",
+        ),
+    ],
 )
-tp_replicated_out = _with_loss(
-    lambda p, x, y: jnp.mean(
-        (
-            jnp.matmul(jax.nn.relu(x @ p["w1"] + p["b1"]), p["w2"], out_sharding=P())
-            + p["b2"]
-            - jax.reshard(y, P())
-        )
-        ** 2
-    )
-)
-tp_sum_loss = _with_loss(
-    lambda p, x, y: jnp.sum(
-        (
-            jnp.matmul(jax.nn.relu(x @ p["w1"] + p["b1"]), p["w2"], out_sharding=P(DATA, None))
-            + p["b2"]
-            - y
-        )
-        ** 2
-    )
-)
+def test_fsdp_tp_step_rejects(report, answer, match):
+    rejects(lesson05.check_fsdp_tp_step, answer, report.devices, match=match)
 
 
-def tp_resharded_params(params, velocity, x, y, lr):
-    new, v, loss = tp_ref(params, velocity, x, y, lr)
-    return jax.tree.map(lambda p: jax.reshard(p, P()), new), v, loss
-
-
-def tp_resharded_velocity(params, velocity, x, y, lr):
-    new, v, loss = tp_ref(params, velocity, x, y, lr)
-    return new, jax.tree.map(lambda a: jax.reshard(a, P()), v), loss
-
-
-def tp_plain_sgd(params, velocity, x, y, lr):  # ignores the momentum
-    new, _, loss = tp_ref(params, jax.tree.map(jnp.zeros_like, velocity), x, y, lr)
-    return new, velocity, loss
-
-
-def tp_loss_after(params, velocity, x, y, lr):
-    new, v, _ = tp_ref(params, velocity, x, y, lr)
-    return new, v, tp_ref(new, v, x, y, lr)[2]
-
-
-def test_tp_train_step(report):
-    devs = report.devices
-    assert lesson05.check_tp_train_step(tp_ref, devs)
-    assert lesson05.check_tp_train_step(tp_einsum, devs)
-    assert lesson05.check_tp_train_step(tp_auto, devs)
-    rejects(lesson05.check_tp_train_step, tp_no_out_sharding, devs, match="ShardingTypeError")
-    rejects(lesson05.check_tp_train_step, tp_gather_w2, devs, match="moves whole arrays")
-    rejects(lesson05.check_tp_train_step, tp_replicated_out, devs, match="moves whole arrays")
-    rejects(
-        lesson05.check_tp_train_step,
-        tp_resharded_params,
-        devs,
-        match="parameters .* changed sharding",
-    )
-    rejects(
-        lesson05.check_tp_train_step,
-        tp_resharded_velocity,
-        devs,
-        match="velocity .* changed sharding",
-    )
-    rejects(lesson05.check_tp_train_step, tp_plain_sgd, devs, match="velocity of")
-    rejects(lesson05.check_tp_train_step, tp_sum_loss, devs, match="loss .* one device gives")
-    rejects(lesson05.check_tp_train_step, tp_loss_after, devs, match="before the update")
-    rejects(
-        lesson05.check_tp_train_step,
-        lambda p, v, x, y, lr: tp_ref(p, v, x, y, lr)[0],
-        devs,
-        match="new_params, new_velocity, loss",
-    )
-    _not_written(lesson05.check_tp_train_step, stub, devs)
+def test_fsdp_tp_step_not_written():
+    _not_written(lesson05.check_fsdp_tp_step, stub, jax.devices())
 
 
 def test_references_at_an_odd_device_count(report):
@@ -405,8 +347,9 @@ def test_references_at_an_odd_device_count(report):
     devs = report.devices[:3]
     assert lesson05.check_collective_predictions(RIGHT, devs)
     assert lesson05.check_data_parallel_loop(train_ref, devs)
-    assert lesson05.check_tp_train_step(tp_ref, devs)
+    assert lesson05.check_fsdp_tp_step(a.fsdp_tp_step, devs)
     rejects(lesson05.check_data_parallel_loop, train_hoisted_only, devs, match="whole batch")
+    rejects(lesson05.check_fsdp_tp_step, a.fsdp_tp_step_whole_auto, devs, match="no sharding")
 
 
 def test_an_axis_of_size_1_is_judged_on_a_full_mesh_too(report):
@@ -418,15 +361,33 @@ def test_an_axis_of_size_1_is_judged_on_a_full_mesh_too(report):
         lesson05.check_collective_predictions,
         {**RIGHT, "b": "none"},
         one,
-        match="'b' on the mesh \\{'data': 2, 'model': 2\\}.*partial row sums",
+        match="1 of your 6 predictions .* mesh \\{'data': 2, 'model': 2\\}",
     )
     rejects(
         lesson05.check_collective_predictions,
         {**RIGHT, "d": "none"},
         three,
-        match="'d'.*over the rows",
+        match="1 of your 6 predictions .* mesh \\{'data': 3, 'model': 1\\}",
     )
-    assert lesson05.check_tp_train_step(tp_ref, one)
-    assert lesson05.check_tp_train_step(tp_auto, one)
-    for gathers in (tp_gather_w2, tp_replicated_out):
-        rejects(lesson05.check_tp_train_step, gathers, one, match="gathers a sharded array")
+    two = report.devices[:2]  # data=1 x model=2 and data=2 x model=1
+    for devs in (one, two):
+        assert lesson05.check_fsdp_tp_step(a.fsdp_tp_step, devs)
+        assert lesson05.check_fsdp_tp_step(a.fsdp_tp_step_auto_matmul, devs)
+        rejects(
+            lesson05.check_fsdp_tp_step,
+            a.fsdp_tp_step_whole_auto,
+            devs,
+            match="no sharding.*auto_axes",
+        )
+        rejects(
+            lesson05.check_fsdp_tp_step,
+            a.fsdp_tp_step_keeps_gathered,
+            devs,
+            match="changed sharding",
+        )
+    rejects(
+        lesson05.check_fsdp_tp_step,
+        a.fsdp_tp_step_gather_all,
+        one,
+        match="x @ w1 is float32\\[2@data,4\\]",
+    )

@@ -7,7 +7,7 @@ import jax
 import pytest
 from checking import rejects
 
-from course_tools.checks import lesson06
+from course_tools.checks import ExerciseError, lesson06
 
 
 def stub(*args, **kwargs):
@@ -20,7 +20,7 @@ def test_stubs_print_not_written_and_return_false(report, monkeypatch, capsys):
     assert lesson06.check_shapes_and_vma(stub) is False
     assert lesson06.check_ring_all_reduce(stub) is False
     assert lesson06.check_tp_cross_entropy(stub, devs) is False
-    assert lesson06.check_tp_mlp(None, None, devs) is False  # the stub: mlp_layout = ... = None
+    assert lesson06.check_halo_stencil(stub, devs) is False
     out = capsys.readouterr().out
     assert out.count("not written yet") == 4 and out.count("hint:") == 4
 
@@ -28,25 +28,19 @@ def test_stubs_print_not_written_and_return_false(report, monkeypatch, capsys):
 def test_shapes_and_vma():
     assert lesson06.check_shapes_and_vma(a.predict)
     assert lesson06.check_shapes_and_vma(a.predict_lists)
-    rejects(lesson06.check_shapes_and_vma, a.predict_global_shapes, match="'x' has shape.*divided")
-    rejects(
-        lesson06.check_shapes_and_vma,
-        a.predict_gather_invariant,
-        match="'g' has vma.*to='invarying'",
-    )
-    rejects(
-        lesson06.check_shapes_and_vma,
-        a.predict_psum_still_varies,
-        match="'y' has vma.*removes MODEL",
-    )
-    rejects(
-        lesson06.check_shapes_and_vma,
-        a.predict_hardcoded_4x2,
-        match="data=1 x model=1.*'g' has shape",
-    )
-    rejects(
-        lesson06.check_shapes_and_vma, a.predict_scatter_full, match="'s' has shape.*8 / n_data"
-    )
+    for wrong, count in [
+        (a.predict_global_shapes, 1),
+        (a.predict_gather_invariant, 1),
+        (a.predict_psum_still_varies, 1),
+        (a.predict_hardcoded_4x2, 2),  # g and s depend on the mesh
+        (a.predict_scatter_full, 1),
+        (a.predict_all_wrong_vma, 8),
+    ]:
+        with pytest.raises(ExerciseError, match=f"{count} of the 8 values") as e:
+            lesson06.check_shapes_and_vma(wrong)
+        first = str(e.value).splitlines()[0]  # how many, never which
+        assert not any(f"'{k}'" in first for k in ("x", "w", "xw", "y", "g", "s", "i", "wy")), first
+        assert "data=" not in first, first
     rejects(
         lesson06.check_shapes_and_vma,
         lambda nd, nm: {"x": ((8, 4), {"data"})},
@@ -71,6 +65,7 @@ def test_ring_all_reduce():
         (a.ring_off_by_one, "differs from psum.*n-1 steps"),
         (a.ring_wrong_index, "differs from psum|one chunk only"),
         (a.ring_nothing, "still holds its own block"),
+        (a.ring_gather_then_sum, r"sends 7\.00× its block"),
     ],
 )
 def test_ring_all_reduce_rejects(answer, match):
@@ -82,6 +77,7 @@ def test_tp_cross_entropy(report, n):
     devs = report.devices[:n]
     assert lesson06.check_tp_cross_entropy(a.tp_cross_entropy, devs)
     assert lesson06.check_tp_cross_entropy(a.tp_cross_entropy_onehot, devs)
+    assert lesson06.check_tp_cross_entropy(a.tp_cross_entropy_two_level, devs)
     # the given bug is caught with any number of devices (the model axis is simulated)
     rejects(
         lesson06.check_tp_cross_entropy,
@@ -105,26 +101,35 @@ def test_tp_cross_entropy_rejects(report, answer, match):
     rejects(lesson06.check_tp_cross_entropy, answer, report.devices, match=match)
 
 
-@pytest.mark.parametrize("n", [8, 3, 2, 1])
-def test_tp_mlp(report, n):
-    devs = report.devices[:n]
-    assert lesson06.check_tp_mlp(a.mlp_layout, a.tp_mlp_loss_and_grads, devs)
-    assert lesson06.check_tp_mlp(a.mlp_layout_tuples, a.tp_mlp_sum_form, devs)
+@pytest.mark.parametrize("answer", [a.halo_stencil, a.halo_stencil_conv], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("n", [8, 2, 1])
+def test_halo_stencil(report, answer, n):
+    assert lesson06.check_halo_stencil(answer, report.devices[:n])
 
 
 @pytest.mark.parametrize(
-    "layout, answer, match",
+    "answer, match",
     [
-        (a.mlp_layout, a.tp_mlp_article_grads, r"n_data× \(4×\)"),
-        (a.mlp_layout, a.tp_mlp_bias_before_psum, "b2 is counted 2 times"),
-        (a.mlp_layout, a.tp_mlp_no_psum, "still varies.*lax.psum"),
-        (a.mlp_layout_columns, a.tp_mlp_columns, "communicates over model 3 times"),
-        (a.mlp_layout, a.tp_mlp_two_passes, "over model 2 times"),
-        (a.mlp_layout_replicated, a.tp_mlp_loss_and_grads, "w1 is not split"),
+        (
+            a.halo_ring,
+            "first and last rows of the whole signal see the other end.*leave that pair out",
+        ),
+        (a.halo_flipped, "convolution with the kernel reversed"),
+        (a.halo_none, "as if the signal ended at its edges"),
+        (a.halo_swapped, "differs from the stencil of the whole signal at rows.*which block each"),
+        (a.halo_whole_blocks, "sends 144 bytes; the halo is 2 · r · C · 4 = 48 bytes"),
+        (a.halo_gather, "uses \\['all_gather'\\]"),
     ],
 )
-def test_tp_mlp_rejects(report, layout, answer, match):
-    rejects(lesson06.check_tp_mlp, layout, answer, report.devices, match=match)
+def test_halo_stencil_rejects(report, answer, match):
+    rejects(lesson06.check_halo_stencil, answer, report.devices, match=match)
+
+
+def test_halo_stencil_on_one_device(report):
+    """One device has no neighbours: the ring's wrap-around and a missing exchange still show."""
+    one = report.devices[:1]
+    rejects(lesson06.check_halo_stencil, a.halo_ring, one, match="see the other end")
+    rejects(lesson06.check_halo_stencil, a.halo_none, one, match="sends 0 bytes")
 
 
 def test_the_debug_exercise_is_silent_without_the_checker(report):

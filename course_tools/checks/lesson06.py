@@ -1,10 +1,10 @@
 """Checkers for ``06_shard_map.ipynb``: predicted shapes and vma, a ring all-reduce built from ``ppermute``,
-a vocabulary-parallel cross-entropy (debug this), and a tensor-parallel MLP gradient with the fewest
-collectives. Each runs the learner's per-shard body in ``jax.shard_map`` with ``check_vma=True``.
+a vocabulary-parallel cross-entropy (debug this), and a stencil over a split signal with a halo exchange.
+Each runs the learner's per-shard body in ``jax.shard_map`` with ``check_vma=True``.
 
 None of them holds an answer: shapes and vma are measured by tracing the lesson's body; the ring is compared
 with ``lax.psum`` and its traffic read from its jaxpr; the cross-entropy with optax on the whole logits; the
-MLP with ``jax.value_and_grad`` on one device.
+stencil with the same stencil on the whole signal, and its traffic read from its jaxpr.
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ from course_lib.meshes import DATA, MODEL
 from course_lib.programs import jaxpr_equations
 
 from ._common import call_answer, checker, fail, passed
-from ._lesson06_tp import check_tp_cross_entropy, check_tp_mlp
+from ._lesson06_halo import check_halo_stencil as _check_halo
+from ._lesson06_tp import check_tp_cross_entropy
 from ._spmd import abstract, communicates, run_mapped
 
 __all__ = [
+    "check_halo_stencil",
     "check_ring_all_reduce",
     "check_shapes_and_vma",
     "check_tp_cross_entropy",
-    "check_tp_mlp",
 ]
 
 # ---- exercise 1: predict shapes and vma ------------------------------------------------------------------
@@ -54,19 +55,15 @@ def lesson_body(x_block, w_block, record):
 
 
 _PREDICT_MESHES = ((1, 1), (2, 2), (4, 2), (2, 3), (8, 1))
-_PREDICT_HINTS = {
-    "x": "a block is the global shape divided, dimension by dimension, by the size of the mesh axis the spec "
-    "names there: [8·nd, 4·nm] with P(DATA, MODEL) gives [8, 4]; an input varies over the axes its spec names",
-    "w": "w is [4·nm, 6] with P(MODEL, None): only the first dimension is split, and only over MODEL",
-    "xw": "an operation's result varies over the union of its inputs' vma; the matmul of [8, 4] and [4, 6] is [8, 6]",
-    "y": "psum over MODEL leaves the shape alone and removes MODEL from the vma: every model shard holds the same sum",
-    "g": "all_gather(tiled=True) concatenates the n_model blocks along axis 1 ([8, 4·nm]); its result counts as "
-    "varying over MODEL unless you pass to='invarying'",
-    "s": "psum_scatter(tiled=True) sums over DATA, then splits dimension 0 into n_data pieces: each device keeps "
-    "8 / n_data rows, a different piece on each device (so it varies over DATA)",
-    "i": "axis_index is a scalar (shape ()) that differs from model shard to model shard",
-    "wy": "w varies over MODEL, y.sum() over DATA: the sum varies over both; the shape is w's",
-}
+_PREDICT_RULES = (
+    "a block is the global shape divided, dimension by dimension, by the size of the mesh axis its spec "
+    "names there, and varies over the axes its spec names; an operation's result varies over the union of "
+    "its inputs' vma; psum over an axis keeps the shape and removes the axis from the vma; "
+    "all_gather(tiled=True) concatenates the blocks along its axis and counts as varying over that axis "
+    "unless to='invarying'; psum_scatter(tiled=True) sums, then splits its dimension into pieces, a "
+    "different piece per device; axis_index is a scalar that differs along its axis"
+)
+_NAMES = ("x", "w", "xw", "y", "g", "s", "i", "wy")
 
 
 def _measure_shapes_and_vma(n_data: int, n_model: int) -> dict:
@@ -98,39 +95,49 @@ def _as_vma(value) -> frozenset:
     return frozenset(str(a) for a in value)
 
 
+def _parse_predicted(got, n_data: int, n_model: int, names) -> dict:
+    if not isinstance(got, dict) or set(got) != set(names):
+        fail(
+            f"predict({n_data}, {n_model}) returned {type(got).__name__} with keys "
+            f"{sorted(got) if isinstance(got, dict) else '-'}",
+            f"return a dict with exactly the keys {sorted(names)}, each (shape tuple, set of axis names)",
+        )
+    out = {}
+    for name in names:
+        try:
+            p_shape, p_vma = got[name]
+            out[name] = (tuple(int(d) for d in p_shape), _as_vma(p_vma))
+        except (TypeError, ValueError):
+            fail(
+                f"{name!r}: {got[name]!r} is not (shape, axes)",
+                "write e.g. ((8, 4), {DATA, MODEL})",
+            )
+    return out
+
+
 @checker
 def check_shapes_and_vma(predict: Callable[[int, int], dict]) -> bool:
-    """``predict(n_data, n_model)`` returns ``{name: (block shape, set of axes it varies over)}`` for each
-    value of :func:`lesson_body`; compared with what tracing the body on meshes of several shapes shows."""
+    """Judge predicted block shapes and vma of the values of :func:`lesson_body`.
+
+    Spec: ``predict(n_data, n_model)`` returns ``{name: (block shape, set of mesh axes it varies over)}``
+    for each of the eight values the body records, and for every mesh of :data:`_PREDICT_MESHES` (five
+    shapes, axes of size 1 among them) both parts equal what tracing the body under ``shard_map`` on an
+    abstract mesh of that shape shows (``jax.typeof``). A wrong answer is told how many of the eight values
+    are wrong on some mesh, never which, nor on which mesh.
+    """
+    wrong = set()
     for n_data, n_model in _PREDICT_MESHES:
         got = call_answer("predict", predict, n_data, n_model)
         truth = _measure_shapes_and_vma(n_data, n_model)
-        if not isinstance(got, dict) or set(got) != set(truth):
-            fail(
-                f"predict({n_data}, {n_model}) returned {type(got).__name__} with keys "
-                f"{sorted(got) if isinstance(got, dict) else '-'}",
-                f"return a dict with exactly the keys {sorted(truth)}, each (shape tuple, set of axis names)",
-            )
-        for name, (shape, vma) in truth.items():
-            try:
-                p_shape, p_vma = got[name]
-                p_shape, p_vma = tuple(int(d) for d in p_shape), _as_vma(p_vma)
-            except (TypeError, ValueError):
-                fail(
-                    f"{name!r}: {got[name]!r} is not (shape, axes)",
-                    "write e.g. ((8, 4), {DATA, MODEL})",
-                )
-            if p_shape != shape or p_vma != vma:
-                part = "shape" if p_shape != shape else "vma"
-                fail(
-                    f"on a mesh data={n_data} x model={n_model}, {name!r} has {part} "
-                    f"{shape if part == 'shape' else set(vma) or '{}'}, you predicted "
-                    f"{p_shape if part == 'shape' else set(p_vma) or '{}'}",
-                    _PREDICT_HINTS[name],
-                )
-    return passed(
-        f"shapes and vma of all {len(_PREDICT_HINTS)} values, on meshes {list(_PREDICT_MESHES)}"
-    )
+        predicted = _parse_predicted(got, n_data, n_model, truth)
+        wrong |= {name for name in truth if predicted[name] != truth[name]}
+    if wrong:
+        fail(
+            f"{len(wrong)} of the {len(_NAMES)} values have a wrong shape or vma on at least one of the "
+            f"{len(_PREDICT_MESHES)} meshes the check traces",
+            _PREDICT_RULES + "; predict as a function of n_data and n_model, not for one mesh",
+        )
+    return passed(f"shapes and vma of all {len(_NAMES)} values, on meshes {list(_PREDICT_MESHES)}")
 
 
 # ---- exercise 2: a ring all-reduce -----------------------------------------------------------------------
@@ -207,8 +214,18 @@ def _ring_values(fn: Callable, rng) -> None:
 
 @checker
 def check_ring_all_reduce(fn: Callable) -> bool:
-    """``fn(x_block, axis_name)`` must return ``lax.psum(x_block, axis_name)`` (every device: the sum of all
-    blocks), built from ``lax.ppermute`` alone, each device sending about ``2 (n-1)/n`` of its block."""
+    """Judge a ring all-reduce built from ``lax.ppermute`` (exercise 2).
+
+    Spec: ``fn(x_block, axis_name)`` (the block's first dimension a multiple of the axis size ``n``)
+
+    - returns ``lax.psum(x_block, axis_name)`` — every device the sum of all blocks — on rings of 3, 4 and
+      8 (simulated with ``vmap``), to 1e-5;
+    - under ``shard_map(check_vma=True)`` on an abstract 8-device ring uses no collective but
+      ``ppermute`` (``psum``, ``psum_scatter``, ``all_gather``… are what it re-implements);
+    - sends at most ``2 (n-1)/n`` of its block per device (bytes of every ``ppermute`` operand, times the
+      trip count of the ``scan`` holding it; a ``while_loop`` that sends is refused, its trip count is not
+      in the program).
+    """
     _ring_values(fn, np.random.default_rng(6))
     block = (
         16,
@@ -233,4 +250,22 @@ def check_ring_all_reduce(fn: Callable) -> bool:
     return passed(
         f"equals psum on rings of 3, 4 and 8; on 8 devices (shard_map, check_vma=True) each sends "
         f"{sent / block_bytes:.3f}× its block, by ppermute only"
+    )
+
+
+# ---- exercise 4: a stencil with a halo exchange ---------------------------------------------------------
+
+
+@checker
+def check_halo_stencil(fn: Callable, devices) -> bool:
+    """Exercise 4; the spec is :func:`course_tools.checks._lesson06_halo.check_halo_stencil`'s."""
+    judged, sent, halo = _check_halo(fn, devices)
+    note = (
+        ""
+        if max(judged) > 1
+        else " (one device has no neighbours: run with n_devices >= 2 to judge the exchange itself)"
+    )
+    return passed(
+        f"equals the stencil of the whole signal on {sorted(set(judged))} device(s); on 8 devices each "
+        f"sends {sent} bytes, its halo ({halo}), by ppermute only{note}"
     )

@@ -11,18 +11,19 @@ this process's), where reading another process's blocks shows.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from jax import P
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
-from course_lib.meshes import DATA, MODEL, choose_mesh_shape, data_mesh, data_model_mesh
+from course_lib.meshes import DATA, choose_mesh_shape, data_mesh, data_model_mesh
 
 from ._common import NotWritten, call_answer, checker, fail, not_written, passed
+from ._lesson09_group import FakeDevice, fake_devices
+from ._lesson09_loader import RecordingSource
+from ._lesson09_loader import check_block_loader as _check_block_loader
 
 
 def _call(what: str, fn: Callable, *args, hint: str):
@@ -83,15 +84,13 @@ def measure_process_rows(
     return out
 
 
-_WHY_ROWS = {
-    "a": "the data axis runs over jax.devices(), process 0's devices first: each process holds one contiguous "
-    "block of global_batch / n_processes rows",
-    "b": "model varies fastest along jax.devices(), so a model group is neighbouring devices of one process and "
-    "a process holds whole data rows of the mesh: with data >= n_processes, still one contiguous block per "
-    "process",
-    "c": "transposed, a model group takes one device from each process, so every process holds a device in each "
-    "data block: each process must load every row it has a device for — here, all of them",
-}
+_HOW_ROWS = (
+    "a device's rows follow from its coordinate on the data axis: the mesh's i-th data index holds rows "
+    "[i·B/n_data, (i+1)·B/n_data), and every device along the model axis holds the same rows; a process "
+    "holds the union of its devices' rows — one contiguous block when its devices share neighbouring data "
+    "indices, every row it has a device for otherwise. Process p owns the p-th block of ex_local "
+    "consecutive devices of the list; find each device's position in the mesh's device array"
+)
 
 
 def _as_rows(value: Any):
@@ -115,7 +114,13 @@ def _as_rows(value: Any):
 def check_process_rows(
     predictions: dict | None, devices: Sequence[Any], n_processes: int, global_batch: int
 ) -> bool:
-    """``predictions[layout]`` must list, per process, the rows ``(start, stop)`` it holds under each layout."""
+    """Judge predicted rows per process under the layouts of :data:`LAYOUTS` (exercise 1).
+
+    Spec: ``predictions[layout]`` lists, for each of ``n_processes`` processes (process ``p`` owning the
+    ``p``-th block of consecutive ``devices``), the rows ``(start, stop)`` of a ``global_batch`` split over
+    ``data`` that its devices hold (several pairs where they are not contiguous), equal to what JAX's own
+    index map (``devices_indices_map``) gives. A wrong answer is told how many layouts are wrong, never which.
+    """
     if (
         predictions is None
         or isinstance(predictions, dict)
@@ -129,6 +134,7 @@ def check_process_rows(
             f"predictions has keys {sorted(predictions) if isinstance(predictions, dict) else type(predictions)}",
             f"give a dict with exactly the keys {list(LAYOUTS)}",
         )
+    wrong = 0
     for name in LAYOUTS:
         want = measure_process_rows(name, devices, n_processes, global_batch)
         try:
@@ -143,12 +149,13 @@ def check_process_rows(
                 f"prediction {name!r} has {len(got)} entries for {n_processes} process(es)",
                 "one pair per process",
             )
-        if got != want:
-            fail(
-                f"layout {name!r}: you predicted {got}, the processes hold {want} "
-                f"({n_processes} x {len(devices) // n_processes} devices, batch {global_batch})",
-                _WHY_ROWS[name],
-            )
+        wrong += got != want
+    if wrong:
+        fail(
+            f"{wrong} of your {len(LAYOUTS)} predictions differ from the rows the processes hold "
+            f"({n_processes} x {len(devices) // n_processes} devices, batch {global_batch})",
+            _HOW_ROWS,
+        )
     note = (
         ""
         if n_processes > 1
@@ -160,44 +167,31 @@ def check_process_rows(
 # ---- exercise 2: a device order that keeps every model group inside one process -------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeDevice:
-    """Stands for a ``jax.Device`` of a multi-process run: a global ``id`` and the ``process_index`` owning it."""
-
-    id: int
-    process_index: int
-    platform: str = "cpu"
-    device_kind: str = "cpu"
-
-    def __repr__(self) -> str:
-        return f"dev{self.id}@p{self.process_index}"
-
-
-def fake_devices(
-    n_processes: int, local: int, interleave: bool = True, seed: int = 0
-) -> list[FakeDevice]:
-    """``n_processes × local`` stand-in devices; ``interleave`` lists them round-robin over processes and
-    shuffles each process's ids (a listing order a launcher or a sort by another key can give you)."""
-    rng = np.random.default_rng(seed)
-    per = [
-        [FakeDevice(p * 1000 + int(k), p) for k in rng.permutation(local)]
-        for p in range(n_processes)
-    ]
-    if not interleave:
-        return [d for devs in per for d in sorted(devs, key=lambda d: d.id)]
-    return [per[p][k] for k in range(local) for p in range(n_processes)]
-
-
-_MESH_CASES = [(2, 4, 4, 2), (4, 2, 4, 2), (2, 4, 2, 4), (2, 2, 4, 1), (3, 2, 3, 2), (1, 4, 2, 2)]
+_MESH_CASES = [
+    (2, 4, 4, 2, "grouped"),
+    (4, 2, 4, 2, "interleaved"),
+    (2, 4, 2, 4, "random"),
+    (2, 2, 4, 1, "interleaved"),
+    (3, 2, 3, 2, "random"),
+    (1, 4, 2, 2, "random"),
+]
+"""``(processes, devices per process, n_data, n_model, ids)``: ids grouped by process, interleaved across
+processes, or random (:func:`fake_devices`)."""
 
 
 @checker
 def check_mesh_devices(fn: Callable) -> bool:
-    """``fn(devices, n_data, n_model)`` must return a ``[n_data, n_model]`` array of the devices in which every
-    model group (a row) lies inside one process, process 0's rows first, each process's devices in id order."""
-    for P_, local, n_data, n_model in _MESH_CASES:
-        devs = fake_devices(P_, local, seed=P_ * 10 + local)
-        case = f"{P_} processes x {local} devices as [{n_data}, {n_model}]"
+    """Judge a process-aware device order for a ``data × model`` mesh (exercise 2).
+
+    Spec: ``fn(devices, n_data, n_model)`` returns a ``[n_data, n_model]`` array holding every device once,
+    in which every row (a model group) lies inside one process, the rows in process order (process 0's
+    first) and each process's devices in id order, for every case of :data:`_MESH_CASES`: the devices
+    arrive interleaved across processes and shuffled within each, and their ids are grouped by process in
+    one case only (elsewhere interleaved or random, so sorting by id alone does not group the processes).
+    """
+    for P_, local, n_data, n_model, ids in _MESH_CASES:
+        devs = fake_devices(P_, local, seed=P_ * 10 + local, ids=ids)
+        case = f"{P_} processes x {local} devices ({ids} ids) as [{n_data}, {n_model}]"
         got = _call(
             f"mesh_devices(devices, {n_data}, {n_model})",
             fn,
@@ -232,8 +226,11 @@ def check_mesh_devices(fn: Callable) -> bool:
                 f"{case}: rows are not in process order ({firsts})",
                 "put process 0's devices first: each process then owns one contiguous block of the batch",
             )
-        ids = [d.id for d in got.ravel()]
-        if ids != sorted(ids):
+        in_order = all(
+            (ids := [d.id for d in got.ravel() if d.process_index == q]) == sorted(ids)
+            for q in range(P_)
+        )
+        if not in_order:
             fail(
                 f"{case}: inside a process the devices are not in id order",
                 "sort by (process_index, id): neighbouring ids are usually the best-connected devices",
@@ -256,181 +253,14 @@ def exercise_group(devices: Sequence[Any], n_processes: int) -> tuple[list, int]
 # ---- exercise 3: read each block of a global batch once ----------------------------------------------------
 
 
-class RecordingSource:
-    """A NumPy array stand-in (like a memory-mapped file) that records every read.
-
-    Attributes:
-      reads: the ``(start, stop)`` ranges of each read, one pair per dimension; a conversion of the whole
-        array (``np.asarray(source)``) is recorded as the full range.
-    """
-
-    def __init__(self, data: np.ndarray):
-        self._data = data
-        self.shape, self.dtype, self.ndim = data.shape, data.dtype, data.ndim
-        self.reads: list[tuple] = []
-
-    def __getitem__(self, index):
-        index = index if isinstance(index, tuple) else (index,)
-        block = self._data[index]
-        spans = []
-        for dim, size in enumerate(self.shape):
-            s = index[dim] if dim < len(index) else slice(None)
-            if isinstance(s, slice):
-                start, stop, _ = s.indices(size)
-            else:
-                start, stop = int(s), int(s) + 1
-            spans.append((start, stop))
-        self.reads.append(tuple(spans))
-        return np.array(block)
-
-    def __array__(self, dtype=None, copy=None):
-        self.reads.append(tuple((0, s) for s in self.shape))
-        return np.array(self._data, dtype=dtype)
-
-    def __len__(self):
-        return self.shape[0]
-
-
-def _blocks(sharding, shape) -> set[tuple]:
-    out = set()
-    for index in sharding.addressable_devices_indices_map(shape).values():
-        out.add(
-            tuple(
-                ((s.start or 0), (size if s.stop is None else s.stop))
-                for s, size in zip(index, shape)
-            )
-        )
-    return out
-
-
-def _loader_cases(devices):
-    n_data, n_model = choose_mesh_shape(len(devices))
-    grid = data_model_mesh(devices, (n_data, n_model), axis_type="explicit")
-    flat = data_mesh(devices, axis_type="explicit")
-    return [
-        ("rows over data", NamedSharding(flat, P(DATA))),
-        (f"rows over data, copies over model ({n_model})", NamedSharding(grid, P(DATA))),
-        ("rows over data, columns over model", NamedSharding(grid, P(DATA, MODEL))),
-        ("fully replicated", NamedSharding(grid, P())),
-    ]
-
-
 @checker
 def check_block_loader(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(source, sharding, global_shape)`` must return the global array laid out by ``sharding``, reading
-    from ``source`` exactly the distinct blocks this process's devices hold, each once."""
-    n_data, n_model = choose_mesh_shape(len(devices))
-    shape = (4 * len(devices), 2 * n_model)
-    data = np.random.default_rng(9).normal(size=shape).astype(np.float32)
-    for what, sharding in _loader_cases(devices):
-        source = RecordingSource(data)
-        out = _call(
-            f"load_global_batch(source, sharding, {shape}) with {what}",
-            fn,
-            source,
-            sharding,
-            shape,
-            hint="read source[index] once per distinct index of sharding.addressable_devices_indices_map, "
-            "put each block on the devices that need it, jax.make_array_from_single_device_arrays",
-        )
-        if not isinstance(out, jax.Array) or out.shape != shape:
-            fail(
-                f"{what}: returned {type(out).__name__} of shape {getattr(out, 'shape', None)}",
-                f"return one global jax.Array of shape {shape}",
-            )
-        if not out.sharding.is_equivalent_to(sharding, len(shape)):
-            fail(
-                f"{what}: the result is laid out as {out.sharding}",
-                "lay the result out by the sharding given",
-            )
-        if not np.array_equal(np.asarray(out), data):
-            fail(
-                f"{what}: the values differ from the source",
-                "each device must hold source[index] for its own index; keep the device order of the index map "
-                "when you assemble",
-            )
-        blocks = _blocks(sharding, shape)
-        reads = source.reads
-        full = tuple((0, s) for s in shape)
-        if full in reads and full not in blocks:
-            fail(
-                f"{what}: the whole source was read",
-                "in a group of processes each reads only what its own devices hold: read source[index] for the "
-                "blocks of sharding.addressable_devices_indices_map(global_shape), not np.asarray(source)",
-            )
-        extra = [r for r in reads if r not in blocks]
-        if extra:
-            fail(
-                f"{what}: {len(extra)} read(s) are not blocks of this process's devices, e.g. rows/columns {extra[0]}",
-                "read exactly the blocks the index map names (rows and columns): a contiguous range of local rows "
-                "is not one when a process's devices hold non-neighbouring blocks",
-            )
-        if len(reads) > len(blocks):
-            fail(
-                f"{what}: {len(reads)} reads for {len(blocks)} distinct block(s)",
-                "devices that hold copies of the same block (a replicated axis) need one read, not one each: "
-                "jax.make_array_from_callback calls back once per device; read each distinct index once, "
-                "then jax.device_put the block to every device that needs it",
-            )
-        if len(set(reads)) < len(blocks):
-            fail(
-                f"{what}: some blocks were never read", "read every distinct block of the index map"
-            )
-    _judge_other_process(fn)
+    """Exercise 3; the spec is :func:`course_tools.checks._lesson09_loader.check_block_loader`'s."""
+    n_layouts = _check_block_loader(fn, devices)
     return passed(
-        f"all {len(_loader_cases(devices))} layouts assembled with each distinct block read once, and "
-        "only this process's blocks read in a simulated group of 2 processes"
+        f"all {n_layouts} layouts assembled with every element of this process's blocks read once, and "
+        "only this process's elements read in a simulated group of 2 processes"
     )
 
 
-class _Client:
-    def process_index(self) -> int:  # the process the check plays: 0
-        return 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _GroupDevice(FakeDevice):
-    """A :class:`FakeDevice` JAX can ask for addressability: process 0's devices are this process's."""
-
-    @property
-    def client(self) -> _Client:
-        return _Client()
-
-
-def _spans(index, shape) -> tuple:
-    return tuple(
-        (s.start or 0, size if s.stop is None else s.stop) for s, size in zip(index, shape)
-    )
-
-
-def _overlap(a: tuple, b: tuple) -> bool:
-    return all(max(x[0], y[0]) < min(x[1], y[1]) for x, y in zip(a, b))
-
-
-def _judge_other_process(fn: Callable) -> None:
-    """In one process every block is this process's; on stand-in devices of 2 processes (2 each) only
-    process 0's are. The loader cannot build an array there, so only what it read before failing counts."""
-    # process 1's devices first: a loader that walks every device's block reads one of theirs first
-    devices = np.array(
-        [_GroupDevice(d.id, d.process_index) for d in fake_devices(2, 2, False)][::-1]
-    )
-    shape = (8, 4)
-    for what, sharding in (
-        ("rows over data", NamedSharding(Mesh(devices, (DATA,)), P(DATA))),
-        ("a 2 x 2 grid", NamedSharding(Mesh(devices.reshape(2, 2), (DATA, MODEL)), P(DATA, MODEL))),
-    ):
-        source = RecordingSource(np.zeros(shape, np.float32))
-        try:
-            fn(source, sharding, shape)
-        except Exception:  # noqa: BLE001 - stand-in devices hold no data; the reads are what is judged
-            pass
-        mine = _blocks(sharding, shape)
-        theirs = {_spans(i, shape) for i in sharding.devices_indices_map(shape).values()} - mine
-        extra = [r for r in source.reads if any(_overlap(r, b) for b in theirs)]
-        if extra:
-            fail(
-                f"in a group of 2 processes ({what}), process 0 read rows/columns {extra[0]}, which only "
-                "process 1's devices hold",
-                "sharding.devices_indices_map covers every process's devices; read the blocks of "
-                "sharding.addressable_devices_indices_map(global_shape), this process's own",
-            )
+__all__ = ["FakeDevice", "RecordingSource", "fake_devices"]

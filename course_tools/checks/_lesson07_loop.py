@@ -1,0 +1,230 @@
+"""Lesson 07's exercise 3 (exported by :mod:`course_tools.checks.lesson07`): a training loop that keeps the
+devices busy while the host makes batches and logs.
+
+The checker hands the loop its own ``step``, ``make_batch`` and ``log`` and measures what overlapped: a
+watcher thread waits on every dispatched step in order and records when it finished, so each step's busy
+interval on the device is known (from its dispatch, or the previous step's end, to its end); every
+``make_batch`` records its own interval and, exactly, whether the step dispatched last was still running when
+it began and when it ended. The steps' device work and the host's work vary from step to step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._common import call_answer, fail
+
+N_STEPS = 6
+WORK = (1.0, 1.6, 0.7, 1.3, 0.9, 1.2)
+"""Each step's device work, relative to the first's (its matmul count)."""
+HOST = (0.45, 0.3, 0.6, 0.35, 0.5, 0.4)
+"""Each ``make_batch(i)``'s host work, as a fraction of the device time of the step before it (step
+``i - 1``, with which a good loop overlaps it); ``log`` works a quarter of that."""
+_BASE_ITERS = 120
+
+
+class Harness:
+    """The step, make_batch and log handed to the learner's loop, recording what ran when."""
+
+    def __init__(self, size: int = 256):
+        rng = np.random.default_rng(10)
+        self.size = size
+        self.m = jnp.asarray(rng.standard_normal((size, size)) / np.sqrt(size), jnp.float32)
+        self.batches = [
+            rng.standard_normal((size, size)).astype(np.float32) for _ in range(N_STEPS)
+        ]
+        self.iters = [max(1, round(_BASE_ITERS * w)) for w in WORK]
+        self._step = jax.jit(self._step_fn)
+        self.lock = threading.Lock()
+        self.dispatched: list = []  # (time, loss) of each step, in dispatch order
+        self.ended: list = []  # when each step finished, recorded by the watcher thread
+        self.batch_calls: list = []  # (i, start, end, running at start, running at end)
+        self.logs: list = []  # (i, loss, steps dispatched by then)
+        self._pending: queue.Queue = queue.Queue()
+
+    def _step_fn(self, state, batch, iters):
+        h = lax.fori_loop(0, iters, lambda i, h: jnp.tanh(h @ self.m), state + batch)
+        loss = jnp.mean((h - batch) ** 2)
+        return 0.9 * state + 0.1 * batch, {"loss": loss}
+
+    def warm_up(self) -> Any:
+        """Compile, then time one step of the base work (median of 3): the unit of every host time."""
+        state0 = jnp.zeros((self.size, self.size), jnp.float32)
+        jax.block_until_ready(self._step(state0, self.batches[0], self.iters[0]))
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(self._step(state0, self.batches[0], self.iters[0]))
+            times.append(time.perf_counter() - t0)
+        self.device_s = float(np.median(times))
+        return state0
+
+    def expected(self, state):
+        losses = []
+        for b, iters in zip(self.batches, self.iters):
+            state, metrics = self._step(state, b, iters)
+            losses.append(float(metrics["loss"]))
+        return state, losses
+
+    def _watch(self):
+        while (item := self._pending.get()) is not None:
+            jax.block_until_ready(item)
+            with self.lock:
+                self.ended.append(time.perf_counter())
+
+    def run(self, fn, state):
+        watcher = threading.Thread(target=self._watch, daemon=True)
+        watcher.start()
+        try:
+            return call_answer(
+                "train_loop", fn, self.step, state, self.make_batch, N_STEPS, self.log
+            )
+        finally:
+            self._pending.put(None)
+            watcher.join(timeout=60)
+
+    def step(self, state, batch):
+        with self.lock:
+            k = len(self.dispatched)
+        t = time.perf_counter()
+        out = self._step(state, batch, self.iters[min(k, N_STEPS - 1)])
+        with self.lock:
+            self.dispatched.append((t, out[1]["loss"]))
+        self._pending.put(out[1]["loss"])
+        return out
+
+    def _running(self) -> bool:
+        with self.lock:
+            last = self.dispatched[-1][1] if self.dispatched else None
+        return last is not None and not last.is_ready()
+
+    def _host_s(self, i: int) -> float:
+        before = WORK[max(i - 1, 0)]
+        return HOST[int(i) % N_STEPS] * before * self.device_s
+
+    def make_batch(self, i):
+        start, running_start = time.perf_counter(), self._running()
+        time.sleep(self._host_s(int(i)))
+        end, running_end = time.perf_counter(), self._running()
+        self.batch_calls.append((int(i), start, end, running_start, running_end))
+        return self.batches[int(i)]
+
+    def log(self, i, loss):
+        with self.lock:
+            n_dispatched = len(self.dispatched)
+        self.logs.append((int(i), float(loss), n_dispatched))
+        time.sleep(self._host_s(int(i)) / 4)
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        """Each step's interval on the device: from its dispatch (or the previous step's end) to its end."""
+        out, prev_end = [], -np.inf
+        for (t, _), end in zip(self.dispatched, self.ended):
+            out.append((max(t, prev_end), end))
+            prev_end = end
+        return out
+
+    def overlap(self) -> tuple[float, float]:
+        """``(seconds of batch-making while a step ran, seconds of batch-making)`` for batches 1 … n-1.
+
+        Exact at the extremes: a batch made while no step was running (it began with the last step done)
+        overlaps nothing, one that ended with a step still running overlapped for its whole length;
+        between the two, the watcher's end times give the overlap."""
+        busy = self.busy_intervals()
+        total = overlapped = 0.0
+        for i, start, end, running_start, running_end in self.batch_calls:
+            if i < 1:
+                continue
+            total += end - start
+            if running_end:
+                overlapped += end - start
+            elif running_start:
+                overlapped += sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
+        return overlapped, total
+
+
+def _judge_calls(h: Harness, state, want_state, want_losses) -> None:
+    calls = sorted(i for i, *_ in h.batch_calls)
+    if calls != list(range(N_STEPS)):
+        fail(
+            f"make_batch was called for {calls}", f"make each batch 0 … {N_STEPS - 1} exactly once"
+        )
+    if [i for i, _, _ in h.logs] != list(range(N_STEPS)):
+        missing = sorted(set(range(N_STEPS)) - {i for i, _, _ in h.logs})
+        fail(
+            f"log was called for steps {[i for i, _, _ in h.logs]}",
+            f"log every step once, in order (missing: {missing}); after the loop, the last step is "
+            "still unlogged",
+        )
+    losses = [loss for _, loss, _ in h.logs]
+    if not np.allclose(losses, want_losses, rtol=1e-5):
+        late = np.allclose(losses[1:], want_losses[:-1], rtol=1e-5)
+        early = np.allclose(losses[:-1], want_losses[1:], rtol=1e-5)
+        fail(
+            "the logged losses are not those of the steps they are logged for",
+            "log(i, …) must get step i's loss"
+            + (": yours are one step late" if late else "")
+            + (
+                ": yours come from the step after (keep the previous step's metrics, log those)"
+                if early
+                else ""
+            ),
+        )
+    if not np.allclose(np.asarray(state), np.asarray(want_state), rtol=1e-5, atol=1e-6):
+        fail(
+            "the final state differs from running the steps in order",
+            "feed each step the state the previous step returned",
+        )
+
+
+def check_train_loop(fn: Callable) -> tuple[float, float, float]:
+    """Judge a training loop that overlaps the host's work with the devices' (exercise 3).
+
+    Spec: ``fn(step, state, make_batch, n_steps, log)``
+
+    - calls ``make_batch(i)`` once for each ``i`` in ``0 … n_steps-1`` and runs ``step`` on those batches
+      in order, each on the state the previous one returned, and returns the final state (equal to the
+      steps run one after the other);
+    - calls ``log(i, loss_i)`` once per step, in order, with step ``i``'s own loss;
+    - never reads a loss before the next step is on its way: when ``log(i, …)`` runs, step ``i + 1`` has
+      been dispatched (``i < n_steps - 1``);
+    - makes the batches while the devices compute: of the time ``make_batch(1 …)`` take, at least half
+      overlaps a running step (measured: see :meth:`Harness.overlap`). The devices' work and the host's
+      work per step vary (:data:`WORK`, :data:`HOST`), the host's always less than the step it can overlap.
+
+    Returns ``(overlapped seconds, batch-making seconds, the whole loop's seconds)``; raises ExerciseError
+    naming the first broken rule.
+    """
+    h = Harness()
+    state0 = h.warm_up()
+    want_state, want_losses = h.expected(state0)
+    t0 = time.perf_counter()
+    state = h.run(fn, state0)
+    jax.block_until_ready(state)
+    took = time.perf_counter() - t0
+    _judge_calls(h, state, want_state, want_losses)
+    early = [i for i, _, n_disp in h.logs if i < N_STEPS - 1 and n_disp < i + 2]
+    if early:
+        fail(
+            f"log({early[0]}) ran before step {early[0] + 1} was dispatched",
+            "reading a loss waits for its step; dispatch the next step first, so the devices have work "
+            "while the host waits and logs",
+        )
+    overlapped, total = h.overlap()
+    if overlapped < 0.5 * total:
+        idle = sum(1 for i, _, _, start, _ in h.batch_calls if i >= 1 and not start)
+        fail(
+            f"the devices computed during {overlapped * 1e3:.0f} ms of the {total * 1e3:.0f} ms the host "
+            f"spent making batches 1 … {N_STEPS - 1} ({idle} of them began with no step running)",
+            "make batch i+1 while step i runs: dispatch step i, then make the next batch, and read "
+            "losses only after the next step is on its way",
+        )
+    return overlapped, total, took

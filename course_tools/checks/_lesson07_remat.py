@@ -1,0 +1,143 @@
+"""Lesson 07's exercise 2 (exported by :mod:`course_tools.checks.lesson07`): a gradient checkpoint that
+saves nothing, and the block size that saves most.
+
+The learner's loss is compiled under ``jax.value_and_grad`` for deep tanh MLPs of several depths; its
+gradient is compared with the plain one's, and its temporaries (``memory_analysis()``) with those of
+checkpointing blocks of about √L consecutive layers, which the checker compiles itself on the same platform.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._common import call_answer, fail
+
+DEPTHS = (4, 9, 25)
+"""The depths judged: their best block sizes differ (2, 3, 5), so no one block size fits them all."""
+_BATCH, _WIDTH = 512, 32
+
+
+def layer(h, w):
+    """One layer of exercise 2's MLP: ``tanh(h @ w)``, h f32[batch, width], w f32[width, width]."""
+    return jnp.tanh(h @ w)
+
+
+def mlp_loss(weights, x):
+    """The MLP's loss without checkpointing: ``mean(h_L ** 2)``, weights f32[L, width, width]."""
+    h = x
+    for i in range(weights.shape[0]):
+        h = layer(h, weights[i])
+    return jnp.mean(h**2)
+
+
+def blocks_loss(weights, x, k: int):
+    """The loss with every block of ``k`` consecutive layers under one ``jax.checkpoint`` (the last block
+    shorter when ``k`` does not divide L)."""
+
+    def block(h, w_block):
+        for i in range(w_block.shape[0]):
+            h = layer(h, w_block[i])
+        return h
+
+    h = x
+    for start in range(0, weights.shape[0], k):
+        h = jax.checkpoint(block)(h, weights[start : start + k])
+    return jnp.mean(h**2)
+
+
+def problem(depth: int):
+    """``(weights f32[depth, 32, 32], x f32[512, 32])`` for a depth."""
+    rng = np.random.default_rng(depth)  # NumPy: nothing to compile before the programs judged
+    weights = rng.standard_normal((depth, _WIDTH, _WIDTH), np.float32) / np.float32(np.sqrt(_WIDTH))
+    return jnp.asarray(weights), jnp.asarray(rng.standard_normal((_BATCH, _WIDTH), np.float32))
+
+
+def activation_bytes() -> int:
+    """Bytes of one layer's activation, ``[512, 32]`` float32: the unit the messages count in."""
+    return _BATCH * _WIDTH * 4
+
+
+def compiled_grad(loss: Callable, weights, x):
+    """``jax.jit(jax.value_and_grad(loss))`` compiled for ``(weights, x)``."""
+    return jax.jit(jax.value_and_grad(loss)).lower(weights, x).compile()
+
+
+def temp_bytes(compiled) -> int:
+    """Temporary bytes of a compiled program (per device, ``memory_analysis()``)."""
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def best_block(depth: int) -> int:
+    """``round(√depth)``: the block size that makes ``depth / k + k`` (block inputs kept, plus one block's
+    activations recomputed) smallest, to within one."""
+    return max(1, round(float(np.sqrt(depth))))
+
+
+@functools.cache
+def reference(depth: int):
+    """``(value, gradient, temporaries)`` of the loss with blocks of ``best_block(depth)`` layers."""
+    weights, x = problem(depth)
+    compiled = compiled_grad(functools.partial(blocks_loss, k=best_block(depth)), weights, x)
+    value, grad = compiled(weights, x)
+    return value, grad, temp_bytes(compiled)
+
+
+@functools.cache
+def plain_temps(depth: int) -> int:
+    """Temporaries of the gradient without any checkpoint (compiled only to explain a refusal)."""
+    return temp_bytes(compiled_grad(mlp_loss, *problem(depth)))
+
+
+def check_remat_loss(fn: Callable) -> list[tuple[int, float, float]]:
+    """Judge a checkpointed loss (exercise 2).
+
+    Spec: ``fn(weights, x)`` — weights f32[L, 32, 32] of ``L`` layers ``tanh(h @ w)``, x f32[512, 32] —
+    returns :func:`mlp_loss`'s value, and for every depth of :data:`DEPTHS`
+
+    - its value and its gradient w.r.t. the weights equal the plain loss's to 1e-5 (compared with the
+      blocks' program, which computes the same numbers);
+    - the compiled gradient's temporaries are at most 5 % above those of checkpointing blocks of
+      ``round(√L)`` consecutive layers (measured with ``memory_analysis()`` on this platform; any other
+      split that does as well passes too).
+
+    Returns ``[(depth, temporaries, blocks' temporaries)]`` in activations
+    (:func:`activation_bytes`); raises ExerciseError naming the first broken rule.
+    """
+    act = activation_bytes()
+    rows = []
+    for depth in DEPTHS:
+        weights, x = problem(depth)
+        compiled = call_answer(
+            f"jax.value_and_grad(remat_loss) for {depth} layers", compiled_grad, fn, weights, x
+        )
+        value, g = call_answer(f"remat_loss for {depth} layers", compiled, weights, x)
+        want_value, want_g, best = reference(depth)
+        if not np.allclose(value, want_value, rtol=1e-5, atol=1e-6) or not np.allclose(
+            g, want_g, rtol=1e-5, atol=1e-6
+        ):
+            fail(
+                f"with {depth} layers the loss or its gradient differs from the plain MLP's",
+                "jax.checkpoint changes what is stored, never the numbers: apply every layer "
+                "tanh(h @ w) in order, once, and return mean(h ** 2)",
+            )
+        mine = temp_bytes(compiled)
+        rows.append((depth, mine / act, best / act))
+        if mine > 1.05 * best:
+            plain = plain_temps(depth)
+            fail(
+                f"with {depth} layers the gradient's temporaries are {mine / act:.1f} activations "
+                f"([512, 32] float32 each); without any checkpoint {plain / act:.1f}; checkpointing "
+                f"blocks of {best_block(depth)} consecutive layers {best / act:.1f}",
+                "jax.checkpoint keeps its function's inputs and recomputes the rest in the backward "
+                "pass. Around one layer it keeps that layer's input, which plain autodiff kept anyway; "
+                "around the whole loss it keeps only the inputs, but the backward pass then recomputes "
+                "the whole forward pass and needs all its activations at once again. Checkpoint blocks of "
+                "k layers: the backward pass then holds at most about the L/k block inputs plus one "
+                "block's k activations — choose k from L to make L/k + k smallest",
+            )
+    return rows
