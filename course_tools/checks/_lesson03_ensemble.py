@@ -1,0 +1,175 @@
+"""Lesson 03, exercise 1: an ensemble through ``vmap``, with stacked parameters and per-example keys.
+
+Spec:
+
+- ``init_ensemble(init, key, members)`` returns the members' parameters stacked: every leaf of
+  ``init(k)`` gains a leading axis of ``members``, and member ``m`` equals
+  ``init(jax.random.split(key, members)[m])``;
+- ``ensemble_predict(apply, stacked, key, x)`` returns ``[members, batch, out]``: entry ``[m, b]`` is
+  ``apply(params_m, k_mb, x[b])`` for member ``m``'s parameters, the whole batch ``x`` shared by every
+  member, and ``k_mb = jax.random.split(jax.random.split(key, members)[m], batch)[b]`` — one key per
+  member, split again into one key per example (``apply`` draws a dropout mask from it);
+- ``apply`` is traced once (``vmap``, not a Python loop over members or examples).
+
+The checker's ``init`` and ``apply`` accept one member's parameters and one example only (their Python
+bodies check the ranks), and count their runs; the batch holds two identical examples, so a key shared
+by the examples of a member shows as two identical outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ._common import call_answer, fail
+
+D_IN, HIDDEN, D_OUT, MEMBERS, BATCH, RATE = 3, 16, 2, 4, 6, 0.5
+
+
+def _model(runs: list):
+    import jax
+    import jax.numpy as jnp
+
+    def init(key):
+        if getattr(key, "shape", None) != ():
+            raise TypeError(f"init takes ONE key, got a key array of shape {key.shape}")
+        k1, k2 = jax.random.split(key)
+        return {
+            "w": jax.random.normal(k1, (D_IN, HIDDEN)) / np.sqrt(D_IN),
+            "b": jnp.zeros(HIDDEN),
+            "v": jax.random.normal(k2, (HIDDEN, D_OUT)) / np.sqrt(HIDDEN),
+        }
+
+    def apply(params, key, x):
+        runs.append(1)
+        if params["w"].ndim != 2:
+            raise TypeError(f"apply takes ONE member's params, got w of shape {params['w'].shape}")
+        if x.ndim != 1 or getattr(key, "shape", None) != ():
+            raise TypeError(
+                f"apply takes ONE example and ONE key, got x {x.shape}, key {getattr(key, 'shape', key)}"
+            )
+        h = jnp.tanh(x @ params["w"] + params["b"])
+        keep = jax.random.bernoulli(key, 1 - RATE, h.shape)
+        return jnp.where(keep, h / (1 - RATE), 0.0) @ params["v"]
+
+    return init, apply
+
+
+def _explain(e: BaseException):
+    if isinstance(e, TypeError) and "ONE member's params" in str(e):
+        return (
+            f"apply received stacked parameters: {e}",
+            "map over the members: the stacked leaves' leading axis is in_axes=0 of an outer vmap",
+        )
+    if isinstance(e, TypeError) and "ONE example" in str(e):
+        return (
+            f"apply received a batch: {e}",
+            "map over the examples too: an inner vmap gives apply one row of x and one key",
+        )
+    if isinstance(e, TypeError) and "ONE key" in str(e):
+        return (f"init received a key array: {e}", "vmap init over the member keys")
+    return None
+
+
+def _reference(apply, stacked, key, x, shared=False):
+    """Entry [m, b] by a loop; ``shared``: every member splits ``key`` itself (a wrong answer's keys)."""
+    import jax
+
+    member_keys = [key] * MEMBERS if shared else jax.random.split(key, MEMBERS)
+    out = np.zeros((MEMBERS, BATCH, D_OUT), np.float32)
+    for m in range(MEMBERS):
+        params = jax.tree.map(lambda a, m=m: a[m], stacked)
+        keys = jax.random.split(member_keys[m], BATCH)
+        for b in range(BATCH):
+            out[m, b] = np.asarray(apply(params, keys[b], x[b]))
+    return out
+
+
+def _judge_init(init_ensemble, init, key):
+    import jax
+
+    stacked = call_answer(
+        "init_ensemble(init, key, 4)", init_ensemble, init, key, MEMBERS, explain=_explain
+    )
+    one = init(key)
+    if jax.tree.structure(stacked) != jax.tree.structure(one):
+        fail(
+            f"init_ensemble returned {jax.tree.structure(stacked)}", "return init's pytree, stacked"
+        )
+    for (path, leaf), ref in zip(
+        jax.tree_util.tree_leaves_with_path(stacked), jax.tree.leaves(one)
+    ):
+        if np.shape(leaf) != (MEMBERS, *ref.shape):
+            fail(
+                f"leaf {jax.tree_util.keystr(path)} has shape {np.shape(leaf)}, expected "
+                f"{(MEMBERS, *ref.shape)}",
+                "every leaf gains a leading axis of members",
+            )
+    keys = jax.random.split(key, MEMBERS)
+    w = np.asarray(stacked["w"])
+    if np.allclose(w, w[:1]):
+        fail("every member has the same parameters", "split the key: one key per member")
+    for m in range(MEMBERS):
+        if not np.allclose(w[m], np.asarray(init(keys[m])["w"]), atol=1e-6):
+            fail(
+                f"member {m} is not init(jax.random.split(key, members)[{m}])",
+                "split the key into members keys and map init over them (jax.vmap(init))",
+            )
+    return stacked
+
+
+def judge_ensemble(init_ensemble: Callable, ensemble_predict: Callable) -> None:
+    """Apply the spec of the module docstring, or raise an ExerciseError."""
+    import jax
+    import jax.numpy as jnp
+
+    runs: list = []
+    init, apply = _model(runs)
+    key = jax.random.key(11)
+    stacked = _judge_init(init_ensemble, init, key)
+    x = np.random.default_rng(4).normal(size=(BATCH, D_IN)).astype(np.float32)
+    x[3] = x[0]  # two identical examples: their dropout masks must still differ
+    runs.clear()
+    out = call_answer(
+        "ensemble_predict(apply, stacked, key, x)",
+        ensemble_predict,
+        apply,
+        stacked,
+        jax.random.key(12),
+        jnp.asarray(x),
+        explain=_explain,
+    )
+    traced = len(runs)
+    want = _reference(apply, stacked, jax.random.key(12), x)
+    shape = np.shape(out)
+    if traced > 2:
+        fail(
+            f"apply's Python body ran {traced} times: a Python loop over members or examples",
+            "vmap traces apply once for all of them: nest a vmap over examples in a vmap over members",
+        )
+    if shape == (BATCH, MEMBERS, D_OUT):
+        fail(f"shape {shape}: the members' axis is second", "the outer vmap maps over the members")
+    if shape != want.shape:
+        fail(
+            f"shape {shape}, expected {want.shape} (members, batch, out)",
+            "one output per member and example",
+        )
+    got = np.asarray(out)
+    if np.allclose(got, want, rtol=1e-5, atol=1e-6):
+        return
+    if np.allclose(got[:, 0], got[:, 3]):
+        fail(
+            "two identical examples got identical outputs: the examples of a member share one dropout key",
+            "split each member's key into one key per example: jax.random.split(member_key, batch)",
+        )
+    if np.allclose(got, _reference(apply, stacked, jax.random.key(12), x, shared=True), atol=1e-6):
+        fail(
+            "every member draws the same dropout masks: the members share their example keys",
+            "split the key into one key per member first, then each member's key into one per example",
+        )
+    fail(
+        "the outputs differ from the spec's: member m uses split(key, members)[m], example b "
+        "split(that key, batch)[b]",
+        "derive the keys exactly so, and give apply the member's params, the example's key and row",
+    )
