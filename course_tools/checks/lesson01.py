@@ -14,7 +14,9 @@ import numpy as np
 
 from ._common import call_answer, checker, fail, not_written, passed
 from ._lesson01_accumulate import judge_accumulated, judge_one_at_a_time, pass_tap
-from ._lesson01_blocks import BLOCKS, judge_blocks
+from ._lesson01_blocks import BLOCK_QUESTIONS, BLOCKS, judge_blocks
+
+__all__ = ["BLOCK_QUESTIONS", "BLOCKS"]  # the notebook uses these
 
 # ---------------------------------------------------------------- exercise 1: dropout
 
