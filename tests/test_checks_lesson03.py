@@ -47,7 +47,6 @@ def test_ensemble_accepts_correct_forms():
     assert lesson03.check_ensemble(_init_ensemble, _predict)
     assert lesson03.check_ensemble(_init_by_loop, _predict_keys_first)
     assert lesson03.check_ensemble(_init_ensemble, _fold_in_keys)  # threefry: the same keys
-    assert lesson03.check_ensemble(_init_ensemble, jax.jit(_predict, static_argnums=0))
 
 
 def test_ensemble_stub(monkeypatch, capsys):

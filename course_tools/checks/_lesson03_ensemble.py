@@ -12,12 +12,14 @@ Spec:
 - ``apply`` is traced once (``vmap``, not a Python loop over members or examples).
 
 The checker's ``init`` and ``apply`` accept one member's parameters and one example only (their Python
-bodies check the ranks), and count their runs; the batch holds two identical examples, so a key shared
-by the examples of a member shows as two identical outputs.
+bodies check the ranks), and count their runs; the answer's two functions are called under ``jax.jit``
+(``init`` and ``apply`` static), so the batched program is compiled once; the batch holds two identical
+examples, so a key shared by the examples of a member shows as two identical outputs.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -27,18 +29,22 @@ from ._common import call_answer, fail
 D_IN, HIDDEN, D_OUT, MEMBERS, BATCH, RATE = 3, 16, 2, 4, 6, 0.5
 
 
-def _model(runs: list):
+@functools.cache
+def _model():
+    """(init, apply, runs): one pair for the process, so that their compiled programs are reused."""
     import jax
     import jax.numpy as jnp
+
+    runs: list = []
 
     def init(key):
         if getattr(key, "shape", None) != ():
             raise TypeError(f"init takes ONE key, got a key array of shape {key.shape}")
-        k1, k2 = jax.random.split(key)
+        flat = jax.random.normal(key, (D_IN * HIDDEN + HIDDEN * D_OUT,))  # one draw: compiles fast
         return {
-            "w": jax.random.normal(k1, (D_IN, HIDDEN)) / np.sqrt(D_IN),
+            "w": flat[: D_IN * HIDDEN].reshape(D_IN, HIDDEN) / np.sqrt(D_IN),
             "b": jnp.zeros(HIDDEN),
-            "v": jax.random.normal(k2, (HIDDEN, D_OUT)) / np.sqrt(HIDDEN),
+            "v": flat[D_IN * HIDDEN :].reshape(HIDDEN, D_OUT) / np.sqrt(HIDDEN),
         }
 
     def apply(params, key, x):
@@ -53,7 +59,10 @@ def _model(runs: list):
         keep = jax.random.bernoulli(key, 1 - RATE, h.shape)
         return jnp.where(keep, h / (1 - RATE), 0.0) @ params["v"]
 
-    return init, apply
+    def one(params, member_key, row, b):  # the reference's entry [m, b], one example at a time
+        return apply(params, jax.random.split(member_key, BATCH)[b], row)
+
+    return init, apply, runs, jax.jit(one), jax.jit(lambda k: init(k)["w"])
 
 
 def _explain(e: BaseException):
@@ -72,17 +81,19 @@ def _explain(e: BaseException):
     return None
 
 
-def _reference(apply, stacked, key, x, shared=False):
-    """Entry [m, b] by a loop; ``shared``: every member splits ``key`` itself (a wrong answer's keys)."""
+def _reference(stacked, key, x, shared=False):
+    """Entry [m, b] by Python loops over members and examples, one compiled example at a time;
+    ``shared``: every member splits ``key`` itself (a wrong answer's keys)."""
     import jax
 
-    member_keys = [key] * MEMBERS if shared else jax.random.split(key, MEMBERS)
+    one = _model()[3]  # apply on one example, compiled once for the process
+    member_keys = [key] * MEMBERS if shared else list(jax.random.split(key, MEMBERS))
+    leaves = {name: np.asarray(leaf) for name, leaf in stacked.items()}
     out = np.zeros((MEMBERS, BATCH, D_OUT), np.float32)
     for m in range(MEMBERS):
-        params = jax.tree.map(lambda a, m=m: a[m], stacked)
-        keys = jax.random.split(member_keys[m], BATCH)
+        params = {name: leaf[m] for name, leaf in leaves.items()}
         for b in range(BATCH):
-            out[m, b] = np.asarray(apply(params, keys[b], x[b]))
+            out[m, b] = np.asarray(one(params, member_keys[m], x[b], b))
     return out
 
 
@@ -106,12 +117,12 @@ def _judge_init(init_ensemble, init, key):
                 f"{(MEMBERS, *ref.shape)}",
                 "every leaf gains a leading axis of members",
             )
-    keys = jax.random.split(key, MEMBERS)
     w = np.asarray(stacked["w"])
     if np.allclose(w, w[:1]):
         fail("every member has the same parameters", "split the key: one key per member")
-    for m in range(MEMBERS):
-        if not np.allclose(w[m], np.asarray(init(keys[m])["w"]), atol=1e-6):
+    first_leaf = _model()[4]
+    for m, member_key in enumerate(jax.random.split(key, MEMBERS)):
+        if not np.allclose(w[m], np.asarray(first_leaf(member_key)), atol=1e-6):
             fail(
                 f"member {m} is not init(jax.random.split(key, members)[{m}])",
                 "split the key into members keys and map init over them (jax.vmap(init))",
@@ -124,8 +135,7 @@ def judge_ensemble(init_ensemble: Callable, ensemble_predict: Callable) -> None:
     import jax
     import jax.numpy as jnp
 
-    runs: list = []
-    init, apply = _model(runs)
+    init, apply, runs = _model()[:3]
     key = jax.random.key(11)
     stacked = _judge_init(init_ensemble, init, key)
     x = np.random.default_rng(4).normal(size=(BATCH, D_IN)).astype(np.float32)
@@ -133,7 +143,7 @@ def judge_ensemble(init_ensemble: Callable, ensemble_predict: Callable) -> None:
     runs.clear()
     out = call_answer(
         "ensemble_predict(apply, stacked, key, x)",
-        ensemble_predict,
+        jax.jit(ensemble_predict, static_argnums=0),  # traced once: apply's runs are its traces
         apply,
         stacked,
         jax.random.key(12),
@@ -141,7 +151,7 @@ def judge_ensemble(init_ensemble: Callable, ensemble_predict: Callable) -> None:
         explain=_explain,
     )
     traced = len(runs)
-    want = _reference(apply, stacked, jax.random.key(12), x)
+    want = _reference(stacked, jax.random.key(12), x)
     shape = np.shape(out)
     if traced > 2:
         fail(
@@ -163,7 +173,7 @@ def judge_ensemble(init_ensemble: Callable, ensemble_predict: Callable) -> None:
             "two identical examples got identical outputs: the examples of a member share one dropout key",
             "split each member's key into one key per example: jax.random.split(member_key, batch)",
         )
-    if np.allclose(got, _reference(apply, stacked, jax.random.key(12), x, shared=True), atol=1e-6):
+    if np.allclose(got, _reference(stacked, jax.random.key(12), x, shared=True), atol=1e-6):
         fail(
             "every member draws the same dropout masks: the members share their example keys",
             "split the key into one key per member first, then each member's key into one per example",
