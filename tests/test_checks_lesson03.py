@@ -17,7 +17,7 @@ from course_tools.checks import ExerciseError, lesson03
 # ---------------------------------------------------------------- exercise 1
 
 
-def _init_ensemble(init, key, members):
+def _init_vmap(init, key, members):
     return jax.vmap(init)(jax.random.split(key, members))
 
 
@@ -29,6 +29,14 @@ def _predict(apply, stacked, key, x):
         return jax.vmap(apply, in_axes=(None, 0, 0))(params, keys, x)
 
     return jax.vmap(member)(stacked, jax.random.split(key, members))
+
+
+def ensemble_of(init_part, predict_part):
+    def ensemble(init, apply, init_key, dropout_key, x, members):
+        stacked = init_part(init, init_key, members)
+        return stacked, predict_part(apply, stacked, dropout_key, x)
+
+    return ensemble
 
 
 def _init_by_loop(init, key, members):  # another correct form: a loop over members, then a stack
@@ -43,17 +51,25 @@ def _predict_keys_first(apply, stacked, key, x):  # another correct form: all ke
     return jax.vmap(inner, in_axes=(0, 0, None))(stacked, keys, x)
 
 
+def _fold_in_keys(apply, stacked, key, x):  # another correct form: fold_in(k, i) = split(k, n)[i]
+    members = jax.tree.leaves(stacked)[0].shape[0]
+
+    def member(params, m):
+        fold = jax.random.fold_in
+        keys = jax.vmap(lambda b: fold(fold(key, m), b))(jnp.arange(x.shape[0]))
+        return jax.vmap(apply, in_axes=(None, 0, 0))(params, keys, x)
+
+    return jax.vmap(member)(stacked, jnp.arange(members))
+
+
 def test_ensemble_accepts_correct_forms():
-    assert lesson03.check_ensemble(_init_ensemble, _predict)
-    assert lesson03.check_ensemble(_init_by_loop, _predict_keys_first)
-    assert lesson03.check_ensemble(_init_ensemble, _fold_in_keys)  # threefry: the same keys
+    assert lesson03.check_ensemble(ensemble_of(_init_vmap, _predict))
+    assert lesson03.check_ensemble(ensemble_of(_init_by_loop, _predict_keys_first))
+    assert lesson03.check_ensemble(ensemble_of(_init_vmap, _fold_in_keys))
 
 
 def test_ensemble_stub(monkeypatch, capsys):
-    not_written(lesson03.check_ensemble, _stub, _predict, monkeypatch=monkeypatch, capsys=capsys)
-    not_written(
-        lesson03.check_ensemble, _init_ensemble, _stub, monkeypatch=monkeypatch, capsys=capsys
-    )
+    not_written(lesson03.check_ensemble, _stub, monkeypatch=monkeypatch, capsys=capsys)
 
 
 def _one_key_per_member(apply, stacked, key, x):  # examples share their member's dropout mask
@@ -78,28 +94,9 @@ def _loop_over_members(apply, stacked, key, x):
     outs = []
     for m, k in enumerate(jax.random.split(key, members)):
         params = jax.tree.map(lambda a, m=m: a[m], stacked)
-        outs.append(
-            jax.vmap(apply, in_axes=(None, 0, 0))(params, jax.random.split(k, x.shape[0]), x)
-        )
+        keys = jax.random.split(k, x.shape[0])
+        outs.append(jax.vmap(apply, in_axes=(None, 0, 0))(params, keys, x))
     return jnp.stack(outs)
-
-
-def _batch_first(apply, stacked, key, x):
-    return jnp.swapaxes(_predict(apply, stacked, key, x), 0, 1)
-
-
-def _fold_in_keys(
-    apply, stacked, key, x
-):  # another correct form: fold_in(key, i) is split(key, n)[i]
-    members = jax.tree.leaves(stacked)[0].shape[0]
-
-    def member(params, m):
-        keys = jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(key, m), b))(
-            jnp.arange(x.shape[0])
-        )
-        return jax.vmap(apply, in_axes=(None, 0, 0))(params, keys, x)
-
-    return jax.vmap(member)(stacked, jnp.arange(members))
 
 
 def _grid_of_keys(apply, stacked, key, x):  # other keys than the spec's: one split into a grid
@@ -112,17 +109,16 @@ def _grid_of_keys(apply, stacked, key, x):  # other keys than the spec's: one sp
 def test_ensemble_wrong_answers():
     check = lesson03.check_ensemble
     same_members = lambda init, key, m: jax.vmap(init)(jnp.stack([key] * m))  # noqa: E731
-    rejects(check, same_members, _predict, match="same parameters")
-    first_key = lambda init, key, m: jax.vmap(init)(jax.random.split(key, m + 1)[1:])  # noqa: E731
-    rejects(check, first_key, _predict, match=r"member 0 is not init")
-    rejects(check, _init_ensemble, _one_key_per_member, match="share one dropout key")
-    rejects(check, _init_ensemble, _members_share_keys, match="members share their example keys")
-    rejects(check, _init_ensemble, _unmapped_params, match="stacked parameters")
-    rejects(check, _init_ensemble, _loop_over_members, match="Python loop")
-    rejects(check, _init_ensemble, _batch_first, match="members' axis is second")
-    rejects(check, _init_ensemble, _grid_of_keys, match="differ from the spec's")
+    rejects(check, ensemble_of(same_members, _predict), match="same parameters")
+    shifted = lambda init, key, m: jax.vmap(init)(jax.random.split(key, m + 1)[1:])  # noqa: E731
+    rejects(check, ensemble_of(shifted, _predict), match=r"member 0 is not init")
+    rejects(check, ensemble_of(_init_vmap, _one_key_per_member), match="share one dropout key")
+    rejects(check, ensemble_of(_init_vmap, _members_share_keys), match="share their example keys")
+    rejects(check, ensemble_of(_init_vmap, _unmapped_params), match="stacked parameters")
+    rejects(check, ensemble_of(_init_vmap, _loop_over_members), match="Python loop")
+    rejects(check, ensemble_of(_init_vmap, _grid_of_keys), match="differ from the spec's")
     not_stacked = lambda init, key, m: init(key)  # noqa: E731
-    rejects(check, not_stacked, _predict, match="leading axis of members")
+    rejects(check, ensemble_of(not_stacked, _predict), match="not stacked")
 
 
 # ---------------------------------------------------------------- exercise 2

@@ -1,20 +1,21 @@
 """Lesson 03, exercise 1: an ensemble through ``vmap``, with stacked parameters and per-example keys.
 
-Spec:
+Spec: ``ensemble(init, apply, init_key, dropout_key, x, members)`` returns ``(stacked, outputs)``:
 
-- ``init_ensemble(init, key, members)`` returns the members' parameters stacked: every leaf of
-  ``init(k)`` gains a leading axis of ``members``, and member ``m`` equals
-  ``init(jax.random.split(key, members)[m])``;
-- ``ensemble_predict(apply, stacked, key, x)`` returns ``[members, batch, out]``: entry ``[m, b]`` is
-  ``apply(params_m, k_mb, x[b])`` for member ``m``'s parameters, the whole batch ``x`` shared by every
-  member, and ``k_mb = jax.random.split(jax.random.split(key, members)[m], batch)[b]`` — one key per
-  member, split again into one key per example (``apply`` draws a dropout mask from it);
+- ``stacked``: the members' parameters, every leaf of ``init(k)`` with a leading axis of ``members``;
+  member ``m`` equals ``init(jax.random.split(init_key, members)[m])``;
+- ``outputs``: ``[members, batch, out]``; entry ``[m, b]`` is ``apply(params_m, k_mb, x[b])`` for member
+  ``m``'s parameters, the whole batch ``x`` shared by every member, and ``k_mb =
+  jax.random.split(jax.random.split(dropout_key, members)[m], batch)[b]`` — one key per member, split
+  again into one key per example (``apply`` draws a dropout mask from it);
 - ``apply`` is traced once (``vmap``, not a Python loop over members or examples).
 
 The checker's ``init`` and ``apply`` accept one member's parameters and one example only (their Python
-bodies check the ranks), and count their runs; the answer's two functions are called under ``jax.jit``
-(``init`` and ``apply`` static), so the batched program is compiled once; the batch holds two identical
-examples, so a key shared by the examples of a member shows as two identical outputs.
+bodies check the ranks), and count their runs; the answer is called under ``jax.jit`` (``init``, ``apply``
+and ``members`` static), so its program is compiled once; the batch holds two identical examples, so a key
+shared by the examples of a member shows as two identical outputs. (With JAX's default threefry keys,
+``jax.random.fold_in(key, i)`` equals ``jax.random.split(key, n)[i]``: folding in the indices is the
+same spec.)
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ def _explain(e: BaseException):
             f"apply received a batch: {e}",
             "map over the examples too: an inner vmap gives apply one row of x and one key",
         )
+    if isinstance(e, ValueError) and "inconsistent sizes" in str(e) and "argument params" in str(e):
+        return (
+            f"vmap over the members found leaves of different lengths: {str(e).splitlines()[0][:120]}",
+            "the parameters are not stacked: every leaf needs a leading axis of members (jax.vmap(init) "
+            "over one key per member)",
+        )
     if isinstance(e, TypeError) and "ONE key" in str(e):
         return (f"init received a key array: {e}", "vmap init over the member keys")
     return None
@@ -97,16 +104,14 @@ def _reference(stacked, key, x, shared=False):
     return out
 
 
-def _judge_init(init_ensemble, init, key):
+def _judge_stacked(stacked, init, key) -> None:
     import jax
 
-    stacked = call_answer(
-        "init_ensemble(init, key, 4)", init_ensemble, init, key, MEMBERS, explain=_explain
-    )
-    one = init(key)
+    one = jax.eval_shape(init, key)
     if jax.tree.structure(stacked) != jax.tree.structure(one):
         fail(
-            f"init_ensemble returned {jax.tree.structure(stacked)}", "return init's pytree, stacked"
+            f"the parameters have the structure {jax.tree.structure(stacked)}",
+            "return init's pytree, every leaf stacked",
         )
     for (path, leaf), ref in zip(
         jax.tree_util.tree_leaves_with_path(stacked), jax.tree.leaves(one)
@@ -119,39 +124,43 @@ def _judge_init(init_ensemble, init, key):
             )
     w = np.asarray(stacked["w"])
     if np.allclose(w, w[:1]):
-        fail("every member has the same parameters", "split the key: one key per member")
+        fail("every member has the same parameters", "split init_key: one key per member")
     first_leaf = _model()[4]
     for m, member_key in enumerate(jax.random.split(key, MEMBERS)):
         if not np.allclose(w[m], np.asarray(first_leaf(member_key)), atol=1e-6):
             fail(
-                f"member {m} is not init(jax.random.split(key, members)[{m}])",
-                "split the key into members keys and map init over them (jax.vmap(init))",
+                f"member {m} is not init(jax.random.split(init_key, members)[{m}])",
+                "split init_key into one key per member and map init over them (jax.vmap(init))",
             )
-    return stacked
 
 
-def judge_ensemble(init_ensemble: Callable, ensemble_predict: Callable) -> None:
+def judge_ensemble(ensemble: Callable) -> None:
     """Apply the spec of the module docstring, or raise an ExerciseError."""
     import jax
     import jax.numpy as jnp
 
     init, apply, runs = _model()[:3]
-    key = jax.random.key(11)
-    stacked = _judge_init(init_ensemble, init, key)
+    init_key, dropout_key = jax.random.key(11), jax.random.key(12)
     x = np.random.default_rng(4).normal(size=(BATCH, D_IN)).astype(np.float32)
     x[3] = x[0]  # two identical examples: their dropout masks must still differ
     runs.clear()
     out = call_answer(
-        "ensemble_predict(apply, stacked, key, x)",
-        jax.jit(ensemble_predict, static_argnums=0),  # traced once: apply's runs are its traces
+        "ensemble(init, apply, init_key, dropout_key, x, 4)",
+        jax.jit(ensemble, static_argnums=(0, 1, 5)),  # traced once: apply's runs are its traces
+        init,
         apply,
-        stacked,
-        jax.random.key(12),
+        init_key,
+        dropout_key,
         jnp.asarray(x),
+        MEMBERS,
         explain=_explain,
     )
     traced = len(runs)
-    want = _reference(stacked, jax.random.key(12), x)
+    if not isinstance(out, tuple | list) or len(out) != 2:
+        fail("expected a pair (stacked parameters, outputs)", "return both, in that order")
+    stacked, out = out
+    _judge_stacked(stacked, init, init_key)
+    want = _reference(stacked, dropout_key, x)
     shape = np.shape(out)
     if traced > 2:
         fail(
@@ -173,13 +182,14 @@ def judge_ensemble(init_ensemble: Callable, ensemble_predict: Callable) -> None:
             "two identical examples got identical outputs: the examples of a member share one dropout key",
             "split each member's key into one key per example: jax.random.split(member_key, batch)",
         )
-    if np.allclose(got, _reference(stacked, jax.random.key(12), x, shared=True), atol=1e-6):
+    if np.allclose(got, _reference(stacked, dropout_key, x, shared=True), atol=1e-6):
         fail(
             "every member draws the same dropout masks: the members share their example keys",
-            "split the key into one key per member first, then each member's key into one per example",
+            "split dropout_key into one key per member first, then each member's key into one per "
+            "example",
         )
     fail(
-        "the outputs differ from the spec's: member m uses split(key, members)[m], example b "
+        "the outputs differ from the spec's: member m uses split(dropout_key, members)[m], example b "
         "split(that key, batch)[b]",
         "derive the keys exactly so, and give apply the member's params, the example's key and row",
     )

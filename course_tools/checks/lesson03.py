@@ -19,20 +19,20 @@ from ._lesson03_ensemble import judge_ensemble
 
 
 @checker
-def check_ensemble(init_ensemble: Callable, ensemble_predict: Callable) -> bool:
+def check_ensemble(ensemble: Callable) -> bool:
     """Exercise 1: an ensemble of small networks with stacked parameters and per-example dropout keys.
 
-    Spec (in full in ``_lesson03_ensemble``): ``init_ensemble(init, key, members)`` stacks the members'
-    parameters, member m being ``init(split(key, members)[m])``; ``ensemble_predict(apply, stacked, key,
-    x)`` is ``[members, batch, out]`` with entry ``[m, b] = apply(params_m, split(split(key, members)[m],
-    batch)[b], x[b])``, ``apply`` traced once.
+    Spec (in full in ``_lesson03_ensemble``): ``ensemble(init, apply, init_key, dropout_key, x, members)``
+    returns ``(stacked, outputs)``: the members' parameters stacked, member m being ``init(split(init_key,
+    members)[m])``; outputs ``[members, batch, out]`` with entry ``[m, b] = apply(params_m,
+    split(split(dropout_key, members)[m], batch)[b], x[b])``; ``apply`` traced once.
 
     Raises:
       ExerciseError: parameters not stacked or all equal, a member not initialised from its key, apply
         given stacked parameters or a batch, a Python loop, axes swapped, examples or members sharing a
         dropout key, other keys than the spec's.
     """
-    judge_ensemble(init_ensemble, ensemble_predict)
+    judge_ensemble(ensemble)
     return passed(
         "each member has its own parameters and key, each example its own dropout mask, in one trace"
     )
