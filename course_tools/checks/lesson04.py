@@ -240,6 +240,8 @@ def check_allreduce(predictions: dict | None, devices: Sequence[Any]) -> bool:
       ExerciseError: a missing or non-numeric prediction, or wrong ones (their number).
     """
     n = prediction_count(devices)
+    if predictions is None or all(v is None or v is Ellipsis for v in dict(predictions).values()):
+        judge_allreduce(predictions, {})  # "not written yet", before anything is compiled
     measured = measure_allreduce(devices) if len(devices) > 1 else _measure_allreduce_simulated()
     notes = judge_allreduce(predictions, measured)
     print(f"  the compiled step's all-reduce on {n} device(s), as XLA wrote it:")
