@@ -25,7 +25,9 @@ __all__ = ["BLOCK_QUESTIONS", "BLOCKS"]  # the notebook uses these
 def check_dropout(dropout: Callable) -> bool:
     """Exercise 1: a pure ``dropout(key, x, rate)``: zero a fraction ``rate``, scale the rest by ``1/(1-rate)``.
 
-    Judged on random (not constant) ``x`` of two shapes and two rates: every output entry is either 0 or the
+    Spec: the output has x's shape and dtype; every entry is 0 or the same entry of ``x / (1 - rate)``;
+    about ``rate`` of them (within 3 points) are 0; the same key gives the same output and another key
+    another; under ``jax.jit`` (``rate`` static) the values are the same. Judged on random (not constant) ``x`` of two shapes and two rates: every output entry is either 0 or the
     input entry scaled, about ``rate`` of them are 0, the same key gives the same output, another key another,
     and ``jax.jit`` (``rate`` static) gives the same values.
 
