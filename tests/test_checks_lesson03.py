@@ -331,6 +331,14 @@ def _w_norm_only(loss_fn, params, xs, ys, max_norm):  # the review's misdiagnose
     )
 
 
+def _mean_scale_times_mean_grad(loss_fn, params, xs, ys, max_norm):  # the review's wrong answer
+    g = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))(params, xs, ys)
+    n = xs.shape[0]
+    sq = sum(jnp.sum(leaf.reshape(n, -1) ** 2, axis=1) for leaf in jax.tree.leaves(g))
+    scale = jnp.minimum(1.0, max_norm / jnp.sqrt(sq)).mean()
+    return jax.tree.map(lambda leaf: scale * leaf.mean(0), g)
+
+
 def test_clipped_grad_accepts_correct_forms():
     assert lesson03.check_clipped_grad(_clipped)
     assert lesson03.check_clipped_grad(_clipped_per_example_fn)
@@ -344,6 +352,7 @@ def test_clipped_grad_stub(monkeypatch, capsys):
 def test_clipped_grad_wrong_answers():
     rejects(lesson03.check_clipped_grad, _batch_clipped, match="not each example's")
     rejects(lesson03.check_clipped_grad, _per_leaf, match="own norm")
+    rejects(lesson03.check_clipped_grad, _mean_scale_times_mean_grad, match="differs from a loop")
     rejects(lesson03.check_clipped_grad, _w_norm_only, match="one leaf \\(w\\) only")
     rejects(lesson03.check_clipped_grad, _scales_up, match="scaled up")
     rejects(

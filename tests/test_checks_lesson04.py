@@ -46,6 +46,7 @@ def test_gradient_scales(report):
     rejects(check, {**right, "a": 1}, report.devices, match="1 of your 4 predictions.*psum adds")
     rejects(check, {**right, "b": "local"}, report.devices, match="1 of your 4")
     rejects(check, {**right, "c": 1 / n}, report.devices, match="1 of your 4")
+    rejects(check, {**right, "c": n}, report.devices, match="1 of your 4")  # the review's
     rejects(check, {**right, "d": 1}, report.devices, match="1 of your 4")  # the review's
     rejects(check, {"a": 1, "b": 1, "c": 1, "d": 1}, report.devices, match="3 of your 4")
     messages = set()
@@ -151,6 +152,19 @@ def acc_fori(
     return lax.pmean(jax.tree.map(lambda g: g / n_micro, total), axis_name)
 
 
+def acc_strided_scan(loss_fn, params, batch, axis_name, n_micro):  # another correct form
+    # micro-batch i holds rows i, i + n_micro, ...: the same rows in another grouping
+    micro = jax.tree.map(
+        lambda a: jnp.swapaxes(a.reshape((-1, n_micro) + a.shape[1:]), 0, 1), batch
+    )
+    total, _ = lax.scan(
+        lambda t, mb: (jax.tree.map(jnp.add, t, jax.grad(loss_fn)(params, mb)), None),
+        jax.tree.map(jnp.zeros_like, params),
+        micro,
+    )
+    return lax.pmean(jax.tree.map(lambda g: g / n_micro, total), axis_name)
+
+
 def acc_no_divide(loss_fn, params, batch, axis_name, n_micro):
     micro = jax.tree.map(lambda a: a.reshape((n_micro, -1) + a.shape[1:]), batch)
     total, _ = lax.scan(
@@ -222,6 +236,7 @@ def test_accumulated_grads(report):
     n = len(report.devices)
     assert lesson04.check_accumulated_grads(acc_scan, report.devices)
     assert lesson04.check_accumulated_grads(acc_fori, report.devices)
+    assert lesson04.check_accumulated_grads(acc_strided_scan, report.devices)  # the review's
     for unbounded in (acc_python_loop, acc_grad_of_sum, acc_vmap):
         rejects(
             lesson04.check_accumulated_grads,
