@@ -2,16 +2,20 @@
 reject typical wrong ones, each with its own hint; an unwritten answer prints its hint (or raises under
 COURSE_STRICT_CHECKS=1)."""
 
+import concurrent.futures
+import functools
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from checking import not_written
 from checking import rejects_written as rejects
 from checking import stub as _stub
 
-from course_tools.checks import lesson00
+from course_tools.checks import ExerciseError, lesson00
+from course_tools.checks._lesson00_env import CASES, clean_environ, effective_count, run_python
 
 # ---------------------------------------------------------------- exercise 1
 
@@ -47,23 +51,13 @@ def test_placement_stub(report, monkeypatch, capsys):
 def test_placement_wrong_answers(report):
     devices = report.devices
     default_device = dict.fromkeys(RIGHT, "first")  # "new arrays always go to the default device"
-    rejects(
-        lesson00.check_placement, default_device, devices, match=r"zeros_like.*\n.*shape and dtype"
-    )
+    rejects(lesson00.check_placement, default_device, devices, match="3 of your 5 predictions")
     host_keeps_device = {**RIGHT, "np.asarray(b) + c": "last"}
-    rejects(
-        lesson00.check_placement,
-        host_keeps_device,
-        devices,
-        match=r"np.asarray.*\n.*type\(np.asarray",
-    )
-    put_moves_home = {**RIGHT, "jax.device_put(b) + c": "first"}
-    rejects(
-        lesson00.check_placement,
-        put_moves_home,
-        devices,
-        match=r"device_put\(b\) \+ c.*\n.*without a",
-    )
+    rejects(lesson00.check_placement, host_keeps_device, devices, match="1 of your 5 predictions")
+    put_moves_home = {**RIGHT, "jax.device_put(b) + c": "first"}  # "device_put(b) uncommits b"
+    rejects(lesson00.check_placement, put_moves_home, devices, match="1 of your 5")
+    zeros_default = {**RIGHT, "jnp.zeros_like(b)": "first"}  # the review's wrong answer
+    rejects(lesson00.check_placement, zeros_default, devices, match="1 of your 5")
     rejects(
         lesson00.check_placement,
         {**RIGHT, "jnp.zeros_like(b)": "GPU 0"},
@@ -76,6 +70,18 @@ def test_placement_wrong_answers(report):
         devices,
         match="no prediction",
     )
+
+
+def test_placement_never_names_the_wrong_case(report):
+    """A predict checker says how many are wrong, not which: the message is the same for any one error."""
+    messages = set()
+    for case in RIGHT:
+        wrong = {**RIGHT, case: "first" if RIGHT[case] != "first" else "last"}
+        with pytest.raises(ExerciseError) as e:
+            lesson00.check_placement(wrong, report.devices)
+        messages.add(str(e.value))
+    assert len(messages) == 1, messages
+    assert not any(case in next(iter(messages)) for case in RIGHT)
 
 
 # ---------------------------------------------------------------- exercise 2
@@ -121,9 +127,31 @@ def _forgets_the_backend(n, env):
     return {k: v for k, v in _reference_env(n, env).items() if k != "JAX_PLATFORMS"}
 
 
+def _sets_the_variable(
+    n, env
+):  # another correct form: the variable wins, the stale flag is harmless
+    return {**env, "JAX_NUM_CPU_DEVICES": str(n), "JAX_PLATFORMS": "cpu"}
+
+
+def _drops_jax_variables(n, env):  # "clean out JAX": the user's JAX_ENABLE_X64 is lost too
+    fresh = {k: v for k, v in env.items() if not k.startswith("JAX_")}
+    return _reference_env(n, fresh)
+
+
+def _prepends_the_flag(n, env):  # the new flag first: XLA takes the last, the stale one
+    fresh = {k: v for k, v in env.items() if k != "JAX_NUM_CPU_DEVICES"}
+    fresh["XLA_FLAGS"] = f"{FLAG}={n} " + fresh.get("XLA_FLAGS", "")
+    return {**fresh, "JAX_PLATFORMS": "cpu"}
+
+
+def _stringly(n, env):  # a number where os.environ needs a str
+    return {**_reference_env(n, env), "JAX_NUM_CPU_DEVICES": n}
+
+
 def test_cpu_env_accepts_correct_forms():
     assert lesson00.check_cpu_env(_reference_env)
-    assert lesson00.check_cpu_env(_both_settings)
+    assert lesson00.check_cpu_env(_sets_the_variable)  # the review's refused right answer
+    assert lesson00.check_cpu_env(_appends_a_second_flag)  # XLA takes the last flag: n
 
 
 def test_cpu_env_stub(monkeypatch, capsys):
@@ -138,13 +166,30 @@ def test_cpu_env_wrong_answers():
     rejects(
         lesson00.check_cpu_env,
         _keeps_stale_count,
-        match=r"count of 5/2\n.*JAX_NUM_CPU_DEVICES is still",
+        match=r"(?s)cpu_env\(5, env\) gives a fresh process 2 device\(s\), decided by JAX_NUM_CPU_DEVICES\n.*drop it",
     )
-    rejects(lesson00.check_cpu_env, _appends_a_second_flag, match="2 count flags")
+    rejects(
+        lesson00.check_cpu_env, _drops_jax_variables, match=r"the variable JAX_\w+ .*was dropped"
+    )
+    rejects(lesson00.check_cpu_env, _prepends_the_flag, match="XLA takes the last")
     rejects(lesson00.check_cpu_env, _forgets_the_backend, match="JAX_PLATFORMS")
+    rejects(lesson00.check_cpu_env, _stringly, match="not a str")
     rejects(
         lesson00.check_cpu_env, lambda n, env: _reference_env(8, env), match="use the argument n"
     )
+
+
+def test_the_count_rule_is_what_a_fresh_process_sees():
+    """effective_count (JAX_NUM_CPU_DEVICES wins, else the last flag) against real processes."""
+    stale = {**clean_environ(), **CASES[2][1]}  # a stale count flag and JAX_NUM_CPU_DEVICES=2
+    answers = (_sets_the_variable, _prepends_the_flag)
+    code = "import jax; print(jax.device_count())"
+    envs = [answer(5, stale) for answer in answers] + [_both_settings(4, stale)]
+    with concurrent.futures.ThreadPoolExecutor(len(envs)) as pool:  # one fresh process each
+        runs = list(pool.map(lambda env: run_python(code, env=env), envs))
+    for env, run in zip(envs, runs):
+        assert run.stdout.strip() == effective_count(env)[0], (env, run.stderr[-300:])
+    assert [run.stdout.strip() for run in runs] == ["5", "2", "4"]
 
 
 # ---------------------------------------------------------------- exercise 3
@@ -185,12 +230,57 @@ def _sums_stacked(parts, device):  # another correct form: one stack, one sum
     return partials, jnp.stack([jax.device_put(s, device) for s in partials]).sum(0)
 
 
+def _sums_from_zeros(parts, device):  # another correct form: an uncommitted zeros accumulator
+    partials = [p.sum(axis=0) for p in parts]
+    total = jnp.zeros(parts[0].shape[1:], parts[0].dtype)
+    for s in partials:
+        total = total + jax.device_put(s, device)
+    return partials, total
+
+
+def _split_asarray(x, devices):  # jnp.asarray(x[:k], device=devices[0]) stays uncommitted: refused
+    k = x.shape[0] // len(devices)
+    return [jnp.asarray(x[i * k : (i + 1) * k], device=d) for i, d in enumerate(devices)]
+
+
+def _sums_to_device(parts, device):  # another correct form: to_device and jnp.asarray(device=)
+    partials = [p.sum(axis=0) for p in parts]
+    moved = [p.to_device(device) for p in partials[:-1]] + [
+        jnp.asarray(partials[-1], device=device)
+    ]
+    return partials, functools.reduce(jnp.add, moved)
+
+
+def _split_by_sharding(x, devices):  # another correct form: lesson 05's layout, then its shards
+    if x.shape[0] % len(devices):
+        raise ValueError(f"{x.shape[0]} rows, {len(devices)} devices: use a multiple")
+    mesh = jax.sharding.Mesh(np.array(devices), ("rows",))
+    spread = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P("rows")))
+    by_device = {s.device: s.data for s in spread.addressable_shards}
+    return [by_device[d] for d in devices]
+
+
+def _tree_sum(parts, device):  # another correct form: pairwise sums on the way to the target
+    partials = [p.sum(axis=0) for p in parts]
+    level = list(partials)
+    while len(level) > 1:
+        pairs = [(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        merged = [b + jax.device_put(a, next(iter(b.devices()))) for a, b in pairs]
+        level = merged + ([level[-1]] if len(level) % 2 else [])
+    return partials, jax.device_put(level[0], device)
+
+
 def test_split_and_sum_accepts_correct_forms(report):
     for devices in (report.devices, report.devices[:3], report.devices[:1]):
         assert lesson00.check_split_and_sum(answer(_split, _sums), devices)
-    assert lesson00.check_split_and_sum(
-        answer(_split_with_jnp_split, _sums_stacked), report.devices
-    )
+    for split, sums in (
+        (_split_with_jnp_split, _sums_stacked),
+        (_split, _sums_from_zeros),
+        (_split, _sums_to_device),
+        (_split_by_sharding, _sums),
+        (_split, _tree_sum),
+    ):
+        assert lesson00.check_split_and_sum(answer(split, sums), report.devices), split
     as_list = lambda x, ds, d: list(answer(_split, _sums)(x, ds, d))
     assert lesson00.check_split_and_sum(as_list, report.devices)
 
@@ -243,12 +333,49 @@ def _partials_from_x(x, devices, device):  # right partial sums, computed on x's
     return parts, partials, _sums(parts, device)[1]
 
 
+def _total_moves_every_row(x, devices, device):  # the review's: right values, x moved whole
+    parts = _split(x, devices)
+    return parts, [p.sum(0) for p in parts], jax.device_put(x, device).sum(0)
+
+
+def _total_by_asarray(x, devices, device):  # the review's: summed where x is, moved by jnp.asarray
+    parts = _split(x, devices)
+    return parts, [p.sum(0) for p in parts], jnp.asarray(x.sum(0), device=device)
+
+
+def _total_by_to_device(x, devices, device):
+    parts = _split(x, devices)
+    return parts, [p.sum(0) for p in parts], x.to_device(device).sum(0)
+
+
+def _total_by_jit(x, devices, device):  # an implicit copy: jit with out_shardings moves x's rows
+    parts = _split(x, devices)
+    target = jax.sharding.SingleDeviceSharding(device)
+    return parts, [p.sum(0) for p in parts], jax.jit(lambda v: v.sum(0), out_shardings=target)(x)
+
+
+def _total_via_host(x, devices, device):
+    parts = _split(x, devices)
+    return parts, [p.sum(0) for p in parts], jax.device_put(np.asarray(x).sum(0), device)
+
+
+def _parts_after_moving_x(x, devices, device):  # every device gets every row, then slices its own
+    k = x.shape[0] // len(devices)
+    parts = [jax.device_put(x, d)[i * k : (i + 1) * k] for i, d in enumerate(devices)]
+    return (parts, *_sums(parts, device))
+
+
 def test_split_and_sum_refuses_sums_made_elsewhere(report):
     check = lesson00.check_split_and_sum
     for devices in (report.devices, report.devices[:2]):
-        if len(devices) > 1:
-            rejects(check, _total_from_x, devices, match="none of the partial sums")
-            rejects(check, _partials_from_x, devices, match="computed somewhere else")
+        rejects(check, _total_from_x, devices, match="sum of all the rows was moved")
+        rejects(check, _partials_from_x, devices, match="computed there \\(from x\\)")
+        rejects(check, _total_moves_every_row, devices, match="every row of x was moved")
+        rejects(check, _total_by_asarray, devices, match="sum of all the rows was moved")
+        rejects(check, _total_by_to_device, devices, match="every row of x was moved")
+        rejects(check, _total_by_jit, devices, match="every row of x was moved")
+        rejects(check, _total_via_host, devices, match="sum of all the rows was moved from host")
+    rejects(check, _parts_after_moving_x, report.devices, match="every row of x was moved")
 
 
 def test_split_and_sum_wrong_answers(report):
@@ -256,6 +383,7 @@ def test_split_and_sum_wrong_answers(report):
     check = lesson00.check_split_and_sum
     rejects(check, answer(_uncommitted, _sums), devices, match="commit each block")
     rejects(check, answer(_uncommitted, _sums), devices[:1], match="commit each block")
+    rejects(check, answer(_split_asarray, _sums), devices, match="part 0 .*committed: False")
     rejects(check, answer(_interleaved, _sums), devices, match="not every n-th row")
     rejects(check, answer(_drops_rows, _sums), devices, match="no error")
     cast = lambda x, ds: [

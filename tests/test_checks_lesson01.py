@@ -5,11 +5,13 @@ COURSE_STRICT_CHECKS=1)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from checking import not_written
 from checking import rejects_written as rejects
 from checking import stub as _stub
 
-from course_tools.checks import lesson01
+from course_tools.checks import ExerciseError, lesson01
+from course_tools.checks._lesson01_blocks import measure_blocks
 
 # ---------------------------------------------------------------- exercise 1
 
@@ -67,11 +69,11 @@ def test_dropout_wrong_answers():
 # ---------------------------------------------------------------- exercise 2
 
 RIGHT = {
-    "three eager gradients": 3,
-    "one vjp, two backward passes": 1,
+    "linearize, then its linear map twice": 1,
     "a Hessian": 1,
     "vmap over 4 rows": 1,
     "jit, then grad of the jitted f": 1,
+    "jit twice, then grad of the plain f": 2,
     "jit(vmap(grad)) on 4 rows, then 5": 2,
     "grad of a checkpointed f": 1,
 }
@@ -79,16 +81,13 @@ RIGHT = {
 
 def test_trace_counts_measured():
     assert lesson01.measure_traces() == RIGHT
-    assert (
-        lesson01.measure_traces() == RIGHT
-    )  # fresh functions: the second measurement is not a cache hit
+    # fresh functions: the second measurement is not a cache hit
+    assert lesson01.measure_traces() == RIGHT
 
 
 def test_trace_counts_accept_correct_forms():
     assert lesson01.check_trace_counts(RIGHT)
-    assert lesson01.check_trace_counts(
-        {k: float(v) for k, v in RIGHT.items()}
-    )  # 1.0 is a whole number
+    assert lesson01.check_trace_counts({k: float(v) for k, v in RIGHT.items()})  # 1.0 is whole
     assert lesson01.check_trace_counts({k: np.int64(v) for k, v in RIGHT.items()})
 
 
@@ -99,27 +98,25 @@ def test_trace_counts_stub(monkeypatch, capsys):
 
 
 def test_trace_counts_wrong_answers():
-    rejects(
-        lesson01.check_trace_counts,
-        {**RIGHT, "one vjp, two backward passes": 3},
-        match="f_vjp hold",
-    )  # a tape replayed
-    rejects(
-        lesson01.check_trace_counts, {**RIGHT, "vmap over 4 rows": 4}, match="one row"
-    )  # a loop over rows
-    rejects(
-        lesson01.check_trace_counts, {**RIGHT, "a Hessian": 2}, match="compose"
-    )  # one trace per derivative
-    rejects(
-        lesson01.check_trace_counts,
-        {**RIGHT, "jit, then grad of the jitted f": 2},
-        match="grad transforms a program",
-    )
-    rejects(
-        lesson01.check_trace_counts, {**RIGHT, "grad of a checkpointed f": 2}, match="recomputes"
-    )
-    rejects(lesson01.check_trace_counts, {**RIGHT, "three eager gradients": 1}, match="survive")
-    rejects(lesson01.check_trace_counts, {**RIGHT, "a Hessian": 1.5}, match="whole number")
+    check = lesson01.check_trace_counts
+    one_each = dict.fromkeys(RIGHT, 1)  # "a trace is cached forever"
+    rejects(check, one_each, match="2 of your 7 counts")
+    rejects(check, {**RIGHT, "linearize, then its linear map twice": 3}, match="1 of your 7")
+    rejects(check, {**RIGHT, "vmap over 4 rows": 4}, match="1 of your 7")  # a loop over rows
+    rejects(check, {**RIGHT, "a Hessian": 2}, match="1 of your 7")  # the review's wrong answer
+    rejects(check, {**RIGHT, "jit, then grad of the jitted f": 2}, match="1 of your 7")
+    rejects(check, {**RIGHT, "grad of a checkpointed f": 2}, match="1 of your 7")
+    rejects(check, {**RIGHT, "jit twice, then grad of the plain f": 1}, match="1 of your 7")
+    rejects(check, {**RIGHT, "a Hessian": 1.5}, match="whole number")
+
+
+def test_trace_counts_never_name_the_wrong_case():
+    messages = set()
+    for name in RIGHT:
+        with pytest.raises(ExerciseError) as e:
+            lesson01.check_trace_counts({**RIGHT, name: RIGHT[name] + 1})
+        messages.add(str(e.value))
+    assert len(messages) == 1 and not any(name in next(iter(messages)) for name in RIGHT)
 
 
 # ---------------------------------------------------------------- exercise 3
@@ -131,47 +128,66 @@ def _double_where(p, q):
     return jnp.where(ok, jnp.sqrt(jnp.where(ok, d2, 1.0)), 0.0)
 
 
-def _clamped(p, q):  # another correct form: keep sqrt's input off 0
-    return jnp.sqrt(jnp.maximum(jnp.sum((p - q) ** 2), 1e-30))
+@jax.custom_jvp
+def _norm_jvp(d):  # another correct form: the derivative written by hand
+    return jnp.sqrt(jnp.sum(d**2))
 
 
-def _tiny_eps(p, q):  # another correct form: an epsilon small enough not to bias the value
-    return jnp.sqrt(jnp.sum((p - q) ** 2) + 1e-20)
+@_norm_jvp.defjvp
+def _norm_jvp_rule(primals, tangents):
+    (d,), (t,) = primals, tangents
+    value = _norm_jvp(d)
+    safe = jnp.where(value > 0, value, 1.0)
+    return value, jnp.where(value > 0, jnp.vdot(d, t) / safe, 0.0)
+
+
+def _custom(p, q):
+    return _norm_jvp(p - q)
+
+
+def _equal_test(p, q):  # another correct form: test equality, not d2 > 0
+    d2 = jnp.sum((p - q) ** 2)
+    zero = d2 == 0
+    return jnp.where(zero, 0.0, jnp.sqrt(jnp.where(zero, 1.0, d2)))
 
 
 def test_safe_distance_accepts_correct_forms():
     assert lesson01.check_safe_distance(_double_where)
-    assert lesson01.check_safe_distance(_clamped)
-    assert lesson01.check_safe_distance(_tiny_eps)
+    assert lesson01.check_safe_distance(_custom)
+    assert lesson01.check_safe_distance(_equal_test)
 
 
 def test_safe_distance_stub(monkeypatch, capsys):
     not_written(lesson01.check_safe_distance, _stub, monkeypatch=monkeypatch, capsys=capsys)
 
 
+def test_safe_distance_refuses_every_epsilon():
+    """The review's wrong answers: an epsilon inside sqrt (1e-10, 1e-12) passed the old value test."""
+    check = lesson01.check_safe_distance
+    for eps in (1e-6, 1e-10, 1e-12, 1e-20):
+        rejects(
+            check, lambda p, q, e=eps: jnp.sqrt(jnp.sum((p - q) ** 2) + e), match="not 0|shifts"
+        )
+    clamped = lambda p, q: jnp.sqrt(jnp.maximum(jnp.sum((p - q) ** 2), 1e-30))  # noqa: E731
+    rejects(check, clamped, match="not 0")
+    # exact at 0, but the epsilon still bends small distances: the value near 0 gives it away
+    shifted = lambda p, q: jnp.where(  # noqa: E731
+        jnp.all(p == q), 0.0, jnp.sqrt(jnp.sum((p - q) ** 2) + 1e-10)
+    )
+    rejects(check, shifted, match="nearly equal pairs")
+
+
 def test_safe_distance_wrong_answers():
-    rejects(lesson01.check_safe_distance, lambda p, q: jnp.sqrt(jnp.sum((p - q) ** 2)), match="NaN")
-    single_where = lambda p, q: jnp.where(
+    check = lesson01.check_safe_distance
+    rejects(check, lambda p, q: jnp.sqrt(jnp.sum((p - q) ** 2)), match="NaN")
+    single_where = lambda p, q: jnp.where(  # noqa: E731
         jnp.sum((p - q) ** 2) > 0, jnp.sqrt(jnp.sum((p - q) ** 2)), 0.0
-    )  # noqa: E731
-    rejects(lesson01.check_safe_distance, single_where, match=r"0 x inf = NaN")
-    rejects(lesson01.check_safe_distance, lambda p, q: jnp.linalg.norm(p - q), match="NaN")
-    rejects(
-        lesson01.check_safe_distance,
-        lambda p, q: jnp.sqrt(jnp.sum((p - q) ** 2) + 1e-6),
-        match="sqrt\\(eps\\)",
     )
-    rejects(
-        lesson01.check_safe_distance,
-        lambda p, q: jnp.nan_to_num(jnp.sqrt(jnp.sum((p - q) ** 2))),
-        match="NaN",
-    )
-    rejects(
-        lesson01.check_safe_distance,
-        lambda p, q: jnp.sum((p - q) ** 2),
-        match="different points is wrong",
-    )
-    rejects(lesson01.check_safe_distance, lambda p, q: jnp.abs(p - q), match="scalar")
+    rejects(check, single_where, match=r"0 x inf = NaN")
+    rejects(check, lambda p, q: jnp.linalg.norm(p - q), match="NaN")  # the review's: refused
+    rejects(check, lambda p, q: jnp.nan_to_num(jnp.sqrt(jnp.sum((p - q) ** 2))), match="NaN")
+    rejects(check, lambda p, q: jnp.sum((p - q) ** 2), match="different points is wrong")
+    rejects(check, lambda p, q: jnp.abs(p - q), match="scalar")
 
 
 # ---------------------------------------------------------------- exercise 4
@@ -287,3 +303,65 @@ def test_accumulate_wrong_answers():
         lambda f, p, x, y, m: jax.tree.leaves(_accumulate(f, p, x, y, m)[1]),
         match="expected a pair|structure",
     )
+
+
+def test_accumulate_accepts_a_checkpointed_sum():
+    """One grad over a sum of checkpointed micro-losses keeps no activations: defensible, accepted."""
+
+    def checkpointed_sum(loss_fn, params, x, y, micro):
+        def total(p):
+            return sum(
+                x[s : s + micro].shape[0]
+                / x.shape[0]
+                * jax.checkpoint(loss_fn)(p, x[s : s + micro], y[s : s + micro])
+                for s in range(0, x.shape[0], micro)
+            )
+
+        return jax.value_and_grad(total)(params)
+
+    assert lesson01.check_accumulate(checkpointed_sum)
+
+
+# ---------------------------------------------------------------- exercise 5
+
+BLOCKS_RIGHT = {"best block": 4, "k=1": 17, "k=2": 10, "k=8": 10, "k=16": 17, "flops k=1": 4 / 3}
+
+
+def test_block_memory_measured():
+    measured = measure_blocks()
+    temp = {k: measured[k][0] for k in lesson01.BLOCKS}
+    assert min(temp, key=temp.get) == 4  # the square root of 16 layers
+    assert abs(temp[1] - measured[None][0]) < 1 and abs(temp[16] - measured[None][0]) < 1
+    assert all(
+        abs(measured[k][1] - 4 / 3) < 0.02 for k in lesson01.BLOCKS
+    )  # one extra forward pass
+
+
+def test_block_memory_accepts_correct_forms():
+    assert lesson01.check_block_memory(BLOCKS_RIGHT)
+    plus_one = {**BLOCKS_RIGHT, "k=1": 18, "k=2": 11, "k=8": 11, "k=16": 18, "flops k=1": 1.33}
+    assert lesson01.check_block_memory(plus_one)  # L/k + k + 1 (the input kept too), 1.33
+    assert lesson01.check_block_memory({**BLOCKS_RIGHT, "best block": np.int64(4)})
+
+
+def test_block_memory_stub(monkeypatch, capsys):
+    not_written(
+        lesson01.check_block_memory,
+        dict.fromkeys(BLOCKS_RIGHT),
+        monkeypatch=monkeypatch,
+        capsys=capsys,
+    )
+
+
+def test_block_memory_wrong_answers():
+    check = lesson01.check_block_memory
+    finest = {**BLOCKS_RIGHT, "best block": 1, "k=1": 2}  # "checkpoint every layer: keep least"
+    rejects(check, finest, match="2 of your 6 predictions")
+    one_block = {**BLOCKS_RIGHT, "k=16": 1}  # "one checkpoint around everything keeps its input"
+    rejects(check, one_block, match="1 of your 6")
+    free = {**BLOCKS_RIGHT, "flops k=1": 1.0}  # "recomputing is free" / "no extra work at k=1"
+    rejects(check, free, match="1 of your 6")
+    per_layer = {**BLOCKS_RIGHT, "flops k=1": 2.0}  # "each layer recomputed: double the work"
+    rejects(check, per_layer, match="1 of your 6")
+    rejects(check, {**BLOCKS_RIGHT, "k=2": "ten"}, match="not a number")
+    rejects(check, {k: v for k, v in BLOCKS_RIGHT.items() if k != "k=8"}, match="no prediction")

@@ -2,6 +2,7 @@
 reject typical wrong ones, each with its own hint; an unwritten answer prints its hint (or raises under
 COURSE_STRICT_CHECKS=1)."""
 
+import math
 import statistics
 import time
 from functools import partial
@@ -9,113 +10,147 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from checking import not_written
 from checking import rejects_written as rejects
 from checking import stub as _stub
 from jax import lax
 
-from course_tools.checks import lesson02
+from course_tools.checks import ExerciseError, lesson02
 
 # ---------------------------------------------------------------- exercise 1
 
 RIGHT = {
-    "jnp.arange(4.0)": True,
-    "np.arange(4.0)": False,
-    "jnp.arange(4)": True,
-    "2.0": True,
-    "3.0": False,
-    "np.float32(3.0)": True,
-    "jnp.arange(4.0).reshape(2, 2)": True,
-    "jax.device_put(jnp.arange(4.0), jax.devices()[0])": True,
-    "[jnp.arange(4.0)]": True,
-    "jnp.ones(4)": False,
+    "config object": 3,
+    "plain dataclass config": "error",
+    "frozen config": 1,
+    "jit in the loop": 1,
+    "jit of a lambda in the loop": 3,
+    "partial in the loop": 3,
+    "bound method": 3,
+    "closed-over array": 1,
+    "keyword, then position": 2,
 }
 
 
-def test_compiles_measured():
-    assert lesson02.measure_compiles() == RIGHT
+def test_recompiles_measured():
+    assert lesson02.measure_recompiles() == RIGHT
 
 
-def test_compiles_accept_correct_forms():
-    assert lesson02.check_compiles(RIGHT)
-    assert lesson02.check_compiles({k: np.bool_(v) for k, v in RIGHT.items()})
+def test_recompiles_accept_correct_forms():
+    assert lesson02.check_recompiles(RIGHT)
+    assert lesson02.check_recompiles(
+        {k: (" Error " if v == "error" else np.int64(v)) for k, v in RIGHT.items()}
+    )
 
 
-def test_compiles_stub(monkeypatch, capsys):
+def test_recompiles_stub(monkeypatch, capsys):
     not_written(
-        lesson02.check_compiles, dict.fromkeys(RIGHT), monkeypatch=monkeypatch, capsys=capsys
+        lesson02.check_recompiles, dict.fromkeys(RIGHT), monkeypatch=monkeypatch, capsys=capsys
     )
 
 
-def test_compiles_wrong_answers():
-    shape_dtype_only = {
+def test_recompiles_wrong_answers():
+    check = lesson02.check_recompiles
+    values_not_identity = {
         **RIGHT,
-        "np.float32(3.0)": False,
-        "jax.device_put(jnp.arange(4.0), jax.devices()[0])": False,
-        "[jnp.arange(4.0)]": False,
-    }  # the key is shapes and dtypes only
+        "config object": 1,
+        "bound method": 1,
+    }  # "equal fields, one key"
+    rejects(check, values_not_identity, match="2 of your 9 predictions")
+    rejects(check, {**RIGHT, "plain dataclass config": 3}, match="1 of your 9")  # hashable?
+    rejects(check, {**RIGHT, "jit in the loop": 3}, match="1 of your 9")  # "a new jit, a new cache"
     rejects(
-        lesson02.check_compiles, shape_dtype_only, match=r"np.float32\(3.0\).*\n.*look for the ~"
-    )
-    rejects(
-        lesson02.check_compiles, {**RIGHT, "np.arange(4.0)": True}, match="float64 NumPy array"
-    )  # float64 differs
-    rejects(
-        lesson02.check_compiles, {**RIGHT, "3.0": True}, match="the value or the type"
-    )  # values in the key
-    rejects(
-        lesson02.check_compiles,
-        {**RIGHT, "jax.device_put(jnp.arange(4.0), jax.devices()[0])": False},
-        match="committed",
-    )
-    rejects(lesson02.check_compiles, {**RIGHT, "jnp.ones(4)": 1}, match="not True or False")
+        check, {**RIGHT, "closed-over array": 3}, match="1 of your 9"
+    )  # "the closure is in the key"
+    rejects(check, {**RIGHT, "keyword, then position": 1}, match="1 of your 9")
+    rejects(check, {**RIGHT, "partial in the loop": 1}, match="1 of your 9")
+    rejects(check, {**RIGHT, "frozen config": True}, match="is True")
+    rejects(check, {**RIGHT, "frozen config": 1.0}, match="is 1.0")
+
+
+def test_recompiles_never_name_the_wrong_case():
+    messages = set()
+    for name, v in RIGHT.items():
+        with pytest.raises(ExerciseError) as e:
+            lesson02.check_recompiles({**RIGHT, name: 4 if v != 4 else 5})
+        messages.add(str(e.value))
+    assert len(messages) == 1 and not any(name in next(iter(messages)) for name in RIGHT)
 
 
 # ---------------------------------------------------------------- exercise 2
 
 
-def _pad(x, size):
+def _bucket_pad(x):
     n = x.shape[0]
-    return jnp.pad(x, ((0, size - n), (0, 0))), jnp.arange(size) < n
+    b = 1 << (n - 1).bit_length()
+    return jnp.pad(x, ((0, b - n), (0, 0))), jnp.arange(b) < n
 
 
-def _pad_concat(x, size):  # another correct form: concatenate zeros, a float mask, a list
+def _bucket_loop(x):  # another correct form: double until it fits, concatenate zeros, a float mask
     n, d = x.shape
-    return [
-        jnp.concatenate([x, jnp.zeros((size - n, d), x.dtype)]),
-        (jnp.arange(size) < n).astype(jnp.float32),
-    ]
+    b = 1
+    while b < n:
+        b *= 2
+    padded = jnp.concatenate([x, jnp.zeros((b - n, d), x.dtype)])
+    return [padded, (jnp.arange(b) < n).astype(jnp.float32)]
 
 
-def test_pad_batch_accepts_correct_forms():
-    assert lesson02.check_pad_batch(_pad)
-    assert lesson02.check_pad_batch(_pad_concat)
+def _bucket_log2(x):  # another correct form: math.log2, a NumPy mask
+    n = x.shape[0]
+    b = 2 ** math.ceil(math.log2(n))
+    return jnp.pad(x, ((0, b - n), (0, 0))), np.arange(b) < n
 
 
-def test_pad_batch_stub(monkeypatch, capsys):
-    not_written(lesson02.check_pad_batch, _stub, monkeypatch=monkeypatch, capsys=capsys)
+def test_bucket_pad_accepts_correct_forms():
+    assert lesson02.check_bucket_pad(_bucket_pad)
+    assert lesson02.check_bucket_pad(_bucket_loop)
+    assert lesson02.check_bucket_pad(_bucket_log2)
 
 
-def test_pad_batch_wrong_answers():
+def test_bucket_pad_stub(monkeypatch, capsys):
+    not_written(lesson02.check_bucket_pad, _stub, monkeypatch=monkeypatch, capsys=capsys)
+
+
+def _pad_to_largest(x):  # one program, but a 1-row batch is 63/64 padding
+    return jnp.pad(x, ((0, 64 - x.shape[0]), (0, 0))), jnp.arange(64) < x.shape[0]
+
+
+def _multiples_of_eight(x):
+    n = x.shape[0]
+    b = -(-n // 8) * 8
+    return jnp.pad(x, ((0, b - n), (0, 0))), jnp.arange(b) < n
+
+
+def _mask_dtype_varies(x):  # the review's case in a new form: a full bucket gets a float mask
+    xp, mask = _bucket_pad(x)
+    return xp, mask.astype(jnp.float32) if x.shape[0] == xp.shape[0] else mask
+
+
+def _off_by_one(x):  # the next power of two above n, also when n is one
+    n = x.shape[0]
+    b = 1 << n.bit_length()
+    return jnp.pad(x, ((0, b - n), (0, 0))), jnp.arange(b) < n
+
+
+def test_bucket_pad_wrong_answers():
+    check = lesson02.check_bucket_pad
+    rejects(check, _pad_to_largest, match="padded to 64 rows; the bucket for 1 is 1")
+    rejects(check, _multiples_of_eight, match="padded to 8 rows; the bucket for 1 is 1")
+    rejects(check, _off_by_one, match="padded to 2 rows; the bucket for 1 is 1")
+    rejects(check, lambda x: (x, jnp.ones(x.shape[0], bool)), match="padded to 3 rows")
     rejects(
-        lesson02.check_pad_batch,
-        lambda x, size: (x, jnp.ones(x.shape[0], bool)),
-        match=r"padded to shape \(5, 3\)",
+        check,
+        lambda x: (_bucket_pad(x)[0], jnp.ones(_bucket_pad(x)[0].shape[0], bool)),
+        match="marks 4 rows as real for a batch of 3",
     )
-    rejects(
-        lesson02.check_pad_batch,
-        lambda x, size: (_pad(x, size)[0], jnp.ones(size, bool)),
-        match="marks 8 rows as real",
+    rejects(check, _mask_dtype_varies, match="traced .* mask came back as .*float32")
+    rejects(check, lambda x: _bucket_pad(x)[0], match="expected a pair")
+    before = lambda x: (  # noqa: E731 - pads before the real rows
+        jnp.pad(x, ((_bucket_pad(x)[0].shape[0] - x.shape[0], 0), (0, 0))),
+        jnp.arange(_bucket_pad(x)[0].shape[0]) < x.shape[0],
     )
-    rejects(lesson02.check_pad_batch, lambda x, size: _pad(x, size)[0], match="expected a pair")
-    rejects(
-        lesson02.check_pad_batch,
-        lambda x, size: (
-            jnp.pad(x, ((size - x.shape[0], 0), (0, 0))),
-            jnp.arange(size) < x.shape[0],
-        ),
-        match="first rows",
-    )  # pads before
+    rejects(check, before, match="first rows")
 
 
 # ---------------------------------------------------------------- exercise 3

@@ -5,55 +5,120 @@ COURSE_STRICT_CHECKS=1)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 from checking import not_written
 from checking import rejects_written as rejects
 from checking import stub as _stub
 from jax import lax
 
-from course_tools.checks import lesson03
+from course_tools.checks import ExerciseError, lesson03
 
 # ---------------------------------------------------------------- exercise 1
 
 
-def _pairwise(f, A, B):
-    return jax.vmap(jax.vmap(f, in_axes=(None, 0)), in_axes=(0, None))(A, B)
+def _init_vmap(init, key, members):
+    return jax.vmap(init)(jax.random.split(key, members))
 
 
-def _pairwise_inner_a(f, A, B):  # another correct form: map B outside, A inside, then move the axes
-    out = jax.vmap(jax.vmap(f, in_axes=(0, None)), in_axes=(None, 0))(A, B)  # [m, n, ...]
-    return jnp.swapaxes(out, 0, 1)
+def _predict(apply, stacked, key, x):
+    members = jax.tree.leaves(stacked)[0].shape[0]
+
+    def member(params, member_key):
+        keys = jax.random.split(member_key, x.shape[0])
+        return jax.vmap(apply, in_axes=(None, 0, 0))(params, keys, x)
+
+    return jax.vmap(member)(stacked, jax.random.split(key, members))
 
 
-def test_pairwise_accepts_correct_forms():
-    assert lesson03.check_pairwise(_pairwise)
-    assert lesson03.check_pairwise(_pairwise_inner_a)
-    assert lesson03.check_pairwise(
-        lambda f, A, B: jax.vmap(lambda a: jax.vmap(lambda b: f(a, b))(B))(A)
-    )
+def ensemble_of(init_part, predict_part):
+    def ensemble(init, apply, init_key, dropout_key, x, members):
+        stacked = init_part(init, init_key, members)
+        return stacked, predict_part(apply, stacked, dropout_key, x)
+
+    return ensemble
 
 
-def test_pairwise_stub(monkeypatch, capsys):
-    not_written(lesson03.check_pairwise, _stub, monkeypatch=monkeypatch, capsys=capsys)
+def _init_by_loop(init, key, members):  # another correct form: a loop over members, then a stack
+    inits = [init(k) for k in jax.random.split(key, members)]
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *inits)
 
 
-def test_pairwise_wrong_answers():
-    # the hole of the old checker: a broadcasting answer without vmap
-    rejects(
-        lesson03.check_pairwise,
-        lambda f, A, B: f(A[:, None, :], B[None, :, :]),
-        match="batched arrays",
-    )
-    rejects(
-        lesson03.check_pairwise,
-        lambda f, A, B: jnp.array([[f(a, b) for b in B] for a in A]),
-        match="Python loop",
-    )
-    rejects(
-        lesson03.check_pairwise,
-        lambda f, A, B: jax.vmap(jax.vmap(f, in_axes=(0, None)), in_axes=(None, 0))(A, B),
-        match="transposed",
-    )
-    rejects(lesson03.check_pairwise, lambda f, A, B: jax.vmap(f)(A[: len(B)], B), match="nested")
+def _predict_keys_first(apply, stacked, key, x):  # another correct form: all keys made up front
+    members, batch = jax.tree.leaves(stacked)[0].shape[0], x.shape[0]
+    keys = jax.vmap(lambda k: jax.random.split(k, batch))(jax.random.split(key, members))
+    inner = jax.vmap(apply, in_axes=(None, 0, 0))
+    return jax.vmap(inner, in_axes=(0, 0, None))(stacked, keys, x)
+
+
+def _fold_in_keys(apply, stacked, key, x):  # another correct form: fold_in(k, i) = split(k, n)[i]
+    members = jax.tree.leaves(stacked)[0].shape[0]
+
+    def member(params, m):
+        fold = jax.random.fold_in
+        keys = jax.vmap(lambda b: fold(fold(key, m), b))(jnp.arange(x.shape[0]))
+        return jax.vmap(apply, in_axes=(None, 0, 0))(params, keys, x)
+
+    return jax.vmap(member)(stacked, jnp.arange(members))
+
+
+def test_ensemble_accepts_correct_forms():
+    assert lesson03.check_ensemble(ensemble_of(_init_vmap, _predict))
+    assert lesson03.check_ensemble(ensemble_of(_init_by_loop, _predict_keys_first))
+    assert lesson03.check_ensemble(ensemble_of(_init_vmap, _fold_in_keys))
+
+
+def test_ensemble_stub(monkeypatch, capsys):
+    not_written(lesson03.check_ensemble, _stub, monkeypatch=monkeypatch, capsys=capsys)
+
+
+def _one_key_per_member(apply, stacked, key, x):  # examples share their member's dropout mask
+    members = jax.tree.leaves(stacked)[0].shape[0]
+    one = jax.vmap(apply, in_axes=(None, None, 0))
+    return jax.vmap(one, in_axes=(0, 0, None))(stacked, jax.random.split(key, members), x)
+
+
+def _members_share_keys(apply, stacked, key, x):  # every member splits the same key
+    keys = jax.random.split(key, x.shape[0])
+    one = jax.vmap(apply, in_axes=(None, 0, 0))
+    return jax.vmap(one, in_axes=(0, None, None))(stacked, keys, x)
+
+
+def _unmapped_params(apply, stacked, key, x):  # the stacked params handed to apply whole
+    keys = jax.random.split(key, x.shape[0])
+    return jax.vmap(apply, in_axes=(None, 0, 0))(stacked, keys, x)
+
+
+def _loop_over_members(apply, stacked, key, x):
+    members = jax.tree.leaves(stacked)[0].shape[0]
+    outs = []
+    for m, k in enumerate(jax.random.split(key, members)):
+        params = jax.tree.map(lambda a, m=m: a[m], stacked)
+        keys = jax.random.split(k, x.shape[0])
+        outs.append(jax.vmap(apply, in_axes=(None, 0, 0))(params, keys, x))
+    return jnp.stack(outs)
+
+
+def _grid_of_keys(apply, stacked, key, x):  # other keys than the spec's: one split into a grid
+    members, batch = jax.tree.leaves(stacked)[0].shape[0], x.shape[0]
+    keys = jax.random.split(key, (members, batch))
+    inner = jax.vmap(apply, in_axes=(None, 0, 0))
+    return jax.vmap(inner, in_axes=(0, 0, None))(stacked, keys, x)
+
+
+def test_ensemble_wrong_answers():
+    check = lesson03.check_ensemble
+    same_members = lambda init, key, m: jax.vmap(init)(jnp.stack([key] * m))  # noqa: E731
+    rejects(check, ensemble_of(same_members, _predict), match="same parameters")
+    shifted = lambda init, key, m: jax.vmap(init)(jax.random.split(key, m + 1)[1:])  # noqa: E731
+    rejects(check, ensemble_of(shifted, _predict), match=r"member 0 is not init")
+    rejects(check, ensemble_of(_init_vmap, _one_key_per_member), match="share one dropout key")
+    rejects(check, ensemble_of(_init_vmap, _members_share_keys), match="share their example keys")
+    rejects(check, ensemble_of(_init_vmap, _unmapped_params), match="stacked parameters")
+    rejects(check, ensemble_of(_init_vmap, _loop_over_members), match="Python loop")
+    rejects(check, ensemble_of(_init_vmap, _grid_of_keys), match="differ from the spec's")
+    not_stacked = lambda init, key, m: init(key)  # noqa: E731
+    rejects(check, ensemble_of(not_stacked, _predict), match="not stacked")
 
 
 # ---------------------------------------------------------------- exercise 2
@@ -83,22 +148,23 @@ def test_batched_shapes_stub(monkeypatch, capsys):
 
 
 def test_batched_shapes_wrong_answers():
-    everything = {
-        "a": (5, 3),
-        "b": (5, 3),
-        "c": (5,),
-        "d": (5, 3, 3),
-        "e": (5, 3),
-        "g": (5, 3),
-    }  # "every intermediate"
-    rejects(lesson03.check_batched_shapes, everything, match=r"for a .*\n.*read x")
+    everything = {"a": (5, 3), "b": (5, 3), "c": (5,), "d": (5, 3, 3), "e": (5, 3), "g": (5, 3)}
+    rejects(lesson03.check_batched_shapes, everything, match="4 of your 6 shapes")
+    rejects(lesson03.check_batched_shapes, {**RIGHT, "g": (3,)}, match="1 of your 6")
     rejects(
-        lesson03.check_batched_shapes, {**RIGHT, "g": (3,)}, match="scatter"
-    )  # the update's dependence missed
-    rejects(
-        lesson03.check_batched_shapes, {**RIGHT, "e": (5, 3)}, match="from w alone"
-    )  # any scatter is batched
+        lesson03.check_batched_shapes, {**RIGHT, "e": (5, 3)}, match="1 of your 6"
+    )  # the review's
+    rejects(lesson03.check_batched_shapes, {**RIGHT, "c": (1,)}, match="1 of your 6")
     rejects(lesson03.check_batched_shapes, {**RIGHT, "c": 1}, match="not a shape tuple")
+
+
+def test_batched_shapes_never_name_the_wrong_case():
+    messages = set()
+    for name in RIGHT:
+        with pytest.raises(ExerciseError) as e:
+            lesson03.check_batched_shapes({**RIGHT, name: (7, 7)})
+        messages.add(str(e.value))
+    assert len(messages) == 1
 
 
 # ---------------------------------------------------------------- exercise 3
@@ -123,9 +189,15 @@ def _layer_norm(x):  # the bug: statistics over the example's own features
     return (x - mean) / jnp.sqrt(var + 1e-5)
 
 
+def _batch_norm_moments(x):  # another correct form: E[x^2] - E[x]^2, both pmean'd at once
+    m1, m2 = lax.pmean((x, x * x), "batch")
+    return (x - m1) / jnp.sqrt(m2 - m1 * m1 + 1e-5)
+
+
 def test_batch_norm_accepts_correct_forms(report):
     assert lesson03.check_batch_norm(_batch_norm, report.devices)
     assert lesson03.check_batch_norm(_batch_norm_psum, report.devices)
+    assert lesson03.check_batch_norm(_batch_norm_moments, report.devices)
     assert lesson03.check_batch_norm(_batch_norm)  # without the pmap part
 
 
@@ -133,6 +205,25 @@ def test_batch_norm_stub(report, monkeypatch, capsys):
     not_written(
         lesson03.check_batch_norm, _stub, report.devices, monkeypatch=monkeypatch, capsys=capsys
     )
+
+
+def _norm_with(eps_inside=None, eps_outside=0.0, ddof=0):
+    def norm(x):
+        mean = lax.pmean(x, "batch")
+        n = lax.psum(1, "batch")
+        var = lax.psum((x - mean) ** 2, "batch") / (n - ddof)
+        return (x - mean) / (jnp.sqrt(var + (eps_inside or 0.0)) + eps_outside)
+
+    return norm
+
+
+def test_batch_norm_refuses_a_wrong_epsilon(report):
+    """The review's wrong answers (no epsilon, epsilon outside the root) passed the old data."""
+    quiet = "variance is about 1e-06 is normalised wrongly"
+    rejects(lesson03.check_batch_norm, _norm_with(None), report.devices, match=quiet)
+    rejects(lesson03.check_batch_norm, _norm_with(None, 1e-5), report.devices, match=quiet)
+    rejects(lesson03.check_batch_norm, _norm_with(1e-3), report.devices, match=quiet)
+    rejects(lesson03.check_batch_norm, _norm_with(1e-5, ddof=1), report.devices, match="n - 1")
 
 
 def test_batch_norm_wrong_answers(report):
@@ -222,9 +313,36 @@ def _python_min(loss_fn, params, xs, ys, max_norm):
     return jax.tree.map(lambda *ls: sum(ls) / len(ls), *out)
 
 
+def _clipped_optax(loss_fn, params, xs, ys, max_norm):  # another correct form (the review's)
+    clip = optax.clip_by_global_norm(max_norm)
+
+    def one(x, y):
+        g = jax.grad(loss_fn)(params, x, y)
+        return clip.update(g, clip.init(g))[0]
+
+    return jax.tree.map(lambda leaf: leaf.mean(0), jax.vmap(one)(xs, ys))
+
+
+def _w_norm_only(loss_fn, params, xs, ys, max_norm):  # the review's misdiagnosed wrong answer
+    g = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))(params, xs, ys)
+    scale = jnp.minimum(1.0, max_norm / jnp.linalg.norm(g["w"], axis=1))
+    return jax.tree.map(
+        lambda leaf: jnp.mean(leaf * scale.reshape((-1,) + (1,) * (leaf.ndim - 1)), 0), g
+    )
+
+
+def _mean_scale_times_mean_grad(loss_fn, params, xs, ys, max_norm):  # the review's wrong answer
+    g = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))(params, xs, ys)
+    n = xs.shape[0]
+    sq = sum(jnp.sum(leaf.reshape(n, -1) ** 2, axis=1) for leaf in jax.tree.leaves(g))
+    scale = jnp.minimum(1.0, max_norm / jnp.sqrt(sq)).mean()
+    return jax.tree.map(lambda leaf: scale * leaf.mean(0), g)
+
+
 def test_clipped_grad_accepts_correct_forms():
     assert lesson03.check_clipped_grad(_clipped)
     assert lesson03.check_clipped_grad(_clipped_per_example_fn)
+    assert lesson03.check_clipped_grad(_clipped_optax)
 
 
 def test_clipped_grad_stub(monkeypatch, capsys):
@@ -234,6 +352,8 @@ def test_clipped_grad_stub(monkeypatch, capsys):
 def test_clipped_grad_wrong_answers():
     rejects(lesson03.check_clipped_grad, _batch_clipped, match="not each example's")
     rejects(lesson03.check_clipped_grad, _per_leaf, match="own norm")
+    rejects(lesson03.check_clipped_grad, _mean_scale_times_mean_grad, match="differs from a loop")
+    rejects(lesson03.check_clipped_grad, _w_norm_only, match="one leaf \\(w\\) only")
     rejects(lesson03.check_clipped_grad, _scales_up, match="scaled up")
     rejects(
         lesson03.check_clipped_grad,

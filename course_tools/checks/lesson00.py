@@ -8,9 +8,6 @@ process, and the hand-made split is compared with the layout JAX itself gives a 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -18,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from ._common import call_answer, checker, fail, not_written, passed
+from ._lesson00_env import judge_cpu_env
+from ._lesson00_env import run_python as _run_python
 from ._lesson00_moves import RecordMoves, judge_moves
 
 # ---------------------------------------------------------------- exercise 1: where results live
@@ -36,18 +35,12 @@ PLACEMENT_CASES = (
 )
 """The expressions whose placement the learner predicts: "first", "last" or "error"."""
 
-_PLACEMENT_HINTS = {  # how to look, not the answer
-    "jnp.zeros_like(b)": "print jnp.zeros_like(b).devices() and .committed: does a new array made from b "
-    "take more from b than its shape and dtype?",
-    "jax.jit(jnp.add)(a, b)": "a jitted call places its work by the same rule as an eager one: which of a "
-    "and b is committed?",
-    "np.asarray(b) + c": "print type(np.asarray(b)): does that object live on a device, and can it be "
-    "committed?",
-    "jax.device_put(b) + c": "print jax.device_put(b).devices() and .committed: does device_put without a "
-    "device change either of them?",
-    "jax.device_put(b, first) + c": "print jax.device_put(b, first).devices() and .committed, then apply "
-    "the rule for two committed inputs",
-}
+_PLACEMENT_HINT = (  # how to look, the same whichever prediction is wrong
+    "for each expression, print its inputs' .devices() and .committed first, then apply section 2's rule: "
+    "committed inputs decide where the work runs, uncommitted ones follow them, committed inputs on "
+    "different devices are an error; ask what a new array made from b (zeros_like), a NumPy array and "
+    "device_put without a device each take from their input"
+)
 
 _MEASURE = """
 import json, jax, jax.numpy as jnp, numpy as np
@@ -87,12 +80,16 @@ def measure_placement(devices: Sequence[Any]) -> dict[str, str]:
 def check_placement(predictions: Mapping[str, str] | None, devices: Sequence[Any]) -> bool:
     """Exercise 1: predict, for each of ``PLACEMENT_CASES``, where its result lives.
 
+    Spec: every prediction equals what the expression gives when run on two devices (``"first"``,
+    ``"last"``, or ``"error"`` for JAX's "incompatible devices"). A wrong answer is told how many
+    predictions are wrong, never which (so guessing costs a run per guess), with one hint on how to look.
+
     Args:
       predictions: ``{expression: "first" | "last" | "error"}``; the stub leaves every value ``None``.
       devices: ``report.devices``; with a single device the cases run in a fresh 2-device process.
 
     Raises:
-      ExerciseError: a missing or unknown entry, or a wrong prediction (the hint says how to look).
+      ExerciseError: a missing or unknown entry, or wrong predictions (their number, and how to look).
     """
     hint = 'write "first", "last" or "error" for every expression, then run this cell'
     values = dict(predictions or {})
@@ -107,12 +104,11 @@ def check_placement(predictions: Mapping[str, str] | None, devices: Sequence[Any
         if guesses[case] not in ("first", "last", "error"):
             fail(f"the prediction for {case!r} is {guess!r}", hint)
     measured = measure_placement(list(devices))
-    wrong = [c for c in PLACEMENT_CASES if guesses[c] != measured[c]]
+    wrong = sum(guesses[c] != measured[c] for c in PLACEMENT_CASES)
     if wrong:
-        more = f" ({len(wrong) - 1} other prediction(s) wrong too)" if len(wrong) > 1 else ""
         fail(
-            f"your prediction {guesses[wrong[0]]!r} for {wrong[0]!r} is not what JAX does{more}",
-            _PLACEMENT_HINTS[wrong[0]],
+            f"{wrong} of your {len(PLACEMENT_CASES)} predictions are not what JAX does",
+            _PLACEMENT_HINT,
         )
     for case in PLACEMENT_CASES:
         print(f"  {case:30s} -> {measured[case]}")
@@ -122,126 +118,23 @@ def check_placement(predictions: Mapping[str, str] | None, devices: Sequence[Any
 
 # ---------------------------------------------------------------- exercise 2: debug cpu_env
 
-COUNT_FLAG = "--xla_force_host_platform_device_count"
-_DEVICE_VARS = ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS")
-
-
-def _clean_environ() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _DEVICE_VARS}
-
-
-def _run_python(
-    code: str, extra: Mapping[str, str] | None = None, env: Mapping[str, str] | None = None
-):
-    """Run ``code`` in a fresh Python; ``env`` replaces the environment, ``extra`` adds to a clean one."""
-    environment = dict(env) if env is not None else {**_clean_environ(), **(extra or {})}
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120
-    )
-
-
-def _count_settings(env: Mapping[str, str]) -> list[str]:
-    flags = env.get("XLA_FLAGS", "").split()
-    counts = [
-        f.split("=", 1)[1] if "=" in f else "" for f in flags if f.split("=", 1)[0] == COUNT_FLAG
-    ]
-    return counts + ([env["JAX_NUM_CPU_DEVICES"]] if "JAX_NUM_CPU_DEVICES" in env else [])
-
-
-def _judge_env(n: int, env: Mapping[str, str], before: Mapping[str, str], out: Any) -> None:
-    """The properties of ``cpu_env(n, env)``'s result and of ``env`` afterwards, or an ExerciseError."""
-    if dict(env) != dict(before):
-        changed = sorted(k for k in set(env) | set(before) if env.get(k) != before.get(k))
-        fail(
-            f"cpu_env({n}, env) changed the caller's mapping ({', '.join(changed)})",
-            "called with os.environ, that edits this very process: build a new dict and edit that",
-        )
-    if out is env:
-        fail(f"cpu_env({n}, env) returned the mapping it was given", "return a new dict")
-    if not isinstance(out, Mapping) or not all(isinstance(v, str) for v in out.values()):
-        fail(
-            f"cpu_env({n}, env) returned {type(out).__name__}",
-            "return a dict of str -> str, like os.environ",
-        )
-    lost = [k for k in env if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES") and k not in out]
-    if lost:
-        fail(
-            f"the variable {lost[0]} was dropped",
-            "start from a copy of env, so every variable is kept",
-        )
-    if out.get("JAX_PLATFORMS") != "cpu":
-        fail(
-            f"JAX_PLATFORMS is {out.get('JAX_PLATFORMS')!r}",
-            "set JAX_PLATFORMS=cpu: on a GPU host the count flag would simulate devices nobody uses",
-        )
-    old = [f for f in env.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] != COUNT_FLAG]
-    dropped = [f for f in old if f not in out.get("XLA_FLAGS", "").split()]
-    if dropped:
-        fail(
-            f"the flag {dropped[0]} the user had set is gone from XLA_FLAGS",
-            "XLA_FLAGS holds several flags separated by spaces: keep the others, replace only the count",
-        )
-    flags = [f for f in out.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] == COUNT_FLAG]
-    if len(flags) > 1:
-        fail(
-            f"XLA_FLAGS holds {len(flags)} count flags ({' '.join(flags)})",
-            "XLA silently takes the last, a reader the first: remove the old flag before adding yours",
-        )
-    settings = _count_settings(out)
-    if not settings:
-        fail(f"cpu_env({n}, env) sets no device count", f"add {COUNT_FLAG}={n} to XLA_FLAGS")
-    if any(s != str(n) for s in settings):
-        stale = out.get("JAX_NUM_CPU_DEVICES", str(n)) != str(n)
-        fail(
-            f"cpu_env({n}, env) leaves a device count of {'/'.join(settings)}",
-            "JAX_NUM_CPU_DEVICES is still set from before, and it silently wins over XLA_FLAGS: drop it "
-            "(or set it to n)"
-            if stale
-            else "use the argument n, not a constant",
-        )
-
 
 @checker
 def check_cpu_env(cpu_env: Callable[[int, Mapping[str, str]], Mapping[str, str]]) -> bool:
     """Exercise 2: ``cpu_env(n, env)`` returns a NEW environment in which a fresh process sees ``n`` CPU devices.
 
-    It must leave ``env`` unchanged, keep every other variable and XLA flag, and leave no setting that
-    silently overrides the count (``JAX_NUM_CPU_DEVICES`` wins over ``XLA_FLAGS``). The hardest case is
-    also run in a fresh process.
+    Spec (``_lesson00_env``'s docstring has it in full): ``env`` unchanged; every other variable kept (the
+    user's ``JAX_*`` ones too) and every other XLA flag; ``JAX_PLATFORMS=cpu``; the count a fresh process
+    gets — ``JAX_NUM_CPU_DEVICES`` if set (it wins), else the last count flag — is ``n``. Tried on three
+    environments (one with ``JAX_ENABLE_X64``, one with a stale count flag and a stale
+    ``JAX_NUM_CPU_DEVICES``); the hardest one is also run in a fresh process.
 
     Raises:
-      ExerciseError: the caller's mapping modified, a variable or flag lost, two count settings that
-        disagree, a duplicate count flag, the CPU backend not forced, or the fresh process sees another count.
+      ExerciseError: the caller's mapping modified, a variable or flag lost or changed, the CPU backend not
+        forced, or a count other than n (naming the setting that decides it), or the fresh process sees
+        another count.
     """
-    cases = [
-        (3, {"COURSE_MARKER": "kept", "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}),
-        (2, {"COURSE_MARKER": "kept"}),
-        (
-            5,
-            {
-                "XLA_FLAGS": f"{COUNT_FLAG}=2 --xla_dump_to=/tmp/xla_dump",
-                "JAX_NUM_CPU_DEVICES": "2",
-            },
-        ),
-    ]
-    for n, extra in cases:
-        env = {**_clean_environ(), **extra}
-        before = dict(env)
-        _judge_env(n, env, before, call_answer(f"cpu_env({n}, env)", cpu_env, n, env))
-    n, extra = cases[-1]
-    fresh = call_answer(f"cpu_env({n}, env)", cpu_env, n, {**_clean_environ(), **extra})
-    run = _run_python("import jax; print(jax.device_count(), jax.default_backend())", env=fresh)
-    if run.returncode != 0:
-        last = (run.stderr.strip().splitlines() or [""])[-1][:200]
-        fail(
-            f"a fresh process with your environment failed: {last}",
-            "print the XLA_FLAGS you build and check that every flag starts with '--'",
-        )
-    if run.stdout.split() != [str(n), "cpu"]:
-        fail(
-            f"a fresh process with your environment sees {run.stdout.strip()!r}, expected '{n} cpu'",
-            "print the environment you return and look for a second device-count setting",
-        )
+    n = judge_cpu_env(cpu_env)
     return passed(f"cpu_env keeps the caller's settings, and a fresh process sees {n} CPU devices")
 
 
@@ -369,19 +262,29 @@ def _indivisible(split_and_sum, devices) -> None:
 def check_split_and_sum(split_and_sum: Callable, devices: Sequence[Any]) -> bool:
     """Exercise 3 (project): ``split_and_sum(x, devices, device) -> (parts, partials, total)``, by hand.
 
-    ``parts[i]`` is the i-th contiguous block of rows, committed to ``devices[i]`` — compared with the shards
-    JAX makes for ``NamedSharding(Mesh(devices, ("rows",)), P("rows"))``; ``partials[i]`` is the column sum of
-    ``parts[i]``, computed where that part lives; ``total`` is their sum, committed to ``device``. Every
-    ``jax.device_put`` is recorded: a row-sized array that changes device must be a partial sum going to the
-    target (not a sum of ``x`` computed elsewhere and moved afterwards). Rows not
-    divisible by the device count raise ``ValueError`` naming both numbers. Float32 and int32 inputs.
+    Spec:
+
+    - ``parts[i]`` is the i-th contiguous block of rows, committed to ``devices[i]``, of x's dtype — compared
+      with the shards JAX makes for ``NamedSharding(Mesh(devices, ("rows",)), P("rows"))``;
+    - ``partials[i]`` is the column sum of ``parts[i]``, on the device where that part lives;
+    - ``total`` is the column sum of all rows, committed to ``device``, built from the partial sums: every
+      transfer is recorded (``_lesson00_moves``) and the only arrays that may leave x's device are the
+      blocks, each to its own device; after that only row-sized sums of partial sums move, from a device
+      where those partial sums are; nothing larger than a row goes to the host;
+    - rows not divisible by the device count raise ``ValueError`` naming both numbers.
+
+    Judged on a float32 and an int32 input (x uncommitted on the default device, as in the notebook), the
+    target being the last device; the indivisible case with ``2n + 1`` rows.
 
     Raises:
       ExerciseError: a part or partial sum on the wrong device or uncommitted, rows interleaved or out of
-        order, a dtype changed, no (or another) error for indivisible rows, the total wrong or elsewhere, or
-        arrays on different devices combined without moving them ("incompatible devices"), a partial sum or
-        the total computed from ``x`` on another device and then moved.
+        order, a dtype changed, no (or another) error for indivisible rows, the total wrong or elsewhere,
+        arrays on different devices combined without moving them ("incompatible devices"), a sum computed
+        from x's rows on another device and moved, rows moved anywhere but to their own device, or rows
+        copied to the host.
     """
+    import jax.numpy as jnp
+
     devices = list(devices)
     n, target = len(devices), devices[-1]
     rng = np.random.default_rng(0)
@@ -391,13 +294,12 @@ def check_split_and_sum(split_and_sum: Callable, devices: Sequence[Any]) -> bool
     ]
     gap = 0.0
     for x_np in inputs:
-        import jax.numpy as jnp
-
+        x = jnp.asarray(x_np)
         with RecordMoves() as record:
             out = call_answer(
                 "split_and_sum(x, devices, device)",
                 split_and_sum,
-                jnp.asarray(x_np),
+                x,
                 devices,
                 target,
                 explain=_adding_across_devices,
@@ -409,21 +311,19 @@ def check_split_and_sum(split_and_sum: Callable, devices: Sequence[Any]) -> bool
             )
         _judge_parts(out[0], x_np, devices)
         _judge_sums(out[1:], out[0], devices, target)
-        judge_moves(record.moves, out[1], devices, target, x_np.shape[1:])
+        judge_moves(record.moves, x_np, out[0], out[1], devices)
         total = np.asarray(out[2], np.float64)
         if not np.allclose(total, x_np.sum(0), rtol=1e-5, atol=1e-4):
             fail("the total is not the column sum of x", "add all the partial sums")
-        if (
-            x_np.dtype == np.float32
-        ):  # another order of additions than one jnp.sum (lesson section 1)
-            gap = float(
-                np.max(np.abs(total - np.asarray(jnp.sum(jnp.asarray(x_np), axis=0), np.float64)))
-            )
+        if x_np.dtype == np.float32:  # another order of additions than one jnp.sum (section 1)
+            reference = np.asarray(jnp.sum(x, axis=0), np.float64)
+            gap = float(np.max(np.abs(total - reference)))
     if n > 1:
         _indivisible(split_and_sum, devices)
     print(
         f"  float32: your total and jnp.sum(x, axis=0) differ by at most {gap:.1e}; int32: not at all"
     )
     return passed(
-        f"your split matches JAX's row sharding on {n} device(s), and each sum ran where its rows live"
+        f"your split matches JAX's row sharding on {n} device(s), each sum ran where its rows live, and "
+        "only partial sums moved"
     )

@@ -1,8 +1,9 @@
-"""Checkers for ``02_jit.ipynb``: predicting compiles, padding a ragged batch, a timing bug, a scan loop.
+"""Checkers for ``02_jit.ipynb``: why code recompiles, power-of-two buckets, a timing bug, a scan loop.
 
 Compiles are counted with ``course_lib.programs.CompileLog`` (``jax.log_compiles``), traces with a
-counter inside the jitted function, timings against a stand-in step whose compute time is known, and the
-scan loop against a Python loop of jitted steps (another algorithm) and by its program size.
+counter inside the jitted function, timings against a stand-in step whose compute time is drawn at random
+for each check, and the scan loop against a Python loop of jitted steps (another algorithm) and by its
+program size.
 """
 
 from __future__ import annotations
@@ -16,162 +17,83 @@ import numpy as np
 from course_lib.programs import CompileLog
 
 from ._common import call_answer, checker, fail, not_written, passed
+from ._lesson02_bucket import LENGTHS, judge_bucket_pad
+from ._lesson02_recompile import RECOMPILE_CASES, RECOMPILE_SETUP, measure_recompiles
 
-# ---------------------------------------------------------------- exercise 1: predict the compiles
+__all__ = ["RECOMPILE_CASES", "RECOMPILE_SETUP", "measure_recompiles"]  # the notebook prints these
 
-COMPILE_CASES = (
-    "jnp.arange(4.0)",
-    "np.arange(4.0)",
-    "jnp.arange(4)",
-    "2.0",
-    "3.0",
-    "np.float32(3.0)",
-    "jnp.arange(4.0).reshape(2, 2)",
-    "jax.device_put(jnp.arange(4.0), jax.devices()[0])",
-    "[jnp.arange(4.0)]",
-    "jnp.ones(4)",
+# ---------------------------------------------------------------- exercise 1: why does this recompile?
+
+_RECOMPILE_HINT = (  # how to reason, the same whichever count is wrong
+    "the compile cache belongs to the function object jax.jit wraps and holds one program per key; a "
+    "static argument enters the key by its hash and ==, and the way it is passed (by keyword or position) "
+    "is part of the key. Ask of every snippet: is it the same function object each time, and would the "
+    "key compare equal? A value the function only closes over is in no key at all"
 )
-"""Arguments passed, in this order, to one fresh ``f = jax.jit(lambda x: jax.tree.map(lambda t: 2 * t, x))``."""
-
-_COMPILE_HINTS = {  # what to look at, not the answer
-    "jnp.arange(4.0)": "a jitted function has compiled nothing before its first call",
-    "np.arange(4.0)": "print jnp.asarray(np.arange(4.0)).dtype: what does JAX make of a float64 NumPy array "
-    "when 64-bit mode is off?",
-    "jnp.arange(4)": "compare jnp.arange(4).dtype with jnp.arange(4.0).dtype",
-    "2.0": "compare jax.typeof(2.0) with the shapes seen so far",
-    "3.0": "jax.typeof(3.0) versus jax.typeof(2.0): what is in the key, the value or the type?",
-    "np.float32(3.0)": "compare jax.typeof(np.float32(3.0)) with jax.typeof(3.0): look for the ~",
-    "jnp.arange(4.0).reshape(2, 2)": "the shape is part of the key",
-    "jax.device_put(jnp.arange(4.0), jax.devices()[0])": "same device as before, but print .committed: is that "
-    "in the key?",
-    "[jnp.arange(4.0)]": "a list of one array is another pytree than the array itself",
-    "jnp.ones(4)": "which earlier call had exactly this shape, dtype, weak type, structure and placement?",
-}
-
-
-def measure_compiles() -> dict[str, bool]:
-    """Call one fresh jitted function on ``COMPILE_CASES`` in order; True where a call compiled."""
-    import jax
-    import jax.numpy as jnp
-
-    f = jax.jit(lambda x: jax.tree.map(lambda t: 2 * t, x))
-    scope = {"jax": jax, "jnp": jnp, "np": np}
-    out = {}
-    for case in COMPILE_CASES:
-        arg = eval(case, scope)  # built before counting: eager operations compile too
-        with CompileLog() as log:
-            jax.block_until_ready(f(arg))
-        out[case] = bool(log.compiled)
-    return out
 
 
 @checker
-def check_compiles(predictions: Mapping[str, bool] | None) -> bool:
-    """Exercise 1: predict, for each call in ``COMPILE_CASES`` (in order), whether it compiles a new program.
+def check_recompiles(predictions: Mapping[str, int | str] | None) -> bool:
+    """Exercise 1: predict how many programs each snippet of ``RECOMPILE_CASES`` compiles (or ``"error"``).
+
+    Spec: every prediction equals the count :func:`measure_recompiles` measures (``CompileLog``, the
+    snippet's own jitted functions only) — a whole number, or ``"error"`` where the snippet raises. A wrong
+    answer is told how many predictions are wrong, never which, with one hint on how to reason.
 
     Raises:
-      ExerciseError: a missing or non-boolean entry, or a wrong prediction (the hint says where to look).
+      ExerciseError: a missing or malformed prediction, or wrong ones (their number).
     """
-    hint = "write True (this call compiles) or False (it reuses a program) for every call, then run this cell"
+    hint = 'write a whole number (or "error") for every snippet, then run this cell'
     if all(v is None or v is Ellipsis for v in dict(predictions or {}).values()):
-        not_written("the compile table", hint)
-    got = dict(predictions)
-    for case in COMPILE_CASES:
-        if not isinstance(got.get(case), (bool, np.bool_)):
-            fail(f"the prediction for f({case}) is {got.get(case)!r}, not True or False", hint)
-    measured = measure_compiles()
-    wrong = [c for c in COMPILE_CASES if bool(got[c]) != measured[c]]
+        not_written("the compile predictions", hint)
+    got = {}
+    for name in RECOMPILE_CASES:
+        value = dict(predictions).get(name)
+        if isinstance(value, str) and value.strip().lower() == "error":
+            got[name] = "error"
+        elif isinstance(value, int | np.integer) and not isinstance(value, bool):
+            got[name] = int(value)
+        else:
+            fail(f"the prediction for {name!r} is {value!r}", hint)
+    measured = measure_recompiles()
+    wrong = sum(got[name] != measured[name] for name in RECOMPILE_CASES)
     if wrong:
-        others = f" ({len(wrong) - 1} other prediction(s) wrong too)" if len(wrong) > 1 else ""
         fail(
-            f"your prediction {bool(got[wrong[0]])} for f({wrong[0]}) is not what happens{others}",
-            _COMPILE_HINTS[wrong[0]],
+            f"{wrong} of your {len(RECOMPILE_CASES)} predictions are not what happens",
+            _RECOMPILE_HINT,
         )
-    for case in COMPILE_CASES:
-        print(
-            f"  f({case}){'':{max(0, 50 - len(case))}} {'compiles' if measured[case] else 'reuses'}"
-        )
-    return passed(f"all {len(COMPILE_CASES)} calls predicted: {sum(measured.values())} compiles")
+    for name in RECOMPILE_CASES:
+        print(f"  {name:28s} {measured[name]}")
+    return passed(f"all {len(RECOMPILE_CASES)} snippets predicted")
 
 
-# ---------------------------------------------------------------- exercise 2: pad a ragged batch
+# ---------------------------------------------------------------- exercise 2: buckets of powers of two
 
 
 @checker
-def check_pad_batch(pad_batch: Callable) -> bool:
-    """Exercise 2: ``pad_batch(x, size) -> (x_padded, mask)`` so that a ragged last batch reuses the compiled step.
+def check_bucket_pad(bucket_pad: Callable) -> bool:
+    """Exercise 2: ``bucket_pad(x) -> (x_padded, mask)``: rows padded to the next power of two.
 
-    ``x``: float32 [n, d] with ``n <= size``; ``x_padded``: [size, d], ``x`` in its first ``n`` rows; ``mask``:
-    [size], true (or 1) for the ``n`` real rows. The checker runs a jitted masked mean over batches of 8, 8, 5
-    and 1 rows (random values, two widths) and counts its traces.
+    Spec (in full in ``_lesson02_bucket``): ``x_padded`` is ``[b, d]`` with ``b`` the smallest power of two
+    ``>= n``, ``x`` in its first ``n`` rows; ``mask`` ``[b]`` marks the real rows; outputs of one bucket
+    have one shape and dtype, so a jitted masked mean run on lengths from 1 to 40 compiles 7 programs, one per
+    bucket, and its values are the means of the real rows.
 
     Raises:
-      ExerciseError: wrong shapes, a mask that counts padding, real rows moved, a wrong mean, or a second trace.
+      ExerciseError: a wrong number of rows (naming the bucket), a wrong mask, real rows moved, a wrong
+        masked mean, or more compiles than buckets (naming what changed inside a bucket).
     """
-    import jax
-    import jax.numpy as jnp
-
-    traces = []
-
-    @jax.jit
-    def masked_mean(xp, mask):
-        traces.append(xp.shape)  # runs only while tracing: one entry per compile
-        m = mask.astype(xp.dtype)
-        return (xp * m[:, None]).sum(0) / m.sum()
-
-    rng = np.random.default_rng(0)
-    size = 8
-    for d in (3, 5):
-        traces.clear()
-        for n in (8, 8, 5, 1):
-            x = rng.normal(size=(n, d)).astype(np.float32)
-            out = call_answer(f"pad_batch(x of {n} rows, {size})", pad_batch, jnp.asarray(x), size)
-            if not isinstance(out, (tuple, list)) or len(out) != 2:
-                fail(
-                    "expected a pair (x_padded, mask)",
-                    "return both: the padded batch and the mask of real rows",
-                )
-            xp, mask = out
-            if tuple(xp.shape) != (size, d):
-                fail(
-                    f"a batch of {n} rows padded to shape {tuple(xp.shape)}, expected ({size}, {d})",
-                    "pad the leading axis up to size, after the real rows "
-                    "(jnp.pad takes one (before, after) pair per axis)",
-                )
-            if tuple(mask.shape) != (size,):
-                fail(
-                    f"mask shape {tuple(mask.shape)}, expected ({size},)",
-                    "one mask entry per padded row",
-                )
-            real = int(np.asarray(mask).astype(bool).sum())
-            if real != n:
-                fail(
-                    f"the mask marks {real} rows as real, the batch had {n}",
-                    "the mask is true at the first n positions only",
-                )
-            if not np.allclose(np.asarray(xp)[:n], x):
-                fail(
-                    "the first rows of x_padded are not x",
-                    "keep x in the first n rows; put the padding after it",
-                )
-            got = np.asarray(masked_mean(xp, mask))
-            if not np.allclose(got, x.mean(0), rtol=1e-5, atol=1e-6):
-                fail(
-                    f"the masked mean of a {n}-row batch is wrong",
-                    "the mask must be true exactly for the real rows",
-                )
-        if len(traces) != 1:
-            fail(
-                f"the jitted step traced {len(traces)} times, for shapes {traces}",
-                "every batch must reach the step with the same shape: pad the ragged batch to size",
-            )
-    return passed("ragged batches reuse the compiled step (1 trace for 4 batches, at two widths)")
+    buckets = judge_bucket_pad(bucket_pad)
+    return passed(
+        f"{len(LENGTHS)} batch lengths compile {buckets} programs, and no batch is more than half padding"
+    )
 
 
 # ---------------------------------------------------------------- exercise 3: debug a timing function
 
-WORK_S = 0.04  # the stand-in step's compute time per call
-COMPILE_S = 0.4  # its first call's compile time
+WORK_RANGE_S = (0.04, 0.08)
+"""The stand-in step's compute time per call is drawn from this range for every check (so no constant
+passes); its first call's compile time is ten times that."""
 
 
 class _Pending:
@@ -189,10 +111,11 @@ class _Pending:
 
 
 class StandInStep:
-    """Behaves like a jitted step for timing purposes: the first call compiles (blocks ``COMPILE_S``); every call
-    returns at once (asynchronous dispatch) a result ready ``WORK_S`` after the previous one (a queue)."""
+    """Behaves like a jitted step for timing purposes: the first call compiles (blocks ``compile_s``); every
+    call returns at once (asynchronous dispatch) a result ready ``work_s`` after the previous one (a queue)."""
 
-    def __init__(self):
+    def __init__(self, work_s: float, compile_s: float):
+        self.work_s, self.compile_s = work_s, compile_s
         self.calls = 0
         self.waited = 0  # results someone waited for
         self.busy_until = 0.0
@@ -200,24 +123,75 @@ class StandInStep:
     def __call__(self, *args):
         self.calls += 1
         if self.calls == 1:
-            time.sleep(COMPILE_S)
-        self.busy_until = max(self.busy_until, time.perf_counter()) + WORK_S
+            time.sleep(self.compile_s)
+        self.busy_until = max(self.busy_until, time.perf_counter()) + self.work_s
         return _Pending(self.busy_until, self)
+
+
+def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
+    work = step.work_s
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.floating)):
+        fail(
+            f"median_time returned {type(seconds).__name__}",
+            "return one number: the median in seconds",
+        )
+    seconds = float(seconds)
+    if step.calls > repeats + 5:
+        fail(
+            f"median_time called fn {step.calls} times for repeats={repeats}",
+            "one or two warm-up calls, then `repeats` timed calls",
+        )
+    unsynced = (
+        "a jitted call returns once the work is queued: wait for the result (jax.block_until_ready) "
+        "before you stop the clock"
+    )
+    if step.waited == 0:
+        fail(
+            f"median_time never waited for a result ({seconds * 1e3:.3f} ms for a {work * 1e3:.0f} ms step)",
+            unsynced,
+        )
+    if seconds > 100 * work:
+        fail(
+            f"median_time returned {seconds:g} for a step of {work:.3f} s",
+            "return seconds, not milliseconds",
+        )
+    if seconds < 0.3 * work:
+        fail(
+            f"median_time says {seconds * 1e3:.3f} ms for a step that computes for {work * 1e3:.0f} ms",
+            unsynced,
+        )
+    if seconds > 2 * work:
+        fail(
+            f"median_time says {seconds * 1e3:.0f} ms with repeats={repeats} for a step of "
+            f"{work * 1e3:.0f} ms",
+            "the first call traces and compiles: make an untimed warm-up call "
+            "(and wait for it) before timing",
+        )
+    if not 0.75 * work <= seconds <= 1.6 * work:
+        fail(
+            f"median_time says {seconds * 1e3:.1f} ms for a {work * 1e3:.0f} ms step",
+            "time each call from just before it to just after its result is ready, and take the median",
+        )
+    return seconds
 
 
 @checker
 def check_median_time(median_time: Callable) -> bool:
     """Exercise 3: ``median_time(fn, *args, repeats=5)`` returns the median seconds per call of a jitted ``fn``.
 
-    Judged against a stand-in step whose compute time (``WORK_S``) and compile time (``COMPILE_S``) are known,
-    with ``repeats`` 5 and 1.
+    Spec: within 0.75–1.6 × the compute time of one call, for ``repeats`` 5 and 1, with at most
+    ``repeats + 5`` calls. Judged against a stand-in step (asynchronous dispatch, a queue, a first call
+    that compiles) whose compute time is drawn from ``WORK_RANGE_S`` anew for each of the two runs, so
+    neither a constant nor a time measured once passes.
 
     Raises:
       ExerciseError: the time of the dispatch only (no synchronisation), the compile included (no warm-up),
         milliseconds instead of seconds, too many calls, or not a number.
     """
+    rng = np.random.default_rng()
     for repeats in (5, 1):
-        step = StandInStep()
+        work = float(rng.uniform(*WORK_RANGE_S))
+        step = StandInStep(work, 10 * work)
         seconds = call_answer(
             f"median_time(step, x, repeats={repeats})",
             median_time,
@@ -225,48 +199,9 @@ def check_median_time(median_time: Callable) -> bool:
             np.ones(3),
             repeats=repeats,
         )
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.floating)):
-            fail(
-                f"median_time returned {type(seconds).__name__}",
-                "return one number: the median in seconds",
-            )
-        seconds = float(seconds)
-        if step.calls > repeats + 5:
-            fail(
-                f"median_time called fn {step.calls} times for repeats={repeats}",
-                "one or two warm-up calls, then `repeats` timed calls",
-            )
-        if step.waited == 0:
-            fail(
-                f"median_time never waited for a result ({seconds * 1e3:.3f} ms for a {WORK_S * 1e3:.0f} ms step)",
-                "a jitted call returns once the work is queued: wait for the result (jax.block_until_ready) "
-                "before you stop the clock",
-            )
-        if seconds > 100 * WORK_S:
-            fail(
-                f"median_time returned {seconds:g} for a step of {WORK_S} s",
-                "return seconds, not milliseconds",
-            )
-        if seconds < 0.3 * WORK_S:
-            fail(
-                f"median_time says {seconds * 1e3:.3f} ms for a step that computes for {WORK_S * 1e3:.0f} ms",
-                "a jitted call returns once the work is queued: wait for the result (jax.block_until_ready) "
-                "before you stop the clock",
-            )
-        if seconds > 2 * WORK_S:
-            fail(
-                f"median_time says {seconds * 1e3:.0f} ms with repeats={repeats} for a step of "
-                f"{WORK_S * 1e3:.0f} ms",
-                "the first call traces and compiles: make an untimed warm-up call "
-                "(and wait for it) before timing",
-            )
-        if not 0.75 * WORK_S <= seconds <= 1.6 * WORK_S:
-            fail(
-                f"median_time says {seconds * 1e3:.1f} ms for a {WORK_S * 1e3:.0f} ms step",
-                "time each call from just before it to just after its result is ready, and take the median",
-            )
+        seconds = _judge_seconds(seconds, step, repeats)
     return passed(
-        f"median_time measures the compute ({seconds * 1e3:.1f} ms for a {WORK_S * 1e3:.0f} ms step), "
+        f"median_time measures the compute ({seconds * 1e3:.1f} ms for a {work * 1e3:.0f} ms step), "
         "not the dispatch or the compile"
     )
 
@@ -386,7 +321,7 @@ def _compile_seconds(train_scan: Callable, lr: float, steps: int = 10) -> dict[s
 def check_train_scan(train_scan: Callable) -> bool:
     """Exercise 4 (project): ``train_scan(loss_fn, params, xs, ys, lr) -> (params, losses)``, one compiled loop.
 
-    ``xs``: [steps, batch, d_in], ``ys``: [steps, batch, d_out]; one SGD step per leading index; ``losses[i]``
+    Spec: ``xs``: [steps, batch, d_in], ``ys``: [steps, batch, d_out]; one SGD step per leading index; ``losses[i]``
     is step i's loss before its update. Judged against a Python loop of jitted steps (values, at 6 and 24
     steps), by program size (as many printed jaxpr lines, nested jaxprs included, for 6 steps as for 24: not
     unrolled), and by compile counts (new data and a new learning rate reuse the program). Then prints the

@@ -1,6 +1,7 @@
-"""Checkers for ``03_vmap.ipynb``: every pair, which values get batched, batch statistics, clipped gradients.
+"""Checkers for ``03_vmap.ipynb``: an ensemble, which values get batched, batch statistics, clipped gradients.
 
-The checkers use black-box per-example functions that refuse batched input (so only a vmap can apply them),
+The checkers use black-box one-member, one-example functions that refuse batched input (so only a vmap
+can apply them),
 read shapes from the vmapped jaxpr, compare batch statistics with NumPy's over the batch axis, and compare
 clipped gradients with a loop over examples of an analytic gradient.
 """
@@ -12,93 +13,29 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from ._common import call_answer, checker, fail, not_written, passed
+from ._lesson03_ensemble import judge_ensemble
 
-# ---------------------------------------------------------------- exercise 1: every pair
-
-
-def _batched_input(e: BaseException):
-    if isinstance(e, TypeError) and "ONE pair" in str(e):
-        return (
-            f"f received batched arrays: {e}",
-            "f works on one pair only: let vmap hand it one row of A and "
-            "one row of B (two vmaps, nested)",
-        )
-    return None
+# ---------------------------------------------------------------- exercise 1: an ensemble
 
 
 @checker
-def check_pairwise(pairwise: Callable) -> bool:
-    """Exercise 1: ``pairwise(f, A, B)[i, j] == f(A[i], B[j])`` for any per-pair ``f`` of two float32 [d] vectors.
+def check_ensemble(ensemble: Callable) -> bool:
+    """Exercise 1: an ensemble of small networks with stacked parameters and per-example dropout keys.
 
-    The ``f`` the checker passes refuses anything but one pair (its Python body checks the rank) and counts
-    how often its Python body runs; one returns a scalar, one a vector (the result is then [n, m, k]).
+    Spec (in full in ``_lesson03_ensemble``): ``ensemble(init, apply, init_key, dropout_key, x, members)``
+    returns ``(stacked, outputs)``: the members' parameters stacked, member m being ``init(split(init_key,
+    members)[m])``; outputs ``[members, batch, out]`` with entry ``[m, b] = apply(params_m,
+    split(split(dropout_key, members)[m], batch)[b], x[b])``; ``apply`` traced once.
 
     Raises:
-      ExerciseError: ``f`` given batched arrays (broadcasting instead of vmap), a Python loop (``f`` traced once
-        per pair), transposed or wrong-shaped results, wrong values.
+      ExerciseError: parameters not stacked or all equal, a member not initialised from its key, apply
+        given stacked parameters or a batch, a Python loop, axes swapped, examples or members sharing a
+        dropout key, other keys than the spec's.
     """
-    import jax.numpy as jnp
-
-    runs = []
-
-    def one_pair_only(fn):
-        def f(a, b):
-            runs.append(1)
-            if a.ndim != 1 or b.ndim != 1:
-                raise TypeError(
-                    f"this f takes ONE pair of vectors, got shapes {a.shape} and {b.shape}"
-                )
-            return fn(a, b)
-
-        return f
-
-    rng = np.random.default_rng(1)
-    A = rng.normal(size=(7, 5)).astype(np.float32)
-    B = rng.normal(size=(4, 5)).astype(np.float32)
-    cases = [
-        (
-            "a cosine",
-            lambda a, b: jnp.dot(a, b) / jnp.sqrt(jnp.dot(a, a) * jnp.dot(b, b)),
-            lambda a, b: a @ b / np.sqrt((a @ a) * (b @ b)),
-            (),
-        ),
-        (
-            "a weighted difference",
-            lambda a, b: (a - b) * jnp.arange(1.0, 6.0),
-            lambda a, b: (a - b) * np.arange(1.0, 6.0),
-            (5,),
-        ),
-    ]
-    for name, fn, reference, tail in cases:
-        runs.clear()
-        out = call_answer(
-            "pairwise(f, A, B)",
-            pairwise,
-            one_pair_only(fn),
-            jnp.asarray(A),
-            jnp.asarray(B),
-            explain=_batched_input,
-        )
-        expected = np.array([[reference(a, b) for b in B] for a in A])
-        shape = np.shape(out)
-        if len(runs) > 2:
-            fail(
-                f"f's Python body ran {len(runs)} times for {len(A)} x {len(B)} pairs: a Python loop",
-                "vmap traces f once for all pairs; nest two vmaps instead of looping",
-            )
-        if shape == (len(B), len(A)) + tail:
-            fail(
-                f"shape {shape}, expected {expected.shape}: the result is transposed",
-                "the outer vmap must map over A's rows, so that the result's first axis is A's",
-            )
-        if shape != expected.shape:
-            fail(
-                f"A [7, 5] and B [4, 5] with {name} gave shape {shape}, expected {expected.shape}",
-                "entry (i, j) pairs A[i] with B[j]: one vmap over A, one over B, nested",
-            )
-        if not np.allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-5):
-            fail(f"values differ from f(A[i], B[j]) with {name}", "entry (i, j) is f(A[i], B[j])")
-    return passed("pairwise(f, A, B) applies any one-pair f to every pair, with one trace of f")
+    judge_ensemble(ensemble)
+    return passed(
+        "each member has its own parameters and key, each example its own dropout mask, in one trace"
+    )
 
 
 # ---------------------------------------------------------------- exercise 2: which values get batched
@@ -117,14 +54,11 @@ batched = jax.vmap(f, in_axes=(0, None))   # called on x: f32[5, 3], w: f32[3]
 """
 """The function whose intermediates' shapes under vmap the learner predicts (as the notebook prints it)."""
 
-_BATCHED_HINTS = {  # what to think about, not the answer
-    "a": "does sin(w) read x?",
-    "b": "one of b's inputs is mapped: what does that make b?",
-    "c": "c is computed from w alone",
-    "d": "d is computed from w alone",
-    "e": "e's buffer and its update come from w alone",
-    "g": "g's update comes from x: look at section 4's scatter",
-}
+_BATCHED_HINT = (  # how to reason, the same whichever shape is wrong
+    "for each intermediate, follow its inputs back: does any of them depend on x, the mapped argument? "
+    "Only those get the batch axis of 5; a value computed from w alone keeps its one-example shape "
+    "(a scalar is ()). An update (.at[].set) is batched when its update value depends on x"
+)
 
 
 def measure_batched() -> dict[str, tuple[int, ...]]:
@@ -154,8 +88,11 @@ def measure_batched() -> dict[str, tuple[int, ...]]:
 def check_batched_shapes(predictions: Mapping[str, tuple] | None) -> bool:
     """Exercise 2: predict the shape of each intermediate a, b, c, d, e, g of ``BATCHED_SOURCE`` under vmap.
 
+    Spec: every shape equals the one read from the vmapped jaxpr (:func:`measure_batched`). A wrong answer
+    is told how many shapes are wrong, never which.
+
     Raises:
-      ExerciseError: a missing entry, an entry that is not a shape tuple, or a wrong shape.
+      ExerciseError: a missing entry, an entry that is not a shape tuple, or wrong shapes (their number).
     """
     hint = (
         "write a shape tuple for each of a, b, c, d, e, g, e.g. (3,) or (5, 3) or () for a scalar"
@@ -170,13 +107,9 @@ def check_batched_shapes(predictions: Mapping[str, tuple] | None) -> bool:
             isinstance(k, (int, np.integer)) for k in value
         ):
             fail(f"the prediction for {name} is {value!r}, not a shape tuple", hint)
-    wrong = [name for name in measured if tuple(int(k) for k in got[name]) != measured[name]]
+    wrong = sum(tuple(int(k) for k in got[name]) != measured[name] for name in measured)
     if wrong:
-        others = f" ({len(wrong) - 1} other shape(s) wrong too)" if len(wrong) > 1 else ""
-        fail(
-            f"your shape {tuple(got[wrong[0]])} for {wrong[0]} is not what vmap produces{others}",
-            _BATCHED_HINTS[wrong[0]],
-        )
+        fail(f"{wrong} of your {len(measured)} shapes are not what vmap produces", _BATCHED_HINT)
     print("  " + ", ".join(f"{k}: {v}" for k, v in measured.items()))
     return passed("every intermediate's shape predicted: only what depends on x is batched")
 
@@ -216,28 +149,85 @@ def _agrees_under_pmap(batch_norm: Callable, devices, rng) -> None:
         )
 
 
+EPS = 1e-5
+QUIET = 1e-3
+"""The standard deviation of the checker's quiet feature (variance about 1e-6, a tenth of EPS): there a
+missing epsilon, one outside the square root or another value changes the result by a factor of 3 or
+more."""
+
+
+def _batch(rng, rows: int, features: int) -> np.ndarray:
+    """Features of several scales and offsets; feature 0 is quiet (std QUIET, mean about 0)."""
+    X = (
+        rng.normal(size=(rows, features)) * rng.uniform(0.5, 3, size=features)
+        + rng.normal(size=features) * 2
+    )
+    X[:, 0] = QUIET * rng.normal(size=rows)
+    return X.astype(np.float32)
+
+
+def _diagnose_norm(out: np.ndarray, X: np.ndarray) -> None:
+    """A wrong batch norm: name the usual mistake (always raises)."""
+    X64 = X.astype(np.float64)
+    mean, var = X64.mean(0), X64.var(0)
+
+    def close(candidate, tol=1e-3):
+        return np.allclose(out, candidate, rtol=tol, atol=tol)
+
+    own = (X64 - X64.mean(1, keepdims=True)) / np.sqrt(X64.var(1, keepdims=True) + EPS)
+    if close(own, 1e-4):
+        fail(
+            "each example is normalised with the mean and variance of its own features",
+            "that is a layer norm; batch norm averages each feature over the examples: a collective "
+            "over the named axis",
+        )
+    if close((X64 - X64.sum(0)) / np.sqrt(((X64 - X64.sum(0)) ** 2).sum(0) + EPS)):
+        fail(
+            "the statistics are sums over the batch, not means", "lax.psum adds; lax.pmean averages"
+        )
+    if close((X64 - mean) / np.sqrt((X64**2).mean(0) + EPS)):
+        fail("the variance is the mean of x ** 2", "the variance is the mean of (x - mean) ** 2")
+    if np.allclose(out[:, 1:], ((X64 - mean) / np.sqrt(var + EPS))[:, 1:], rtol=1e-3, atol=1e-3):
+        fail(
+            f"the feature whose variance is about {QUIET**2:.0e} is normalised wrongly (the others are "
+            "right): the epsilon is missing, outside the square root, or another value",
+            f"divide by sqrt(var + {EPS:g}): the epsilon goes inside the square root, and it matters "
+            "exactly for features this quiet",
+        )
+    if close((X64 - mean) / np.sqrt(X64.var(0, ddof=1) + EPS)):
+        fail(
+            "the variance is divided by n - 1 (unbiased)",
+            "batch norm normalises with the biased variance: the mean of (x - mean) ** 2",
+        )
+    fail(
+        f"batch {X.shape}: values differ from (x - batch mean) / sqrt(batch variance + {EPS:g})",
+        "the mean and the variance are both averages over the named axis, feature by feature",
+    )
+
+
 @checker
 def check_batch_norm(batch_norm: Callable, devices=None) -> bool:
     """Exercise 3: ``batch_norm(x)`` for ONE example x: f32[features], normalised with the BATCH's statistics.
 
-    The checker maps it with ``jax.vmap(batch_norm, axis_name="batch")`` over random batches of several sizes
-    and compares with NumPy's ``(X - X.mean(0)) / sqrt(X.var(0) + 1e-5)``; with ``devices``, it also runs it
-    unchanged under ``jax.pmap(batch_norm, axis_name="batch")``, one example per device.
+    Spec: under ``jax.vmap(batch_norm, axis_name="batch")`` the result is ``(X - X.mean(0)) /
+    sqrt(X.var(0) + 1e-5)``: per feature, the mean and the biased variance over the named batch axis, the
+    epsilon 1e-5 inside the square root (to 1e-4). Judged on batches of 16 and 5 rows whose features have
+    several scales and offsets and one quiet feature (variance about 1e-6, a tenth of the epsilon: there
+    a missing or misplaced epsilon changes the result several-fold); ``E[x**2] - E[x]**2`` is as right as
+    the mean of squared deviations. With ``devices``, it also runs unchanged under
+    ``jax.pmap(batch_norm, axis_name="batch")``, one example per device, and must agree with vmap.
 
     Raises:
       ExerciseError: statistics of the example's own features, a sum instead of a mean, the variance not
-        centred, a wrong epsilon, an unbound axis name, or different results under pmap.
+        centred or unbiased, the epsilon missing, outside the root or another value, an unbound axis
+        name, or different results under pmap.
     """
     import jax
     import jax.numpy as jnp
 
     rng = np.random.default_rng(3)
     for rows, features in ((16, 4), (5, 7)):
-        X = (
-            rng.normal(size=(rows, features)) * rng.uniform(0.5, 3, size=features)
-            + rng.normal(size=features) * 2
-        )
-        X = X.astype(np.float32)
+        X = _batch(rng, rows, features)
         mapped = jax.vmap(batch_norm, axis_name="batch")
         out = np.asarray(
             call_answer(
@@ -247,37 +237,15 @@ def check_batch_norm(batch_norm: Callable, devices=None) -> bool:
                 explain=_unbound_axis,
             )
         )
-        expected = (X - X.mean(0)) / np.sqrt(X.var(0) + 1e-5)
         if out.shape != X.shape:
             fail(
                 f"output shape {out.shape} for a batch {X.shape}",
                 "normalise each example: same shape in, same out",
             )
-        if np.allclose(out, expected, rtol=1e-4, atol=1e-4):
-            continue
-        own = (X - X.mean(1, keepdims=True)) / np.sqrt(X.var(1, keepdims=True) + 1e-5)
-        if np.allclose(out, own, rtol=1e-4, atol=1e-4):
-            fail(
-                "each example is normalised with the mean and variance of its own features",
-                "that is a layer norm; batch norm averages each feature over the examples: a collective "
-                "over the named axis",
-            )
-        if np.allclose(
-            out, (X - X.sum(0)) / np.sqrt(((X - X.sum(0)) ** 2).sum(0) + 1e-5), rtol=1e-3, atol=1e-3
-        ):
-            fail(
-                "the statistics are sums over the batch, not means",
-                "lax.psum adds; lax.pmean averages",
-            )
-        uncentred = (X - X.mean(0)) / np.sqrt((X**2).mean(0) + 1e-5)
-        if np.allclose(out, uncentred, rtol=1e-3, atol=1e-3):
-            fail(
-                "the variance is the mean of x ** 2", "the variance is the mean of (x - mean) ** 2"
-            )
-        fail(
-            f"batch {X.shape}: values differ from (x - batch mean) / sqrt(batch variance + 1e-5)",
-            "the mean and the variance are both averages over the named axis, feature by feature",
-        )
+        X64 = X.astype(np.float64)
+        expected = (X64 - X64.mean(0)) / np.sqrt(X64.var(0) + EPS)
+        if not np.allclose(out, expected, rtol=1e-4, atol=1e-4):
+            _diagnose_norm(out, X)
     if devices is not None:
         _agrees_under_pmap(batch_norm, devices, rng)
         where = f"; the same function under pmap on {len(devices)} device(s) agrees"
@@ -322,36 +290,64 @@ def _clipping_problem(rng, n: int, d: int, max_norm: float):
     return params, xs, ys
 
 
-def _diagnose_clipping(got_w, params, xs, ys, max_norm, want_w) -> None:
-    """Name the usual mistake behind a wrong clipped gradient (always raises ExerciseError)."""
+def _diagnose_clipping(got, params, xs, ys, max_norm, want) -> None:
+    """Name the usual mistake behind a wrong clipped gradient, judging both leaves (always raises)."""
     r = xs @ np.asarray(params["w"], np.float64) + float(params["b"]) - ys
     raw = [(2 * ri * x, 2 * ri) for ri, x in zip(r, xs)]  # per-example (grad w, grad b), unclipped
     mean_w, mean_b = np.mean([g for g, _ in raw], 0), np.mean([gb for _, gb in raw])
-    whole = min(1.0, max_norm / np.sqrt(np.sum(mean_w**2) + mean_b**2))
 
-    def close(candidate) -> bool:
-        return np.allclose(got_w, candidate, rtol=1e-4, atol=1e-5)
+    def shrink(norm):
+        return min(1.0, max_norm / norm) if norm > 0 else 1.0
 
-    if close(whole * mean_w):
-        fail(
+    def close(w, b) -> bool:
+        return np.allclose(got[0], w, rtol=1e-4, atol=1e-5) and np.isclose(
+            got[1], b, rtol=1e-4, atol=1e-5
+        )
+
+    def averaged(scale_w, scale_b) -> tuple:  # per-example scales -> the mean of the scaled leaves
+        return (
+            np.mean([scale_w(g, gb) * g for g, gb in raw], 0),
+            np.mean([scale_b(g, gb) * gb for g, gb in raw]),
+        )
+
+    whole = shrink(np.sqrt(np.sum(mean_w**2) + mean_b**2))
+    mistakes = [
+        (
+            (whole * mean_w, whole * mean_b),
             "the batch's mean gradient is clipped, not each example's",
             "compute per-example gradients first (vmap of grad), clip each one, then average",
-        )
-    if close(np.mean([g * min(1.0, max_norm / np.linalg.norm(g)) for g, _ in raw], 0)):
-        fail(
+        ),
+        (
+            averaged(lambda g, gb: shrink(np.linalg.norm(g)), lambda g, gb: shrink(abs(gb))),
             "each leaf is clipped by its own norm",
-            "the norm of one example's gradient is over ALL its leaves: the root of every leaf's sum of squares",
-        )
-    if close(np.mean([max_norm / np.sqrt(np.sum(g**2) + gb**2) * g for g, gb in raw], 0)):
-        fail(
+            "the norm of one example's gradient is over ALL its leaves: the root of every leaf's sum of "
+            "squares",
+        ),
+        (
+            averaged(
+                lambda g, gb: shrink(np.linalg.norm(g)), lambda g, gb: shrink(np.linalg.norm(g))
+            ),
+            "the norm is taken over one leaf (w) only, and that scale applied to every leaf",
+            "the norm of one example's gradient is over ALL its leaves together: add every leaf's sum of "
+            "squares before the square root",
+        ),
+        (
+            averaged(
+                lambda g, gb: max_norm / np.sqrt(np.sum(g**2) + gb**2),
+                lambda g, gb: max_norm / np.sqrt(np.sum(g**2) + gb**2),
+            ),
             "small gradients are scaled up to max_norm",
             "the scale is min(1, max_norm / norm): clipping only shrinks",
-        )
-    if close(len(xs) * want_w):
-        fail(
+        ),
+        (
+            (len(xs) * want[0], len(xs) * want[1]),
             f"the result is {len(xs)}x the expected one",
             "average the clipped gradients over the examples",
-        )
+        ),
+    ]
+    for (w, b), what, hint in mistakes:
+        if close(w, b):
+            fail(what, hint)
     fail(
         "the clipped mean gradient differs from a loop over examples",
         "each example's gradient, scaled by min(1, max_norm / its norm), then the mean over the examples",
@@ -362,7 +358,7 @@ def _diagnose_clipping(got_w, params, xs, ys, max_norm, want_w) -> None:
 def check_clipped_grad(clipped_mean_grad: Callable) -> bool:
     """Exercise 4 (project): ``clipped_mean_grad(loss_fn, params, xs, ys, max_norm)``, DP-SGD's clipped gradient.
 
-    Each example's gradient (a pytree like ``params``) is scaled by ``min(1, max_norm / ||g||)``, where
+    Spec: each example's gradient (a pytree like ``params``) is scaled by ``min(1, max_norm / ||g||)``, where
     ``||g||`` is the norm over ALL its leaves together; the result is the mean over examples. Judged on a
     linear model ``{"w": [d], "b": []}`` with examples above and below the threshold, against a loop of
     analytic per-example gradients, and under ``jax.jit``.
@@ -406,7 +402,7 @@ def check_clipped_grad(clipped_mean_grad: Callable) -> bool:
             np.allclose(got_w, want["w"], rtol=1e-4, atol=1e-5)
             and np.isclose(got_b, want["b"], rtol=1e-4, atol=1e-5)
         ):
-            _diagnose_clipping(got_w, params, xs, ys, max_norm, want["w"])
+            _diagnose_clipping((got_w, got_b), params, xs, ys, max_norm, (want["w"], want["b"]))
     try:
         jax.jit(clipped_mean_grad, static_argnums=0)(
             loss_fn, params, jnp.asarray(xs), jnp.asarray(ys), max_norm

@@ -1,5 +1,5 @@
-"""Checkers for ``04_pmap.ipynb``: predicting the gradient scale of four sync patterns, normalisation with
-the global batch's statistics (a debug-this), and gradient accumulation over micro-batches under ``pmap``.
+"""Checkers for ``04_pmap.ipynb``: predicting the gradient scale of four sync patterns, predicting a
+data-parallel step's all-reduce from its shapes, and gradient accumulation over micro-batches under ``pmap``.
 
 Each checker runs the answer on random inputs at the notebook's device count and judges what it does: the
 values against a one-device computation, the collectives of the traced program
@@ -10,7 +10,6 @@ given.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Sequence
 from functools import partial
 from numbers import Number
@@ -26,8 +25,11 @@ from course_lib.meshes import DATA, data_mesh
 from course_lib.programs import jaxpr_collectives
 
 from ._common import NotWritten, call_answer, checker, fail, not_written, passed
+from ._lesson04_allreduce import QUESTIONS, STEP_SOURCE, judge_allreduce, measure_allreduce
 from ._lesson04_memory import judge_memory
 from ._simulated import run_json
+
+__all__ = ["QUESTIONS", "STEP_SOURCE", "measure_allreduce"]  # the notebook prints these
 
 
 def _call(what: str, fn: Callable, *args, hint: str):
@@ -136,16 +138,12 @@ def _measure_scales(devices: tuple, seed: int) -> tuple:
     return tuple((name, _scale(np.asarray(got[name]), true)) for name in GRADIENT_PROGRAMS)
 
 
-_WHY_SCALE = {
-    "a": "lax.psum adds the n per-device gradients of per-device *means*: n times the gradient of the "
-    "global mean",
-    "b": "under shard_map (check_vma=True) w enters replicated, and the transpose of its implicit "
-    "broadcast is a psum: the local gradients are summed although no collective is written",
-    "c": "the gradient of the pmean'd loss is already the true gradient, the same on every device; a "
-    "pmean of a value that is equal everywhere changes nothing",
-    "d": "pmap runs its body as shard_map(check_vma=False): there the transpose of psum is a psum of the "
-    "cotangent (n ones), divided by n, so each device keeps its own local gradient: 'local'",
-}
+_SCALE_HINT = (  # how to reason, the same whichever prediction is wrong
+    "for each program ask two things: does it run with check_vma=False (pmap) or True (shard_map), and "
+    "what does the transpose of each collective - and of a replicated parameter's implicit broadcast - "
+    "do there? Section 6's table is the key: psum adds n per-device means, pmean of a value equal "
+    "everywhere changes nothing, and 'local' means the devices end with different gradients"
+)
 
 
 def _prediction(name: str, value: Any) -> float | str:
@@ -161,9 +159,17 @@ def _prediction(name: str, value: Any) -> float | str:
 
 @checker
 def check_gradient_scales(predictions: dict | None, devices: Sequence[Any]) -> bool:
-    """``predictions[name]`` for each of :data:`GRADIENT_PROGRAMS` must match the measured gradient: a
-    number (a multiple of the true gradient) or ``"local"`` (the devices disagree), for
-    :func:`prediction_count` devices (with one device, measured on simulated ones in a fresh process)."""
+    """Exercise 1: predict each of :data:`GRADIENT_PROGRAMS`' gradient as a multiple of the true one.
+
+    Spec: ``predictions[name]`` matches the measured gradient (to 0.1 %): a number (a multiple of the true
+    gradient of the global batch's mean loss) or ``"local"`` (the devices end with different gradients),
+    for :func:`prediction_count` devices (with one device, measured on 4 simulated ones in a fresh
+    process). A wrong answer is told how many predictions are wrong, never which.
+
+    Raises:
+      ExerciseError: wrong keys, a value that is neither a number nor "local", or wrong predictions
+        (their number).
+    """
     n = prediction_count(devices)
     if (
         predictions is None
@@ -193,12 +199,9 @@ def check_gradient_scales(predictions: dict | None, devices: Sequence[Any]) -> b
         if not ok:
             wrong.append((name, guess, got))
     if wrong:
-        name, guess, got = wrong[0]
-        more = f"; {len(wrong) - 1} more prediction(s) wrong" if len(wrong) > 1 else ""
-        shown = got if isinstance(got, str) else f"{got:g}"
         fail(
-            f"program {name!r}: you predicted {guess!r}, the measurement on {where} is {shown}{more}",
-            _WHY_SCALE[name],
+            f"{len(wrong)} of your 4 predictions differ from the measurement on {where}",
+            _SCALE_HINT,
         )
     return passed(f"all four predictions match the measured gradients on {where}")
 
@@ -211,74 +214,44 @@ _VMAP_WHAT = (
 )
 
 
-# ---- exercise 2: debug this - normalise with the global batch's statistics -------------------------
+# ---- exercise 2: predict the gradient all-reduce -----------------------------------------------
 
 
-def _normalized(x: np.ndarray, eps: float) -> np.ndarray:
-    mean = x.mean(axis=0)
-    return (x - mean) / np.sqrt(((x - mean) ** 2).mean(axis=0) + eps)
-
-
-def _diagnose_normalize(out: np.ndarray, x: np.ndarray, eps: float) -> None:
-    """A wrong normalisation: say which typical mistake it is."""
-    n = x.shape[0]
-    local = np.stack([_normalized(x[i], eps) for i in range(n)])
-    if np.allclose(out, local, rtol=1e-4, atol=1e-4):
-        fail(
-            "each device normalises with its own rows' statistics: the result depends on the device count",
-            "compute the mean and the variance over all devices: lax.pmean(..., axis_name)",
-        )
-    pooled = (x - x.mean(axis=(0, 1))) / np.sqrt(x.var(axis=1).mean(axis=0) + eps)
-    if np.allclose(out, pooled, rtol=1e-4, atol=1e-4):
-        fail(
-            "the mean is global, but the variance is the average of the per-device variances",
-            "that misses how far the device means lie from the global mean: average the squared deviations "
-            "from the *global* mean (or E[x^2] - E[x]^2 with both terms pmean'd)",
-        )
-    fail(
-        "the result is not (x - mean) / sqrt(var + 1e-5) with the global batch's mean and variance",
-        "lax.pmean sums and divides by the device count; lax.psum only sums. Compare with the one-device "
-        "result of the whole batch on a small input",
+@functools.cache
+def _measure_allreduce_simulated() -> dict:
+    return run_json(
+        "import json, jax\nfrom course_tools.checks._lesson04_allreduce import measure_allreduce\n"
+        "m = measure_allreduce(jax.devices())\nprint(json.dumps(m))",
+        SIMULATED,
     )
 
 
 @checker
-def check_sync_normalize(fn: Callable, devices: Sequence[Any], eps: float = 1e-5) -> bool:
-    """``fn(x, axis_name)`` under ``pmap`` over the batch must normalise every row with the *global* batch's
-    per-feature mean and variance, and communicate only statistics (no ``all_gather`` of the rows)."""
-    n = len(devices)
-    rng = np.random.default_rng(7)
-    mapped = jax.pmap(partial(fn, axis_name=DATA), axis_name=DATA, devices=list(devices))
-    runs = [(n, mapped, "normalize under pmap")]
-    if n < 2:  # one device: local and global statistics agree; also map over a simulated axis of 4
-        runs.append((FAKE_AXIS, jax.vmap(partial(fn, axis_name=DATA), axis_name=DATA), _VMAP_WHAT))
-    for (b, f), (m, run, what) in itertools.product(((3, 4), (5, 2)), runs):
-        # Each device's rows come from another distribution, so local and global statistics differ.
-        scale, shift = rng.uniform(0.5, 3.0, size=(m, 1, f)), 4 * rng.normal(size=(m, 1, f))
-        x = (rng.normal(size=(m, b, f)) * scale + shift).astype(np.float32)
-        hint = "copy normalize_as_given and make its statistics those of the whole batch"
-        out = np.asarray(_call(what, run, x, hint=hint))
-        if out.shape != x.shape:
-            fail(
-                f"result shape {out.shape}, expected {x.shape}",
-                "return one normalised row per input row",
-            )
-        want = _normalized(x.reshape(m * b, f).astype(np.float64), eps).reshape(m, b, f)
-        if not np.allclose(out, want, rtol=1e-4, atol=1e-4):
-            _diagnose_normalize(out, x.astype(np.float64), eps)
-        if run is mapped and any(
-            p == "all_gather" for p, _, _ in jaxpr_collectives(jax.make_jaxpr(mapped)(x))
-        ):
-            fail(
-                "the values are right, but every row is gathered onto every device (all_gather)",
-                "the normalisation needs 2 statistics per feature from each device: lax.pmean the mean and "
-                "the mean of squares (or of squared deviations), not the rows",
-            )
-    also = f" (and on a simulated axis of {FAKE_AXIS} under jax.vmap)" if n < 2 else ""
-    return passed(
-        f"every device normalises with the global batch's statistics on {n} device(s){also}, "
-        "communicating only the statistics"
-    )
+def check_allreduce(predictions: dict | None, devices: Sequence[Any]) -> bool:
+    """Exercise 2: predict the all-reduce of ``STEP_SOURCE``'s data-parallel step from its shapes.
+
+    Spec (``_lesson04_allreduce``): for :func:`prediction_count` devices, the number of arrays the compiled
+    step all-reduces (exactly), their bytes ``S`` and the bytes each device sends, ``2 (n - 1) / n × S``
+    (within 1 %), and the number of all-reduce instructions (exactly; judged only where the program is
+    XLA:CPU's). With one device the step is compiled for 4 simulated CPU devices in a fresh process. A
+    wrong answer is told how many predictions are wrong, never which.
+
+    Raises:
+      ExerciseError: a missing or non-numeric prediction, or wrong ones (their number).
+    """
+    n = prediction_count(devices)
+    if predictions is None or all(v is None or v is Ellipsis for v in dict(predictions).values()):
+        judge_allreduce(predictions, {})  # "not written yet", before anything is compiled
+    measured = measure_allreduce(devices) if len(devices) > 1 else _measure_allreduce_simulated()
+    notes = judge_allreduce(predictions, measured)
+    print(f"  the compiled step's all-reduce on {n} device(s), as XLA wrote it:")
+    for line in measured["hlo"]:
+        print("   ", line[:160] + (" ..." if len(line) > 160 else ""))
+    for q in QUESTIONS:
+        print(f"  {q:22s} {measured[q]:,.0f}")
+    for note in notes:
+        print("  " + note)
+    return passed(f"the all-reduce predicted from the shapes, for {n} devices")
 
 
 # ---- exercise 3: gradient accumulation over micro-batches ------------------------------------------
@@ -375,12 +348,22 @@ def _judge_grads(out, params, x, y, n: int, n_micro: int) -> None:
 
 @checker
 def check_accumulated_grads(fn: Callable, devices: Sequence[Any]) -> bool:
-    """``fn(loss_fn, params, batch, axis_name, n_micro)`` under ``pmap`` must return, on every device, the
-    gradient of the global batch's mean loss, computed from micro-batches of ``b // n_micro`` rows, with one
-    cross-device average after the loop (not one per micro-batch), in a program whose temporary memory
-    shrinks as ``n_micro`` grows. Values are checked with 3 micro-batches (with fewer than 2 devices also
-    under ``jax.vmap`` over a simulated axis of :data:`FAKE_AXIS`); the traced programs with 3 and with 4;
-    the memory with ``_lesson04_memory.MEMORY_MICRO`` on one device."""
+    """Exercise 3 (project): micro-batch gradient accumulation under ``pmap``, one all-reduce.
+
+    Spec: ``fn(loss_fn, params, batch, axis_name, n_micro)`` under ``pmap`` returns, on every device, the
+    gradient of the global batch's mean loss, computed from micro-batches of ``b // n_micro`` rows
+    (``loss_fn`` never sees more), with one cross-device reduction after the loop, not one per
+    micro-batch, and its count not growing with ``n_micro``; each micro-batch's forward pass inside a loop
+    body, so they run one after another (``_lesson04_memory``: judged on the traced program on every
+    platform, and by the compiled temporary bytes shrinking with ``n_micro`` where the program is
+    XLA:CPU's). Values are checked with 3 micro-batches (with fewer than 2 devices also under
+    ``jax.vmap`` over a simulated axis of :data:`FAKE_AXIS`); the reductions with 3 and with 4.
+
+    Raises:
+      ExerciseError: another loss than the global mean's gradient (naming a missing division, a psum, a
+        local gradient), loss_fn on other batch sizes, a reduction inside the loop or growing with
+        n_micro, forward passes outside a loop, or (XLA:CPU) memory that does not shrink.
+    """
     n = len(devices)
     params, x, y = _accumulation_inputs(n)
     batch = (x.reshape(n, 12, 3), y.reshape(n, 12, 2))

@@ -1,0 +1,82 @@
+"""Lesson 01, exercise 4 (gradient accumulation): the pass log and the value judgement of its checker."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import fail
+
+
+def pass_tap(passes: list):
+    """An identity on params whose forward logs "f" and whose backward logs "b" into ``passes``, at run time."""
+    import jax
+
+    @jax.custom_vjp
+    def tap(params):
+        return params
+
+    def forward(params):
+        jax.debug.callback(lambda: passes.append("f"))
+        return params, None
+
+    def backward(_, cotangent):
+        jax.debug.callback(lambda: passes.append("b"))
+        return (cotangent,)
+
+    tap.defvjp(forward, backward)
+    return tap
+
+
+def judge_one_at_a_time(order: str, chunks: int) -> None:
+    """``order``: the "f"/"b" log of the answer's passes (a checkpoint's recompute repeats an "f")."""
+    while "ff" in order:
+        order = order.replace("ff", "f")
+    if order.count("b") < chunks:
+        fail(
+            f"{order.count('b')} backward pass(es) for {chunks} micro-batches: the micro-batches were "
+            "differentiated together (vmap of grad?), so all their activations are alive at once",
+            "differentiate one micro-batch, add its gradient into the running sum, then take the next "
+            "(a Python loop, lax.scan or lax.fori_loop)",
+        )
+    if order != "fb" * chunks:
+        fail(
+            "a micro-batch's forward pass started before the previous one's backward pass ended "
+            "(one grad of a sum of micro-batch losses?): every micro-batch's activations are kept",
+            "call jax.value_and_grad(loss_fn) on one micro-batch at a time and add the results",
+        )
+
+
+def judge_accumulated(loss_fn, params, x, y, micro, loss, grads) -> None:
+    """The accumulated (loss, grads) against the whole batch's value_and_grad, or an ExerciseError."""
+    import jax
+
+    batch = x.shape[0]
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(
+        params, x, y
+    )  # the whole batch at once
+    chunks = -(-batch // micro)
+    leaves, ref_leaves = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+    close = all(np.allclose(g, r, rtol=1e-4, atol=1e-6) for g, r in zip(leaves, ref_leaves))
+    if close and np.isclose(float(loss), float(ref_loss), rtol=1e-4):
+        return
+    if all(np.allclose(g, chunks * r, rtol=1e-4, atol=1e-6) for g, r in zip(leaves, ref_leaves)):
+        fail(
+            f"the gradient is {chunks}x the full-batch one ({chunks} micro-batches)",
+            "loss_fn is a mean: weight each micro-batch by its share of the rows before adding",
+        )
+    if batch % micro:
+        fail(
+            f"batch {batch} in micro-batches of {micro}: the result differs from the full-batch one "
+            "(it is right when micro divides the batch)",
+            f"the last micro-batch has {batch % micro} rows, not {micro}: weight each micro-batch by "
+            f"rows_in_it / {batch}, and do not drop it",
+        )
+    if not np.isclose(float(loss), float(ref_loss), rtol=1e-4):
+        fail(
+            f"loss {float(loss):.5f}, the full batch gives {float(ref_loss):.5f}",
+            "accumulate the loss with the same weights as the gradient",
+        )
+    fail(
+        "the gradient differs from the full-batch gradient",
+        "each micro-batch's gradient, weighted by its share of rows",
+    )
