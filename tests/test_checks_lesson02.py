@@ -220,6 +220,21 @@ def test_median_time_accepts_correct_forms():
     assert lesson02.check_median_time(_loop_then_block)
 
 
+@pytest.fixture
+def busy_sleep(monkeypatch):
+    """time.sleep as a loaded machine gives it: every wait wakes 30 ms late."""
+    real = time.sleep
+    monkeypatch.setattr(lesson02.time, "sleep", lambda s: real(s + 0.03))
+
+
+def test_median_time_on_a_busy_machine_accepts_right_answers_and_refuses_wrong_ones(busy_sleep):
+    assert lesson02.check_median_time(_median_time)
+    assert lesson02.check_median_time(_loop_then_block)
+    rejects(lesson02.check_median_time, _synced_no_warmup, match="warm-up")
+    rejects(lesson02.check_median_time, _median_no_warmup, match="repeats=1.*\n.*warm-up")
+    rejects(lesson02.check_median_time, _the_original, match="queued")
+
+
 def test_median_time_stub(monkeypatch, capsys):
     not_written(lesson02.check_median_time, _stub, monkeypatch=monkeypatch, capsys=capsys)
 

@@ -107,6 +107,8 @@ class _Pending:
         delay = self.ready_at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
+            # how late the sleep woke: on a busy machine a few ms to tens of ms, which a right answer measures
+            self.step.late.append(time.perf_counter() - self.ready_at)
         return self
 
 
@@ -118,6 +120,7 @@ class StandInStep:
         self.work_s, self.compile_s = work_s, compile_s
         self.calls = 0
         self.waited = 0  # results someone waited for
+        self.late: list[float] = []  # seconds each wait woke after its result was ready
         self.busy_until = 0.0
 
     def __call__(self, *args):
@@ -130,6 +133,10 @@ class StandInStep:
 
 def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
     work = step.work_s
+    # A wait on a busy machine wakes late, and an answer that waits for every call measures that too: the
+    # upper bounds are judged on the answer less how late this run's waits woke (their median), so load
+    # cannot fail a right answer, and a compile counted in still shows (it costs ten steps).
+    late = float(np.median(step.late)) if step.late else 0.0
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.floating)):
         fail(
             f"median_time returned {type(seconds).__name__}",
@@ -160,16 +167,17 @@ def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
             f"median_time says {seconds * 1e3:.3f} ms for a step that computes for {work * 1e3:.0f} ms",
             unsynced,
         )
-    if seconds > 2 * work:
+    if seconds - late > 2 * work:
         fail(
             f"median_time says {seconds * 1e3:.0f} ms with repeats={repeats} for a step of "
             f"{work * 1e3:.0f} ms",
             "the first call traces and compiles: make an untimed warm-up call "
             "(and wait for it) before timing",
         )
-    if not 0.75 * work <= seconds <= 1.6 * work:
+    if not (seconds >= 0.75 * work and seconds - late <= 1.6 * work):
         fail(
-            f"median_time says {seconds * 1e3:.1f} ms for a {work * 1e3:.0f} ms step",
+            f"median_time says {seconds * 1e3:.1f} ms for a {work * 1e3:.0f} ms step"
+            + (f" (its waits woke {late * 1e3:.1f} ms late)" if late > 1e-3 else ""),
             "time each call from just before it to just after its result is ready, and take the median",
         )
     return seconds
@@ -179,7 +187,9 @@ def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
 def check_median_time(median_time: Callable) -> bool:
     """Exercise 3: ``median_time(fn, *args, repeats=5)`` returns the median seconds per call of a jitted ``fn``.
 
-    Spec: within 0.75–1.6 × the compute time of one call, for ``repeats`` 5 and 1, with at most
+    Spec: within 0.75–1.6 × the compute time of one call (the upper bound judged on the answer less the
+    median time the run's waits woke late, which a busy machine adds to a right answer), for ``repeats`` 5
+    and 1, with at most
     ``repeats + 5`` calls. Judged against a stand-in step (asynchronous dispatch, a queue, a first call
     that compiles) whose compute time is drawn from ``WORK_RANGE_S`` anew for each of the two runs, so
     neither a constant nor a time measured once passes.
