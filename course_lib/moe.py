@@ -46,6 +46,7 @@ __all__ = [
     "moe_mlp",
     "moe_mlp_ep",
     "dropped_fraction",
+    "expert_load",
     "all_to_all_bytes",
     "expert_specs",
     "init_moe_model",
@@ -164,10 +165,20 @@ def moe_dense(x: jax.Array, p: dict, *, k: int = 2) -> jax.Array:
 
 
 def moe_mlp(
-    x: jax.Array, p: dict, *, k: int = 2, capacity_factor: float = 1.25, n_groups: int = 1
+    x: jax.Array,
+    p: dict,
+    *,
+    k: int = 2,
+    capacity_factor: float = 1.25,
+    n_groups: int = 1,
+    limit: jax.Array | int | None = None,
 ) -> jax.Array:
     """The MoE MLP on one device: x [..., D] → [..., D]; the tokens (rows of ``x`` flattened) are cut into
     ``n_groups`` equal groups, each routed with its own capacity (as ``n_groups`` devices would).
+
+    Args:
+      limit: optional places per expert actually used (a traced int is fine), at most the capacity that
+        ``capacity_factor`` gives (which sizes the buffers): one compiled program serves every limit.
 
     Raises:
       ValueError: the token count is not divisible by ``n_groups``.
@@ -180,7 +191,7 @@ def moe_mlp(
     cap = capacity(groups.shape[1], e, k, capacity_factor)
 
     def one(g):
-        r = route(g @ p["router"]["kernel"], k, cap)
+        r = route(g @ p["router"]["kernel"], k, cap if limit is None else jnp.minimum(limit, cap))
         return combine(experts(p, dispatch(g, r, e, cap)), r)
 
     return jax.vmap(one)(groups).reshape(x.shape)
@@ -219,12 +230,19 @@ def moe_mlp_ep(
 
 
 def dropped_fraction(x: jax.Array, p: dict, *, k: int = 2, capacity_factor: float = 1.25,
-                     n_groups: int = 1) -> jax.Array:  # fmt: skip
+                     n_groups: int = 1, limit: jax.Array | int | None = None) -> jax.Array:  # fmt: skip
     """Fraction of the token choices that find their expert full (routing as :func:`moe_mlp`)."""
     flat = x.reshape(n_groups, -1, x.shape[-1])
     cap = capacity(flat.shape[1], p["router"]["kernel"].shape[1], k, capacity_factor)
+    cap = cap if limit is None else jnp.minimum(limit, cap)
     keep = jax.vmap(lambda g: route(g @ p["router"]["kernel"], k, cap).keep)(flat)
     return 1.0 - keep.mean()
+
+
+def expert_load(x: jax.Array, p: dict, *, k: int = 2) -> jax.Array:
+    """Token choices each expert receives from the tokens x [N, D] (before any capacity): int32 [E]."""
+    r = route(x @ p["router"]["kernel"], k, x.shape[0] * k)
+    return jax.nn.one_hot(r.expert, p["router"]["kernel"].shape[1], dtype=jnp.int32).sum((0, 1))
 
 
 def all_to_all_bytes(n_tokens: int, n_experts: int, k: int, capacity_factor: float, d_model: int,

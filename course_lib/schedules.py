@@ -299,19 +299,23 @@ def validate(sched: Schedule) -> None:
             raise ValueError(
                 f"{sched.name}: {lane} cells missing for (micro-batch, chunk, stage) {missing}"
             )
-    for (i, c, s), t in f.items():
+    for (i, c, s), t in sorted(f.items(), key=lambda kv: kv[1]):
         prev = (i, c, s - 1) if s > 0 else (i, c - 1, p - 1)
         if (s > 0 or c > 0) and f[prev] != t - 1:
-            raise ValueError(f"{sched.name}: F of micro-batch {i}, chunk {c} on stage {s} at tick {t} needs "
-                             f"its input from tick {t - 1}, but it was made at tick {f[prev]}")  # fmt: skip
-        nxt = (i, c, s + 1) if s < p - 1 else (i, c + 1, 0)
-        if s < p - 1 or c < v - 1:
-            if b[nxt] != b[(i, c, s)] - 1:
-                raise ValueError(f"{sched.name}: B of micro-batch {i}, chunk {c} on stage {s} at tick "
-                                 f"{b[(i, c, s)]} needs its cotangent from the tick before, not {b[nxt]}")  # fmt: skip
-        if b[(i, c, s)] < t:
+            raise ValueError(
+                f"{sched.name}: F of micro-batch {i}, chunk {c} on stage {s} at tick {t} needs its input "
+                f"from tick {t - 1}, but it was made at tick {f[prev]}"
+            )
+    for (i, c, s), t in sorted(b.items(), key=lambda kv: kv[1]):
+        if t < f[(i, c, s)]:
             raise ValueError(
                 f"{sched.name}: B of micro-batch {i}, chunk {c} on stage {s} comes before its F"
+            )
+        nxt = (i, c, s + 1) if s < p - 1 else (i, c + 1, 0)
+        if (s < p - 1 or c < v - 1) and b[nxt] != t - 1:
+            raise ValueError(
+                f"{sched.name}: B of micro-batch {i}, chunk {c} on stage {s} at tick {t} needs its "
+                f"cotangent from tick {t - 1}, but it was made at tick {b[nxt]}"
             )
 
 
