@@ -47,6 +47,7 @@ __all__ = [
     "forward",
     "train",
     "next_stage",
+    "vary_like",
     "cross_entropy_sum",
     "transformer_loss",
     "transformer_grads",
@@ -80,6 +81,17 @@ def stage_spec(axis: str) -> P:
     return P(None, axis)
 
 
+def vary_like(x: jax.Array, tree: Any) -> jax.Array:
+    """``x`` cast to varying over every manual axis some leaf of ``tree`` varies over (inside
+    ``shard_map``; a no-op outside). A stage's layers vary over the stage axis; an input every stage holds
+    (the micro-batches) does not, and a ``lax.scan`` whose carry starts invariant and comes out varying is
+    an error: cast the input first."""
+    axes = set()
+    for leaf in jax.tree.leaves(tree):
+        axes |= set(jax.typeof(leaf).manual_axis_type.varying)
+    return _vary(x, tuple(sorted(axes)))
+
+
 def scan_stage(
     block_fn: Callable | None = None,
     *,
@@ -99,6 +111,7 @@ def scan_stage(
     block_fn = block_fn or (lambda x, p: transformer.block(x, p, eps))
 
     def stage(x, chunk_params):
+        x = vary_like(x, chunk_params)
         y, _ = lax.scan(lambda h, p: (block_fn(h, p), None), x, chunk_params, unroll=unroll)
         return y
 

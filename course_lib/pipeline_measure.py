@@ -50,6 +50,7 @@ def residual_stage(unroll: bool = False) -> Callable:
     """A stage of residual layers: ``x [N, D] -> x + tanh(x @ w)`` for each ``w`` of ``chunk["w"] [k, D, D]``."""
 
     def stage(x, chunk):
+        x = pipeline.vary_like(x, chunk)  # an input every stage holds, on a stage's own layers
         return lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x, chunk["w"], unroll=unroll)[0]
 
     return stage
