@@ -34,16 +34,25 @@ from . import pipeline, programs, schedules
 from .measure import Timing
 
 __all__ = [
+    "ANALYSIS_OPTIONS",
     "residual_stage",
     "init_residual",
     "build_train",
     "lane_flops",
     "flops_bubble",
     "permute_bytes",
+    "round_robin",
     "interleaved_times",
     "time_bubble",
+    "time_bubbles",
     "stash_growth",
 ]
+
+
+ANALYSIS_OPTIONS = {"xla_backend_optimization_level": 0}
+"""Compiler options of the programs that are only read, never timed (FLOPs, memory): the FLOPs and the
+buffers come from XLA's HLO passes, which the backend's optimisation level leaves alone
+(``tests/test_pipeline_measure.py`` checks it), and the programs compile in about half the time."""
 
 
 def residual_stage(unroll: bool = False) -> Callable:
@@ -107,8 +116,8 @@ def lane_flops(stage_fn: Callable, chunk: Any, x: jax.Array) -> tuple[float, flo
         y, vjp = jax.vjp(lambda c, h: stage_fn(h, c), chunk, x)
         return vjp(r)
 
-    f = _flops(jax.jit(stage_fn).lower(x, chunk).compile())
-    b = _flops(jax.jit(b_cell).lower(chunk, x, x).compile())
+    f = _flops(jax.jit(stage_fn).lower(x, chunk).compile(ANALYSIS_OPTIONS))
+    b = _flops(jax.jit(b_cell).lower(chunk, x, x).compile(ANALYSIS_OPTIONS))
     return f, b
 
 
@@ -132,7 +141,7 @@ def flops_bubble(
     step = build_train(
         mesh, axis, sched, residual_stage(unroll=True), unroll=True, input_grads=True
     )
-    compiled = step.lower(pipeline.chunked(params, v), xs, xs).compile()
+    compiled = step.lower(pipeline.chunked(params, v), xs, xs).compile(ANALYSIS_OPTIONS)
     total = _flops(compiled)
     useful = sched.n_micro * v * (f + b)
     sent = sum(
@@ -157,18 +166,40 @@ def permute_bytes(sched: schedules.Schedule, act_bytes: int) -> int:
     return int((lanes[:-1] & lanes[1:]).sum()) * act_bytes
 
 
-def interleaved_times(calls: dict[str, Callable[[], Any]], repeats: int = 5) -> dict[str, Timing]:
+def round_robin(
+    calls: dict[str, Callable[[], Any]],
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float]]:
     """Time each zero-argument call ``repeats`` times, round-robin (one warm-up each first), so a load that
-    changes during the run falls on every call alike; ``jax.block_until_ready`` on every result."""
+    changes during the run falls on every call alike; ``jax.block_until_ready`` on every result.
+
+    Args:
+      clock: ``time.perf_counter`` (wall time) or ``time.process_time`` (CPU time of every thread of this
+        process: on simulated CPU devices it leaves out the time the threads wait for cores that other
+        programs hold; see :func:`course_lib.measure.time_calls`).
+
+    Returns:
+      ``{name: [seconds of round 0, round 1, …]}``.
+    """
     for fn in calls.values():
         jax.block_until_ready(fn())
     samples = {name: [] for name in calls}
     for _ in range(repeats):
         for name, fn in calls.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             jax.block_until_ready(fn())
-            samples[name].append(time.perf_counter() - t0)
-    return {name: Timing.from_samples(s) for name, s in samples.items()}
+            samples[name].append(clock() - t0)
+    return samples
+
+
+def interleaved_times(
+    calls: dict[str, Callable[[], Any]],
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Timing]:
+    """:func:`round_robin`, summarised: a :class:`~course_lib.measure.Timing` per call."""
+    return {name: Timing.from_samples(s) for name, s in round_robin(calls, repeats, clock).items()}
 
 
 def time_bubble(
@@ -189,6 +220,16 @@ def time_bubble(
         if name not in (busy, busy2):
             out[name] = 1 - n_micro * c / (t - o)
     return out
+
+
+def time_bubbles(
+    samples: dict[str, list[float]], n_micro: int, busy: str = "busy", busy2: str = "busy2"
+) -> dict:
+    """:func:`time_bubble` of each round of :func:`round_robin` (the calls of one round ran side by side),
+    and the median over the rounds of each number."""
+    per_round = [time_bubble({k: v[i] for k, v in samples.items()}, n_micro, busy, busy2)
+                 for i in range(len(next(iter(samples.values()))))]  # fmt: skip
+    return {k: float(np.median([r[k] for r in per_round])) for k in per_round[0]}
 
 
 def stash_growth(
@@ -213,7 +254,11 @@ def stash_growth(
         sched = schedules.make(name, p, m, n_chunks)
         xs = jax.ShapeDtypeStruct((m, *act.shape), act.dtype)
         step = build_train(mesh, axis, sched, residual_stage())
-        mem = step.lower(pipeline.chunked(params, n_chunks), xs, xs).compile().memory_analysis()
+        mem = (
+            step.lower(pipeline.chunked(params, n_chunks), xs, xs)
+            .compile(ANALYSIS_OPTIONS)
+            .memory_analysis()
+        )
         out[m] = {"temp": int(mem.temp_size_in_bytes), "slots": sched.n_slots}
     act_bytes = int(np.prod(act.shape)) * jnp.dtype(act.dtype).itemsize
     lo, hi = out[n_micro], out[2 * n_micro]

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from course_lib import pipeline as PL
 from course_lib import pipeline_measure as PM
 from course_lib import schedules as S
 from course_lib.meshes import STAGE, mesh_of
@@ -35,6 +36,15 @@ def test_flops_bubble_is_the_predicted_one(setup, name, v):
     assert got["permute_bytes"] == PM.permute_bytes(sched, N * D * 4)
 
 
+def test_analysis_options_change_neither_flops_nor_memory(setup):
+    mesh, params, xs = setup
+    step = PM.build_train(mesh, STAGE, S.one_f_one_b(P_STAGES, M), PM.residual_stage())
+    lowered = step.lower(PL.chunked(params), xs, xs)
+    plain, fast = lowered.compile(), lowered.compile(PM.ANALYSIS_OPTIONS)
+    assert plain.cost_analysis()["flops"] == fast.cost_analysis()["flops"]
+    assert plain.memory_analysis().temp_size_in_bytes == fast.memory_analysis().temp_size_in_bytes
+
+
 def test_lane_flops_count_one_forward_and_its_backward():
     chunk = PM.init_residual(jax.random.key(0), 1, D)
     f, b = PM.lane_flops(PM.residual_stage(unroll=True), chunk, jnp.zeros((N, D)))
@@ -63,3 +73,11 @@ def test_time_bubble_arithmetic_and_interleaved_times():
     assert got["gpipe"] == pytest.approx(1 / 5)
     times = PM.interleaved_times({"a": lambda: jnp.ones(3), "b": lambda: jnp.zeros(3)}, repeats=3)
     assert set(times) == {"a", "b"} and all(t.n == 3 and t.median_s > 0 for t in times.values())
+    # per round, then the median: a round whose busy runs were slowed by a burst does not move it
+    rounds = {
+        "busy": [4 * c + o, 4 * c + o, 40 * c],
+        "busy2": [8 * c + o] * 3,
+        "gpipe": [5 * c + o] * 3,
+    }
+    got = PM.time_bubbles(rounds, 4)
+    assert got["gpipe"] == pytest.approx(1 / 5) and got["c"] == pytest.approx(c)
