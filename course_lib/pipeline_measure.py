@@ -20,6 +20,7 @@ Used by ``notebooks/11_pipeline_experts.ipynb``; ``tests/test_pipeline_measure.p
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -110,7 +111,7 @@ def _flops(compiled) -> float:
 
 def lane_flops(stage_fn: Callable, chunk: Any, x: jax.Array) -> tuple[float, float]:
     """FLOPs of one F cell (the chunk's forward) and one B cell (its recomputed forward and the vjp), each
-    compiled alone on one device: ``(f, b)``."""
+    compiled alone on one device: ``(f, b)``. (:func:`flops_bubble` keeps them per shape.)"""
 
     def b_cell(chunk, x, r):
         y, vjp = jax.vjp(lambda c, h: stage_fn(h, c), chunk, x)
@@ -119,6 +120,12 @@ def lane_flops(stage_fn: Callable, chunk: Any, x: jax.Array) -> tuple[float, flo
     f = _flops(jax.jit(stage_fn).lower(x, chunk).compile(ANALYSIS_OPTIONS))
     b = _flops(jax.jit(b_cell).lower(chunk, x, x).compile(ANALYSIS_OPTIONS))
     return f, b
+
+
+@functools.lru_cache(maxsize=16)
+def _residual_lanes(w_shape: tuple, x_shape: tuple, dtype: str) -> tuple[float, float]:
+    chunk = {"w": jnp.zeros(w_shape, dtype)}
+    return lane_flops(residual_stage(unroll=True), chunk, jnp.zeros(x_shape, dtype))
 
 
 def flops_bubble(
@@ -137,7 +144,7 @@ def flops_bubble(
     """
     p, v = sched.n_stages, sched.n_chunks
     chunk = {"w": params["w"][: params["w"].shape[0] // (p * v)]}
-    f, b = lane_flops(residual_stage(unroll=True), chunk, xs[0])
+    f, b = _residual_lanes(chunk["w"].shape, xs.shape[1:], str(xs.dtype))
     step = build_train(
         mesh, axis, sched, residual_stage(unroll=True), unroll=True, input_grads=True
     )
@@ -161,7 +168,8 @@ def flops_bubble(
 def permute_bytes(sched: schedules.Schedule, act_bytes: int) -> int:
     """Predicted bytes of the ``collective-permute`` ops of an unrolled step, per device: one activation
     (or its cotangent) after each tick whose next tick uses the same lane. (The executor also sends after
-    a lane's last tick, but nothing reads that message, and XLA removes it.)"""
+    a lane's last tick, but nothing reads that message, and XLA removes it.) For two stages or more: with
+    one, the stage index is a constant and XLA removes every send whose message it can see is unused."""
     lanes = sched.lanes()
     return int((lanes[:-1] & lanes[1:]).sum()) * act_bytes
 
