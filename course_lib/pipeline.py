@@ -1,33 +1,29 @@
 """Pipeline parallelism in ``shard_map``: a stage per device of a ``stage`` axis, micro-batches passed on
 with ``ppermute``, any :class:`~course_lib.schedules.Schedule` run from its table.
 
-Layout: the transformer's blocks (leading layer axis ``L``) are cut into ``v·p`` chunks of ``k = L/(v·p)``
-layers; virtual stage ``c·p + s`` (chunk ``c`` of device ``s``) holds layers ``(c·p + s)·k …``. :func:`chunked`
-reshapes each leaf ``[L, …]`` to ``[v, p·k, …]`` and :func:`stage_spec` splits the second axis over the stage
-axis, so inside ``shard_map`` a device sees ``[v, k, …]``: its chunks, in order. A **stage function**
-``stage_fn(x, chunk_params) -> y`` runs one chunk; :func:`scan_stage` makes one from any ``block_fn`` (the
-dense block, a tensor-parallel one, a ZeRO-3 one: the pipeline does not care what a layer does).
+Layout: the blocks (leading layer axis ``L``) are cut into ``v·p`` chunks of ``k = L/(v·p)`` layers; virtual
+stage ``c·p + s`` (chunk ``c`` of device ``s``) holds layers ``(c·p + s)·k …``. :func:`chunked` reshapes each
+leaf ``[L, …]`` to ``[v, p·k, …]`` and :func:`stage_spec` splits its second axis over the stage axis: a device
+sees ``[v, k, …]``, its chunks. A **stage function** ``stage_fn(x, chunk_params) -> y`` runs one chunk;
+:func:`scan_stage` makes one from any ``block_fn`` (dense, tensor-parallel, ZeRO-3: any layer).
 
-Two executors, both called inside ``shard_map`` with the stage axis's name as an argument:
+Two executors, called inside ``shard_map`` with the stage axis's name as an argument:
 
 - :func:`forward` — the F lanes of a forward-then-backward schedule (GPipe, circular); ``jax.grad`` through
-  it runs the mirrored backward (the scan's transpose). With ``remat`` the stage keeps only its input per tick.
-- :func:`train` — both lanes of any schedule (1F1B included), the backward written by hand with
-  ``jax.vjp``: each F lane stashes its input in the slot the table names, each B lane recomputes the chunk
-  from it and sends the input's cotangent back. Returns the loss and the gradients.
+  it runs the mirrored backward (the scan's transpose).
+- :func:`train` — both lanes of any schedule (1F1B included), the backward written with ``jax.vjp``: an F
+  lane stashes its input in the table's slot, a B lane recomputes the chunk from it and sends the input's
+  cotangent back. In SPMD every stage computes every lane a tick uses: the bubble is real work.
 
-In one SPMD program every stage computes every lane a tick uses (an idle cell computes on whatever it holds
-and its result is dropped): the bubble is work the compiled program really does, and its FLOPs show it.
-:func:`transformer_loss` and :func:`transformer_grads` put the embedding and the head around either executor.
-Taught in ``notebooks/11_pipeline_experts.ipynb``; ``tests/test_pipeline.py`` checks both against the
-single-device transformer in float64.
+:func:`transformer_loss` and :func:`transformer_grads` put the embedding and the head around them. Taught in
+``notebooks/11_pipeline_experts.ipynb``; ``tests/test_pipeline.py`` checks them against one device in float64.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,11 +89,7 @@ def vary_like(x: jax.Array, tree: Any) -> jax.Array:
 
 
 def scan_stage(
-    block_fn: Callable | None = None,
-    *,
-    eps: float = 1e-5,
-    unroll: bool = False,
-    remat: bool = False,
+    block_fn: Callable | None = None, *, eps=1e-5, unroll=False, remat=False
 ) -> Callable:
     """A stage function ``(x [b, S, D], chunk_params) -> [b, S, D]``: ``lax.scan`` of ``block_fn`` over the
     chunk's ``k`` layers (leading axis of every leaf).
@@ -210,19 +202,68 @@ def forward(
     return ys[:m], trace
 
 
-def _b_lane(stage_fn, head_fn, params, head_params, stash, slot, bwd_in, aux, mb, c, last, v):
-    """One B cell: recompute the chunk from its stashed input, then its vjp with the cotangent that came
-    from the next stage (on the last virtual stage: the loss's gradient)."""
-    x = stash[slot]
-    y, vjp = jax.vjp(lambda prm, h: stage_fn(h, prm), _chunk(params, c, v), x)
-    d_head, dy = jax.grad(head_fn, argnums=(0, 1))(head_params, y, _at(aux, mb))
-    top = (mb >= 0) & last
-    d_params, dx = vjp(jnp.where(top, dy, bwd_in))
-    return d_head, d_params, dx, top
+class _Run(NamedTuple):
+    """What every tick of :func:`train` reads (its arguments and the device's place on the axis)."""
+
+    stage_fn: Callable
+    head_fn: Callable
+    params: Any
+    head_params: Any
+    xs: jax.Array
+    aux: Any
+    sched: Schedule
+    axis: str
+    s: jax.Array  # this device's stage
+    input_grads: bool
 
 
 def _at(aux, mb):
     return jax.tree.map(lambda a: a[jnp.maximum(mb, 0)], aux)
+
+
+def _f_lane(run: _Run, st: dict, mb, c, slot):
+    """One F cell: choose the input, stash it at its slot (idle cells: the spare slot), run the chunk; on
+    the last virtual stage add the micro-batch's loss."""
+    sched, s = run.sched, run.s
+    p, v = sched.n_stages, sched.n_chunks
+    x = jnp.where((s == 0) & (c == 0), run.xs[jnp.maximum(mb, 0)], st["fwd_in"])
+    st["stash"] = st["stash"].at[jnp.where(mb >= 0, slot, sched.n_slots)].set(x)
+    y = run.stage_fn(x, _chunk(run.params, c, v))
+    top = (mb >= 0) & (s == p - 1) & (c == v - 1)
+    st["loss"] = st["loss"] + jnp.where(top, run.head_fn(run.head_params, y, _at(run.aux, mb)), 0)
+    return y
+
+
+def _b_lane(run: _Run, st: dict, mb, c, slot):
+    """One B cell: recompute the chunk from its stashed input, then its vjp with the cotangent that came
+    from the next stage (on the last virtual stage: the loss's gradient); add the gradients."""
+    sched, s = run.sched, run.s
+    p, m, v = sched.n_stages, sched.n_micro, sched.n_chunks
+    ok = mb >= 0
+    x = st["stash"][jnp.where(ok, slot, sched.n_slots)]
+    y, vjp = jax.vjp(lambda prm, h: run.stage_fn(h, prm), _chunk(run.params, c, v), x)
+    d_head, dy = jax.grad(run.head_fn, argnums=(0, 1))(run.head_params, y, _at(run.aux, mb))
+    top = ok & (s == p - 1) & (c == v - 1)
+    d_params, dx = vjp(jnp.where(top, dy, st["bwd_in"]))
+    st["head_grads"] = jax.tree.map(lambda g, d: g + jnp.where(top, d, 0), st["head_grads"], d_head)
+    st["grads"] = jax.tree.map(lambda g, d: g.at[c].add(jnp.where(ok, d, 0)), st["grads"], d_params)
+    if run.input_grads:
+        st["dxs"] = st["dxs"].at[jnp.where(ok & (s == 0) & (c == 0), mb, m)].set(dx)
+    return dx
+
+
+def _tick(run: _Run, st: dict, row, has_f: bool, has_b: bool):
+    """One tick of :func:`train`: the lanes this run of ticks uses, then the sends (F on, B back)."""
+    f_mb, f_c, f_slot, b_mb, b_c, b_slot = (row[run.s, i] for i in range(6))
+    st = dict(st)
+    ring = run.sched.n_chunks > 1
+    y = _f_lane(run, st, f_mb, f_c, f_slot) if has_f else None
+    dx = _b_lane(run, st, b_mb, b_c, b_slot) if has_b else None
+    if has_f:
+        st["fwd_in"] = lax.ppermute(y, run.axis, next_stage(run.sched.n_stages, +1, ring))
+    if has_b:
+        st["bwd_in"] = lax.ppermute(dx, run.axis, next_stage(run.sched.n_stages, -1, ring))
+    return st, jnp.stack([f_mb, f_c, b_mb, b_c])
 
 
 def train(
@@ -263,15 +304,9 @@ def train(
       device's F lane, then of its B lane, at each tick (micro-batch ``-1``: idle), for the picture.
     """
     _check_axis(sched, axis)
-    p, m, v = sched.n_stages, sched.n_micro, sched.n_chunks
-    s = lax.axis_index(axis)
     axes = (axis, *vary_axes)
     params, head_params = _vary((params, head_params), axes)
-    table = np.stack(
-        [sched.f_mb, sched.f_chunk, sched.f_slot, sched.b_mb, sched.b_chunk, sched.b_slot], -1
-    )
-    fwd, bwd = next_stage(p, +1, ring=v > 1), next_stage(p, -1, ring=v > 1)
-    act = xs[0]
+    act, m = xs[0], sched.n_micro
     zero = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
     state = dict(
         fwd_in=act * 0, bwd_in=act * 0, stash=jnp.zeros((sched.n_slots + 1, *act.shape), act.dtype),
@@ -279,41 +314,24 @@ def train(
         dxs=jnp.zeros((m + 1 if input_grads else 1, *act.shape), act.dtype),
     )  # fmt: skip
     state = _vary(state, axes)
-    b_lane = partial(_b_lane, stage_fn, head_fn, params, head_params)
-
-    def tick(st, row, has_f, has_b):
-        f_mb, f_c, f_slot, b_mb, b_c, b_slot = (row[s, i] for i in range(6))
-        st = dict(st)
-        if has_f:  # stash the input at its slot (idle cells: the spare slot), run the chunk
-            x = jnp.where((s == 0) & (f_c == 0), xs[jnp.maximum(f_mb, 0)], st["fwd_in"])
-            st["stash"] = st["stash"].at[jnp.where(f_mb >= 0, f_slot, sched.n_slots)].set(x)
-            y = stage_fn(x, _chunk(params, f_c, v))
-            top = (f_mb >= 0) & (s == p - 1) & (f_c == v - 1)  # the last virtual stage: the loss
-            st["loss"] = st["loss"] + jnp.where(top, head_fn(head_params, y, _at(aux, f_mb)), 0)
-        if has_b:
-            slot = jnp.where(b_mb >= 0, b_slot, sched.n_slots)
-            last = (s == p - 1) & (b_c == v - 1)
-            d_head, d_prm, dx, top = b_lane(
-                st["stash"], slot, st["bwd_in"], aux, b_mb, b_c, last, v
-            )
-            ok = b_mb >= 0
-            st["head_grads"] = jax.tree.map(
-                lambda g, d: g + jnp.where(top, d, 0), st["head_grads"], d_head
-            )
-            st["grads"] = jax.tree.map(
-                lambda g, d: g.at[b_c].add(jnp.where(ok, d, 0)), st["grads"], d_prm
-            )
-            if input_grads:
-                st["dxs"] = st["dxs"].at[jnp.where(ok & (s == 0) & (b_c == 0), b_mb, m)].set(dx)
-        if has_f:
-            st["fwd_in"] = lax.ppermute(y, axis, fwd)
-        if has_b:
-            st["bwd_in"] = lax.ppermute(dx, axis, bwd)
-        return st, jnp.stack([f_mb, f_c, b_mb, b_c])
-
+    run = _Run(
+        stage_fn,
+        head_fn,
+        params,
+        head_params,
+        xs,
+        aux,
+        sched,
+        axis,
+        lax.axis_index(axis),
+        input_grads,
+    )
+    table = np.stack(
+        [sched.f_mb, sched.f_chunk, sched.f_slot, sched.b_mb, sched.b_chunk, sched.b_slot], -1
+    )
     traces = []
     for start, stop, has_f, has_b in sched.segments():
-        body = partial(tick, has_f=has_f, has_b=has_b)
+        body = partial(_tick, run, has_f=has_f, has_b=has_b)
         state, tr = lax.scan(body, state, jnp.asarray(table[start:stop]), unroll=unroll)
         traces.append(tr)
     dxs = state["dxs"][:m] if input_grads else state["dxs"]
