@@ -15,6 +15,7 @@ import matplotlib as mpl
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import MaxNLocator
 
 from .schedules import Schedule, bubble_fraction
 
@@ -93,7 +94,9 @@ def schedule(
     ax.set_xlim(0, ticks)
     ax.set_ylim(0, p)
     ax.set_yticks(np.arange(p) + 0.5, [f"stage {p - 1 - r}" for r in range(p)], fontsize=8)
-    ax.set_xlabel("tick")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    cell = "micro-batch" + (".chunk" if chunks > 1 else "")
+    ax.set_xlabel(f"tick   (pale: F, dark: B, grey: bubble; a cell's label: {cell})", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
@@ -147,6 +150,8 @@ def in_flight(scheds: Sequence[Schedule], stage: int = 0, ax=None):
         ax.step(np.arange(sched.ticks), held, where="post", label=f"{label} (peak {held.max()})")
     ax.set_xlabel("tick")
     ax.set_ylabel(f"inputs held, stage {stage}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return ax.figure
@@ -160,15 +165,9 @@ def expert_load(load: np.ndarray, cap: int, ax=None, title: str | None = None):
     x = np.arange(len(load))
     kept = np.minimum(load, cap)
     ax.bar(x, kept, color=mpl.color_sequences["petroff10"][0], label="computed")
-    ax.bar(
-        x,
-        load - kept,
-        bottom=kept,
-        color="white",
-        edgecolor="#c0392b",
-        hatch="///",
-        label="dropped",
-    )
+    over = load > kept  # only the experts that dropped choices get a hatched part
+    ax.bar(x[over], (load - kept)[over], bottom=kept[over], color="white", edgecolor="#c0392b",
+           hatch="///", label="dropped")  # fmt: skip
     ax.axhline(cap, color="#333333", lw=1, ls="--", label=f"capacity {cap}")
     ax.set_xticks(x, [f"e{e}" for e in x], fontsize=7)
     ax.set_ylabel("token choices")
