@@ -82,10 +82,7 @@ def vary_like(x: jax.Array, tree: Any) -> jax.Array:
     ``shard_map``; a no-op outside). A stage's layers vary over the stage axis; an input every stage holds
     (the micro-batches) does not, and a ``lax.scan`` whose carry starts invariant and comes out varying is
     an error: cast the input first."""
-    axes = set()
-    for leaf in jax.tree.leaves(tree):
-        axes |= set(jax.typeof(leaf).manual_axis_type.varying)
-    return _vary(x, tuple(sorted(axes)))
+    return _vary(x, _axes_of(tree))
 
 
 def scan_stage(
@@ -147,6 +144,14 @@ def _vary(tree, axes: Sequence[str]):
     return jax.tree.map(one, tree)
 
 
+def _axes_of(tree: Any, *axes: str) -> tuple[str, ...]:
+    """``axes`` and every manual axis a leaf of ``tree`` varies over: what a loop's carry must vary over."""
+    found = set(axes)
+    for leaf in jax.tree.leaves(tree):
+        found |= set(jax.typeof(leaf).manual_axis_type.varying)
+    return tuple(sorted(found))
+
+
 def _check_axis(sched: Schedule, axis: str) -> None:
     n = lax.axis_size(axis)
     if n != sched.n_stages:
@@ -197,7 +202,10 @@ def forward(
         ys = ys.at[jnp.where(done, mb, m)].set(y)  # row m: where idle ticks write
         return (lax.ppermute(y, axis, perm), ys), jnp.stack([mb, c])
 
-    start = _vary((jnp.zeros_like(xs[0]), jnp.zeros((m + 1, *xs.shape[1:]), xs.dtype)), (axis,))
+    start = _vary(
+        (jnp.zeros_like(xs[0]), jnp.zeros((m + 1, *xs.shape[1:]), xs.dtype)),
+        _axes_of((xs, params), axis),
+    )
     (_, ys), trace = lax.scan(tick, start, rows, unroll=unroll)
     return ys[:m], trace
 
@@ -304,7 +312,7 @@ def train(
       device's F lane, then of its B lane, at each tick (micro-batch ``-1``: idle), for the picture.
     """
     _check_axis(sched, axis)
-    axes = (axis, *vary_axes)
+    axes = _axes_of((xs, params), axis, *vary_axes)
     params, head_params = _vary((params, head_params), axes)
     act, m = xs[0], sched.n_micro
     zero = lambda t: jax.tree.map(jnp.zeros_like, t)  # noqa: E731
@@ -347,11 +355,6 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1).sum()
 
 
-def _split(params):
-    rest = {k: v for k, v in params.items() if k != "blocks"}
-    return params["blocks"], rest
-
-
 def _head_loss(eps, n_tokens):
     def head_fn(rest, y, targets):
         return cross_entropy_sum(transformer.head(rest, y, eps), targets) / n_tokens
@@ -359,89 +362,84 @@ def _head_loss(eps, n_tokens):
     return head_fn
 
 
+def _split(params):
+    return params["blocks"], {k: v for k, v in params.items() if k != "blocks"}
+
+
+def _specs(axis, data_axis):
+    batch = P(data_axis) if data_axis else P()
+    return (stage_spec(axis), P(), batch, batch)
+
+
 def transformer_loss(
-    mesh: Any,
-    sched: Schedule,
-    *,
-    axis: str,
-    stage_fn: Callable | None = None,
-    eps: float = 1e-5,
-    unroll: bool = False,
-) -> Callable:
+    mesh: Any, sched: Schedule, *, axis: str, data_axis: str | None = None, stage_fn: Callable | None = None,
+    eps: float = 1e-5, unroll: bool = False,
+) -> Callable:  # fmt: skip
     """``loss(params, tokens, targets)``: the transformer's mean cross-entropy through :func:`forward`.
 
     Differentiate it with ``jax.grad`` (the backward is the schedule's mirror). ``params`` as
     :func:`course_lib.transformer.init_model` returns them but with ``params["blocks"]`` :func:`chunked` to
-    ``sched.n_chunks`` and placed with :func:`stage_spec`; tokens and targets int32 [B, S], ``B`` a multiple
-    of ``sched.n_micro``. The embedding runs on every stage (stage 0's is used), the head on the last
-    stage's outputs; their gradients are all-reduced over ``axis``.
+    ``sched.n_chunks`` (placed with :func:`stage_spec`); tokens and targets int32 [B, S], ``B`` a multiple
+    of ``sched.n_micro`` (per ``data_axis`` shard). The embedding runs on every stage (stage 0's is used),
+    the head on the last stage's outputs. With ``data_axis`` (a mesh axis beside ``axis``) the batch is split
+    over it too and the loss is its mean over the shards (so ``jax.grad`` sums the shards' gradients).
     """
     stage_fn = stage_fn or scan_stage(eps=eps, remat=True)
 
     def body(blocks, rest, tokens, targets):
         m = sched.n_micro
-        xs = transformer.embed(rest, micro_batches(tokens, m).reshape(-1, tokens.shape[1]))
-        xs = micro_batches(xs, m)  # [m, b, S, D]
-        ys, _ = forward(stage_fn, blocks, xs, sched, axis, unroll=unroll)
-        logits = transformer.head(rest, ys, eps)  # [m, b, S, V]
-        local = cross_entropy_sum(logits, micro_batches(targets, m)) / targets.size
-        return lax.psum(jnp.where(lax.axis_index(axis) == sched.n_stages - 1, local, 0.0), axis)
+        ys, _ = forward(
+            stage_fn,
+            blocks,
+            micro_batches(transformer.embed(rest, tokens), m),
+            sched,
+            axis,
+            unroll=unroll,
+        )
+        local = (
+            cross_entropy_sum(transformer.head(rest, ys, eps), micro_batches(targets, m))
+            / targets.size
+        )
+        loss = lax.psum(jnp.where(lax.axis_index(axis) == sched.n_stages - 1, local, 0.0), axis)
+        return lax.pmean(loss, data_axis) if data_axis else loss
 
     def loss(params, tokens, targets):
-        blocks, rest = _split(params)
-        mapped = jax.shard_map(
-            body, mesh=mesh, in_specs=(stage_spec(axis), P(), P(), P()), out_specs=P()
-        )
-        return mapped(blocks, rest, tokens, targets)
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=_specs(axis, data_axis), out_specs=P())
+        return mapped(*_split(params), tokens, targets)
 
     return loss
 
 
 def transformer_grads(
-    mesh: Any,
-    sched: Schedule,
-    *,
-    axis: str,
-    stage_fn: Callable | None = None,
-    eps: float = 1e-5,
-    unroll: bool = False,
-) -> Callable:
+    mesh: Any, sched: Schedule, *, axis: str, data_axis: str | None = None, stage_fn: Callable | None = None,
+    eps: float = 1e-5, unroll: bool = False,
+) -> Callable:  # fmt: skip
     """``grads(params, tokens, targets) -> (loss, grads)`` through :func:`train` (any schedule, 1F1B too).
 
     Same arguments and layout as :func:`transformer_loss`; ``grads`` is laid out like ``params`` (blocks
-    chunked and stage-split). The head's and the embedding's gradients are ``psum``-ed over ``axis``.
+    chunked and stage-split). The head's and the embedding's gradients are ``psum``-ed over ``axis``; with
+    ``data_axis``, the loss and every gradient are averaged over its shards (``pmean``).
     """
     stage_fn = stage_fn or scan_stage(eps=eps)
+    extra = (data_axis,) if data_axis else ()
 
     def body(blocks, rest, tokens, targets):
         m = sched.n_micro
         embed = lambda r: micro_batches(transformer.embed(r, tokens), m)  # noqa: E731
-        xs, embed_vjp = jax.vjp(embed, _vary(rest, (axis,)))
-        head_fn = _head_loss(eps, targets.size)
-        loss, grads, d_rest, dxs, _ = train(
-            stage_fn,
-            head_fn,
-            blocks,
-            rest,
-            xs,
-            micro_batches(targets, m),
-            sched,
-            axis,
-            unroll=unroll,
-        )
-        (d_embed,) = embed_vjp(dxs)
-        d_rest = jax.tree.map(jnp.add, d_rest, d_embed)
-        return lax.psum(loss, axis), grads, lax.psum(d_rest, axis)
+        xs, embed_vjp = jax.vjp(embed, _vary(rest, (axis, *extra)))
+        loss, grads, d_rest, dxs, _ = train(stage_fn, _head_loss(eps, targets.size), blocks, rest, xs,
+                                            micro_batches(targets, m), sched, axis, unroll=unroll,
+                                            vary_axes=extra)  # fmt: skip
+        d_rest = jax.tree.map(jnp.add, d_rest, embed_vjp(dxs)[0])
+        out = (lax.psum(loss, axis), grads, lax.psum(d_rest, axis))
+        return lax.pmean(out, data_axis) if data_axis else out
 
     def grads(params, tokens, targets):
-        blocks, rest = _split(params)
+        out_specs = (P(), stage_spec(axis), P())
         mapped = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(stage_spec(axis), P(), P(), P()),
-            out_specs=(P(), stage_spec(axis), P()),
+            body, mesh=mesh, in_specs=_specs(axis, data_axis), out_specs=out_specs
         )
-        loss, g_blocks, g_rest = mapped(blocks, rest, tokens, targets)
+        loss, g_blocks, g_rest = mapped(*_split(params), tokens, targets)
         return loss, {**g_rest, "blocks": g_blocks}
 
     return grads
