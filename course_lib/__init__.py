@@ -23,6 +23,11 @@ Modules (import them explicitly; importing ``course_lib`` starts no JAX backend 
 - ``diagrams``    — pictures of parallel programs drawn from the run's own devices, meshes and shapes
 - ``lab``         — one measured run per strategy, the scaling sweep
 - ``distributed`` — multi-process JAX: processes, each process's rows, one global mesh
+- ``schedules``   — pipeline schedules as tables of ticks × stages (GPipe, 1F1B, circular), their bubble and stash
+- ``pipeline``    — pipeline parallelism in ``shard_map``: stages as layer slices, the executors that run a table
+- ``pipeline_measure`` — a pipeline's bubble in compiled FLOPs and in time, its stash in memory, its sends
+- ``pipeline_diagrams`` — pictures of schedules (from the run), layers on stages, the stash, experts' load
+- ``moe``         — a mixture-of-experts MLP (top-k routing, capacity) and expert parallelism with ``all_to_all``
 
 The course toolkit that runs the notebooks (papermill runs, results files, the site, the student version,
 the process launcher, the exercise checkers) is the separate package ``course_tools``.

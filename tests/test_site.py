@@ -47,7 +47,7 @@ LESSON = {
 }
 
 
-def test_course_map_lists_the_ten_notebooks_with_official_jax_pages():
+def test_course_map_lists_every_notebook_with_official_jax_pages():
     lessons = site.course_map()
     assert [lesson["stem"] for lesson in lessons] == book_browser.LESSONS
     assert (

@@ -1,0 +1,192 @@
+"""Pictures of pipelines and experts, drawn from the run: schedules (ticks × stages), the layers each
+device holds, the stash over time, the experts' load against their capacity, what dropping costs.
+
+Each function takes an optional ``ax``, returns the Figure, never calls ``plt.show()`` and changes no global
+style. A schedule's cells are coloured by micro-batch (pale: forward F, dark: backward B; a cell that runs
+both lanes at once is split, F above B); grey cells are the bubble: the stage computes there too, and
+its result is thrown away. Used by ``notebooks/11_pipeline_experts.ipynb``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib as mpl
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import Rectangle
+from matplotlib.ticker import MaxNLocator
+
+from .schedules import Schedule, bubble_fraction
+
+__all__ = ["trace_arrays", "schedule", "layers", "in_flight", "expert_load", "drops"]
+
+_IDLE = "#e6e6e6"
+
+
+def _color(mb: int, dark: bool) -> tuple:
+    base = mpl.colors.to_rgb(mpl.color_sequences["petroff10"][int(mb) % 10])
+    if dark:
+        return tuple(0.75 * c for c in base)
+    return tuple(0.45 * c + 0.55 for c in base)
+
+
+def trace_arrays(trace: np.ndarray) -> dict[str, np.ndarray]:
+    """The run's trace, int [T, 4, p] (F micro-batch, F chunk, B micro-batch, B chunk per device, as
+    :func:`course_lib.pipeline_measure.build_train` returns it) or [T, 2, p] (F only), as the four
+    [T, p] arrays :func:`schedule` draws."""
+    trace = np.asarray(trace)
+    if trace.ndim != 3 or trace.shape[1] not in (2, 4):
+        raise ValueError(f"trace of shape {trace.shape}; expected [T, 4, p] or [T, 2, p]")
+    out = {"f_mb": trace[:, 0], "f_chunk": trace[:, 1]}
+    if trace.shape[1] == 4:
+        out.update(b_mb=trace[:, 2], b_chunk=trace[:, 3])
+    else:
+        out.update(b_mb=np.full_like(trace[:, 0], -1), b_chunk=np.zeros_like(trace[:, 0]))
+    return out
+
+
+def _cell(ax, t, s, lane_mb, lane_c, dark, y0, h, chunks):
+    mb = int(lane_mb[t, s])
+    if mb < 0:
+        return False
+    ax.add_patch(Rectangle((t, y0), 1, h, fc=_color(mb, dark), ec="white", lw=0.6))
+    label = f"{mb}" if chunks == 1 else f"{mb}.{int(lane_c[t, s])}"
+    size = 7 if h > 0.6 else 5.5
+    ax.text(t + 0.5, y0 + h / 2, label, ha="center", va="center", fontsize=size,
+            color="white" if dark else "black")  # fmt: skip
+    return True
+
+
+def schedule(
+    sched: Schedule | dict, ax=None, title: str | None = None, n_chunks: int | None = None
+):
+    """Draw a schedule: ticks left to right, stage 0 on top.
+
+    Args:
+      sched: a :class:`~course_lib.schedules.Schedule` (its table) or the dict :func:`trace_arrays` makes
+        from a run (what each device really ran).
+      title: default: the schedule's name, ticks and bubble.
+      n_chunks: label cells ``mb.chunk`` when > 1 (default: the schedule's).
+    """
+    arrays = (
+        sched
+        if isinstance(sched, dict)
+        else {k: getattr(sched, k) for k in ("f_mb", "f_chunk", "b_mb", "b_chunk")}
+    )
+    f_mb, b_mb = np.asarray(arrays["f_mb"]), np.asarray(arrays["b_mb"])
+    ticks, p = f_mb.shape
+    chunks = n_chunks or (
+        sched.n_chunks if isinstance(sched, Schedule) else int(arrays["f_chunk"].max()) + 1
+    )
+    if ax is None:
+        ax = plt.subplots(figsize=(min(14, max(6, 0.3 * ticks + 1.5)), 0.42 * p + 1.0))[1]
+    for s in range(p):
+        row = p - 1 - s
+        both = (f_mb[:, s] >= 0) & (b_mb[:, s] >= 0)
+        for t in range(ticks):
+            if both[t]:
+                _cell(ax, t, s, f_mb, arrays["f_chunk"], False, row + 0.5, 0.5, chunks)
+                _cell(ax, t, s, b_mb, arrays["b_chunk"], True, row, 0.5, chunks)
+            elif not (_cell(ax, t, s, f_mb, arrays["f_chunk"], False, row, 1, chunks)
+                      or _cell(ax, t, s, b_mb, arrays["b_chunk"], True, row, 1, chunks)):  # fmt: skip
+                ax.add_patch(Rectangle((t, row), 1, 1, fc=_IDLE, ec="white", lw=0.6))
+    ax.set_xlim(0, ticks)
+    ax.set_ylim(0, p)
+    ax.set_yticks(np.arange(p) + 0.5, [f"stage {p - 1 - r}" for r in range(p)], fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    cell = "micro-batch" + (".chunk" if chunks > 1 else "")
+    ax.set_xlabel(f"tick   (pale: F, dark: B, grey: bubble; a cell's label: {cell})", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    if title is None and isinstance(sched, Schedule):
+        title = f"{sched.name}: p={p}, m={sched.n_micro}" + (
+            f", v={sched.n_chunks}" if sched.n_chunks > 1 else ""
+        )
+        title += f" — {ticks} ticks, bubble {bubble_fraction(sched):.1%} (F cost 1, B cost 2)"
+    ax.set_title(title or "", fontsize=9, loc="left")
+    return ax.figure
+
+
+def layers(n_layers: int, n_stages: int, n_chunks: int = 1, ax=None):
+    """Which stage holds which layer: contiguous slices (``n_chunks = 1``) or interleaved chunks (virtual
+    stage ``c·p + s`` on device ``s``), as :func:`course_lib.pipeline.chunked` lays them out."""
+    if n_layers % (n_stages * n_chunks):
+        raise ValueError(
+            f"{n_layers} layers do not split into {n_stages} stages × {n_chunks} chunks"
+        )
+    k = n_layers // (n_stages * n_chunks)
+    ax = plt.subplots(figsize=(max(5, 0.45 * n_layers), 1.1))[1] if ax is None else ax
+    for layer in range(n_layers):
+        virtual = layer // k
+        s, c = virtual % n_stages, virtual // n_stages
+        color = mpl.color_sequences["petroff10"][s % 10]
+        ax.add_patch(Rectangle((layer, 0), 1, 1, fc=color, ec="white", lw=1))
+        ax.text(layer + 0.5, 0.5, f"{layer}" if n_chunks == 1 else f"{layer}\nc{c}", ha="center",
+                va="center", fontsize=7, color="white")  # fmt: skip
+    ax.set_xlim(0, n_layers)
+    ax.set_ylim(0, 1)
+    ax.set_axis_off()
+    handles = [
+        Rectangle((0, 0), 1, 1, fc=mpl.color_sequences["petroff10"][s % 10])
+        for s in range(n_stages)
+    ]
+    ax.legend(handles, [f"stage {s}" for s in range(n_stages)], ncol=n_stages, fontsize=7,
+              loc="upper center", bbox_to_anchor=(0.5, 0), frameon=False)  # fmt: skip
+    ax.set_title(f"{n_layers} layers on {n_stages} stages" + (f", {n_chunks} chunks each" if n_chunks > 1 else ""),
+                 fontsize=9, loc="left")  # fmt: skip
+    return ax.figure
+
+
+def in_flight(scheds: Sequence[Schedule], stage: int = 0, ax=None):
+    """Micro-batch inputs held by one stage at each tick (F done, B not yet), one line per schedule."""
+    ax = plt.subplots(figsize=(6, 2.6))[1] if ax is None else ax
+    for sched in scheds:
+        held = np.cumsum(sched.f_mb[:, stage] >= 0) - np.concatenate(
+            [[0], np.cumsum(sched.b_mb[:, stage] >= 0)[:-1]]
+        )
+        label = sched.name + (f" v={sched.n_chunks}" if sched.n_chunks > 1 else "")
+        ax.step(np.arange(sched.ticks), held, where="post", label=f"{label} (peak {held.max()})")
+    ax.set_xlabel("tick")
+    ax.set_ylabel(f"inputs held, stage {stage}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax.figure
+
+
+def expert_load(load: np.ndarray, cap: int, ax=None, title: str | None = None):
+    """Token choices each expert received in one group, against its capacity: the part above the
+    capacity line is dropped. ``load``: int [E]."""
+    load = np.asarray(load)
+    ax = plt.subplots(figsize=(max(4, 0.5 * len(load) + 1), 2.6))[1] if ax is None else ax
+    x = np.arange(len(load))
+    kept = np.minimum(load, cap)
+    ax.bar(x, kept, color=mpl.color_sequences["petroff10"][0], label="computed")
+    over = load > kept  # only the experts that dropped choices get a hatched part
+    ax.bar(x[over], (load - kept)[over], bottom=kept[over], color="white", edgecolor="#c0392b",
+           hatch="///", label="dropped")  # fmt: skip
+    ax.axhline(cap, color="#333333", lw=1, ls="--", label=f"capacity {cap}")
+    ax.set_xticks(x, [f"e{e}" for e in x], fontsize=7)
+    ax.set_ylabel("token choices")
+    ax.legend(fontsize=7)
+    ax.set_title(
+        title or f"{int((load - kept).sum())} of {int(load.sum())} choices dropped",
+        fontsize=9,
+        loc="left",
+    )
+    return ax.figure
+
+
+def drops(factors: Sequence[float], dropped: Sequence[float], error: Sequence[float], ax=None):
+    """The fraction of token choices dropped and the output's relative error, against the capacity factor."""
+    ax = plt.subplots(figsize=(5, 2.8))[1] if ax is None else ax
+    ax.plot(factors, dropped, "o-", label="choices dropped")
+    ax.plot(factors, error, "s--", label="output error (relative)")
+    ax.set_xlabel("capacity factor")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax.figure

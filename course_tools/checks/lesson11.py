@@ -1,0 +1,355 @@
+"""Checkers for ``11_pipeline_experts.ipynb``: a GPipe forward pipeline built from ``ppermute`` (a project),
+the bubble and stash of schedules predicted before they are read from the tables, and a router whose
+silent bug only shows when experts fill up.
+
+None of them holds an answer: the pipeline is compared with applying the stages in order on one device
+(values and gradients, under ``shard_map`` on the devices present) and its ticks and sends are read from its
+jaxpr on a 4-stage mesh traced without devices; the predictions are compared with the tables of
+:mod:`course_lib.schedules`; the router with :func:`course_lib.moe.route` on capacities that drop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from course_lib import moe, schedules
+from course_lib.meshes import STAGE, mesh_of
+from course_lib.pipeline_measure import residual_stage
+from course_lib.programs import jaxpr_equations
+
+from ._common import call_answer, checker, fail, passed
+from ._spmd import abstract, run_mapped
+
+__all__ = ["check_gpipe", "check_predict_pipeline", "check_router"]
+
+# ---- exercise 1 (project): GPipe ------------------------------------------------------------------------
+
+_D, _ROWS, _K = 8, 3, 2  # width, rows per micro-batch, layers per stage
+_VALUE_CASES = (
+    (4, 8),
+    (2, 5),
+    (3, 2),
+    (1, 4),
+)  # (p, m); those with p <= the devices present are run
+_SHAPE_CASE = (4, 8)  # traced on an abstract mesh (no devices needed): ticks and sends
+
+
+def _jit(fn):
+    """``jax.jit`` for a program run once or twice: on CPU without LLVM's optimisations (half the compile)."""
+    cpu = jax.default_backend() == "cpu"
+    return jax.jit(fn, compiler_options={"xla_backend_optimization_level": 0} if cpu else None)
+
+
+def _ref(stage, w_all, xs):
+    """Every micro-batch through all layers in order, on one device: [m, rows, D]."""
+    return jax.vmap(lambda x: stage(x, {"w": w_all}))(xs)
+
+
+def _mapped(fn, mesh, stage):
+    def body(w, xs):
+        return fn(stage, {"w": w}, xs, STAGE)[None]  # [1, m, rows, D] per stage
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(STAGE), P()), out_specs=P(STAGE))
+
+
+def _row_map(got, want) -> list[int | None]:
+    """For each row of ``got``, the row of ``want`` it equals (None: none)."""
+    out = []
+    for g in got:
+        hits = [j for j, w in enumerate(want) if np.allclose(g, w, rtol=1e-4, atol=1e-5)]
+        out.append(hits[0] if hits else None)
+    return out
+
+
+def _diagnose_values(got, want, xs, stage, w_last, p, m):
+    rows = _row_map(got, want)
+    if rows == list(range(m)):
+        return
+    own = np.asarray(_jit(jax.vmap(lambda x: stage(x, {"w": w_last})))(xs))
+    if p > 1 and np.allclose(got, own, rtol=1e-4, atol=1e-5):
+        fail(
+            f"with p={p} stages the last stage returns its own layers applied to the inputs",
+            "each stage must work on what the previous stage sent it: lax.ppermute(y, axis_name, "
+            "[(i, i + 1) ...]) after each tick, and stage 0 alone reads xs",
+        )
+    found = [(i, j) for i, j in enumerate(rows) if j is not None]
+    if len(found) >= max(1, m - 1) and any(i != j for i, j in found):
+        shift = {j - i for i, j in found}
+        hint = (
+            "the last stage finishes micro-batch i at tick i + p - 1: write its output to row i then"
+            if len(shift) == 1
+            else "keep micro-batch i's output in row i"
+        )
+        fail(
+            f"with p={p}, m={m} the outputs are in the wrong rows: row i holds micro-batch "
+            f"{[j for _, j in found]} (by row)",
+            hint,
+        )
+    fail(
+        f"with p={p} stages and m={m} micro-batches the outputs differ from applying the stages in "
+        f"order by up to {np.abs(got - want).max():.3g}",
+        "at tick t stage 0 runs micro-batch t and stage s runs what stage s-1 sent at tick t-1; "
+        "send with ppermute to the next stage (s -> s + 1)",
+    )
+
+
+def _values(fn, devices, rng):
+    stage = residual_stage()
+    ran = []
+    for p, m in [c for c in _VALUE_CASES if c[0] <= len(devices)][:3]:
+        w = jnp.asarray(rng.standard_normal((p * _K, _D, _D)) / np.sqrt(_D), jnp.float32)
+        xs = jnp.asarray(rng.standard_normal((m, _ROWS, _D)), jnp.float32)
+        body = _mapped(fn, mesh_of({STAGE: p}, devices[:p], axis_type="auto"), stage)
+        mapped = _jit(body)
+        hint = "return ys [m, …] on every stage (the checker reads the last stage's)"
+        got = run_mapped(f"gpipe_forward with p={p}, m={m}", mapped, w, xs, varies_hint=hint)
+        if got.shape != (p, m, _ROWS, _D):
+            fail(
+                f"with p={p}, m={m} each stage returned shape {got.shape[1:]}",
+                f"return ys of the shape of xs, {(m, _ROWS, _D)}: micro-batch i's output in row i",
+            )
+        want = _jit(partial(_ref, stage))(w, xs)
+        _diagnose_values(np.asarray(got[-1]), np.asarray(want), xs, stage, w[-_K:], p, m)
+        ran.append((p, m))
+        if len(ran) > 1:
+            continue  # gradients: on the first case
+        r = jnp.asarray(rng.standard_normal(xs.shape), jnp.float32)
+        grads = _jit(jax.grad(lambda w, x, f=body, r=r: (f(w, x)[-1] * r).sum(), argnums=(0, 1)))(
+            w, xs
+        )
+        ref = _jit(jax.grad(lambda w, x, r=r: (_ref(stage, w, x) * r).sum(), argnums=(0, 1)))(w, xs)
+        if not all(
+            np.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(grads, ref, strict=True)
+        ):
+            fail(
+                f"with p={p}, m={m} the outputs are right but jax.grad through the pipeline is not",
+                "keep every step differentiable: no lax.stop_gradient, no integer casts of activations",
+            )
+    return ran
+
+
+def _structure(fn) -> tuple[float, float, float]:
+    """Stage applications and bytes sent per device, from the jaxpr on an abstract 4-stage mesh."""
+    p, m = _SHAPE_CASE
+    mapped = _mapped(fn, abstract((p,), (STAGE,)), residual_stage())
+    w = jax.ShapeDtypeStruct((p * _K, _D, _D), jnp.float32)
+    xs = jax.ShapeDtypeStruct((m, _ROWS, _D), jnp.float32)
+    hint = "return ys [m, …] on every stage"
+    jaxpr = run_mapped(
+        "gpipe_forward on a 4-stage mesh", jax.make_jaxpr(mapped), w, xs, varies_hint=hint
+    )
+    dots = sent = sends = 0.0
+    for eqn, times in jaxpr_equations(jaxpr):
+        name = eqn.primitive.name
+        if name == "while" and any(
+            e.primitive.name == "ppermute"
+            for sub in (eqn.params["body_jaxpr"],)
+            for e, _ in jaxpr_equations(sub)
+        ):
+            fail(
+                "a lax.while_loop sends with ppermute: its trip count is not in the program",
+                "loop over the ticks with a Python for loop, lax.fori_loop with Python-int bounds, or "
+                "lax.scan",
+            )
+        if name == "dot_general":
+            dots += times
+        if name == "ppermute":
+            sends += times
+            sent += times * sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.invars)
+    return dots / _K, sends, sent
+
+
+@checker
+def check_gpipe(gpipe_forward: Callable, devices: Sequence[Any]) -> bool:
+    """``gpipe_forward(stage_fn, stage_params, xs, axis_name)`` run on each stage of ``axis_name``:
+    stage ``s`` holds its layers, ``xs`` [m, …] holds every micro-batch; the last stage must return
+    ``ys`` [m, …] with micro-batch ``i`` through all stages in row ``i``, differentiably, in ``m + p - 1``
+    ticks of one stage application each, sending one activation per tick."""
+    ran = _values(gpipe_forward, list(devices), np.random.default_rng(11))
+    ticks, sends, sent = _structure(gpipe_forward)
+    p, m = _SHAPE_CASE
+    act = _ROWS * _D * 4
+    if sends == 0:
+        fail(
+            "on 4 stages the pipeline never calls lax.ppermute",
+            "after each tick, send each stage's output to the next stage with lax.ppermute",
+        )
+    if ticks == m * p:
+        fail(
+            f"on p={p} stages with m={m} micro-batches each stage applies its layers {m * p:.0f} times: "
+            "each micro-batch crosses every stage before the next one starts",
+            f"overlap them: at tick t stage 0 starts micro-batch t; {m + p - 1} ticks in all (m + p - 1)",
+        )
+    if ticks != m + p - 1:
+        fail(
+            f"on p={p} stages with m={m} micro-batches each stage applies its layers {ticks:.0f} times; "
+            f"GPipe needs m + p - 1 = {m + p - 1}",
+            "apply the stage once per tick: choose its input first (jnp.where on the stage index), "
+            "then run it",
+        )
+    if sent > (m + p - 1) * act:
+        fail(
+            f"on p={p} stages each device sends {sent / act:.0f} activations' worth per step; "
+            f"GPipe sends one activation per tick ({m + p - 1})",
+            "send only the stage's output of this tick, not a buffer of outputs",
+        )
+    where = f"on {len(devices)} device(s) at (p, m) = {ran}" if ran else "(no devices to run it on)"
+    return passed(
+        f"equals the stages applied in order (values and gradients) {where}; on a 4-stage mesh, "
+        f"{ticks:.0f} ticks for m = 8 (m + p - 1) and {sent / act:.0f} activations sent by ppermute"
+    )
+
+
+# ---- exercise 2: predict the bubble and the stash ----------------------------------------------------------
+
+_PREDICT_CASES = (
+    ("gpipe", 4, 8, 1),
+    ("gpipe", 2, 6, 1),
+    ("gpipe", 8, 4, 1),
+    ("gpipe", 1, 5, 1),
+    ("1f1b", 4, 8, 1),
+    ("1f1b", 4, 16, 1),
+    ("1f1b", 2, 3, 1),
+    ("1f1b", 8, 4, 1),
+    ("1f1b", 3, 10, 1),
+    ("circular", 4, 8, 2),
+    ("circular", 2, 6, 3),
+    ("circular", 4, 4, 4),
+)
+
+
+def _pair(got, what):
+    if isinstance(got, dict) and {"bubble", "stash"} <= set(got):
+        got = (got["bubble"], got["stash"])
+    try:
+        bubble, stash = got
+        return float(bubble), float(stash)
+    except (TypeError, ValueError):
+        fail(f"{what} returned {got!r}", "return (bubble fraction, stash) — e.g. (0.25, 6)")
+
+
+@checker
+def check_predict_pipeline(predict: Callable) -> bool:
+    """``predict(name, p, m, v) -> (bubble, stash)`` for schedules ``"gpipe"``, ``"1f1b"``, ``"circular"``
+    (``v`` chunks; 1 for the others): the bubble fraction (F cost 1, B cost 2) and the most micro-batch
+    inputs one stage holds at once, compared with the tables on hidden cases; says how many are wrong."""
+    wrong = 0
+    for name, p, m, v in _PREDICT_CASES:
+        bubble, stash = _pair(
+            call_answer(f"predict({name!r}, {p}, {m}, {v})", predict, name, p, m, v), "predict"
+        )
+        sched = schedules.make(name, p, m, v)
+        truth = (schedules.bubble_fraction(sched), int(sched.in_flight().max()))
+        wrong += not (abs(bubble - truth[0]) < 1e-3 and stash == truth[1])
+    if wrong:
+        fail(
+            f"{wrong} of {len(_PREDICT_CASES)} cases are wrong (bubble or stash)",
+            "draw the table (schedules.make(...), pipeline_diagrams.schedule) for a small case: the bubble "
+            "is the share of the ticks' work that is idle; the stash counts the inputs a stage holds "
+            "between a micro-batch's F and its B",
+        )
+    return passed(
+        f"bubble and stash right in all {len(_PREDICT_CASES)} cases (GPipe, 1F1B, circular)"
+    )
+
+
+# ---- exercise 3: the router --------------------------------------------------------------------------------
+
+_ROUTER_CASES = ((64, 8, 2, 0.5), (64, 8, 2, 1.0), (64, 8, 2, 4.0), (64, 8, 1, 0.75))
+"""(tokens, experts, k, capacity factor): one shape per k, so each operation compiles once per k."""
+
+
+def _routing(got, what) -> moe.Routing:
+    try:
+        return moe.Routing(*(jnp.asarray(a) for a in got))
+    except TypeError:
+        fail(
+            f"{what} returned {type(got).__name__}",
+            "return (expert, slot, keep, gate), each [N, k]",
+        )
+
+
+def _router_hint(r, ref, logits, k, cap) -> tuple[str, str]:
+    if not np.array_equal(r.expert, ref.expert):
+        return (
+            "chooses other experts",
+            "take the k largest router probabilities, largest first (lax.top_k)",
+        )
+    if not np.allclose(r.gate, ref.gate, rtol=1e-5, atol=1e-6):
+        raw = lax.top_k(jax.nn.softmax(logits, axis=-1), k)[0]
+        if np.allclose(r.gate, raw, rtol=1e-5):
+            return (
+                "gives gates that do not sum to 1",
+                "renormalise the k probabilities over the k choices",
+            )
+        return (
+            "gives other gates",
+            "the gates are the chosen experts' probabilities, renormalised over the k",
+        )
+    if np.array_equal(r.slot, ref.slot + 1):
+        return (
+            "gives every expert's first token place 1, so a full expert keeps capacity - 1 tokens",
+            "count only the entries before this one (an exclusive count): the first token gets "
+            "place 0",
+        )
+    if not np.array_equal(r.slot, ref.slot):
+        return (
+            "places the choices in another order",
+            "every token's first choice before any second choice; within a choice, tokens in order",
+        )
+    if np.array_equal(r.keep, r.slot <= cap):
+        return (
+            "keeps a choice whose place equals the capacity",
+            f"places are 0 … capacity-1 = {cap - 1}",
+        )
+    return "keeps other choices", "keep a choice when its place is below the capacity"
+
+
+@checker
+def check_router(route: Callable) -> bool:
+    """``route(logits [N, E], k, capacity) -> (expert, slot, keep, gate)`` as :func:`course_lib.moe.route`,
+    on capacities that drop choices and ones that drop none."""
+    rng = np.random.default_rng(23)
+    for n, e, k, cf in _ROUTER_CASES:
+        logits = jnp.asarray(rng.standard_normal((n, e)), jnp.float32)
+        cap = moe.capacity(n, e, k, cf)
+        what = f"route(logits [{n}, {e}], k={k}, capacity={cap})"
+        r = _routing(call_answer(what, route, logits, k, cap), what)
+        ref = moe.route(logits, k, cap)
+        if any(a.shape != b.shape for a, b in zip(r, ref, strict=True)):
+            fail(
+                f"{what} returned shapes {[tuple(a.shape) for a in r]}",
+                f"each is [N, k] = [{n}, {k}]",
+            )
+        same = (
+            np.array_equal(r.expert, ref.expert)
+            and np.array_equal(r.keep, ref.keep)
+            and np.array_equal(np.where(ref.keep, r.slot, 0), np.where(ref.keep, ref.slot, 0))
+            and np.allclose(r.gate, ref.gate, rtol=1e-5, atol=1e-6)
+        )
+        if not same:
+            dropped = int((~np.asarray(ref.keep)).sum())
+            problem, hint = _router_hint(r, ref, logits, k, cap)
+            fail(f"{what} {problem} ({dropped} of {n * k} choices should be dropped)", hint)
+    return passed(
+        f"routes as the reference on {len(_ROUTER_CASES)} cases, with and without dropped choices"
+    )
+
+
+def moe_output(
+    route: Callable, x: jax.Array, p: dict, *, k: int, capacity_factor: float
+) -> jax.Array:
+    """The MoE MLP on one device with ``route`` as its router (the notebook runs the given router with it)."""
+    flat = x.reshape(-1, x.shape[-1])
+    e = p["router"]["kernel"].shape[1]
+    cap = moe.capacity(flat.shape[0], e, k, capacity_factor)
+    r = moe.Routing(*route(flat @ p["router"]["kernel"], k, cap))
+    return moe.combine(moe.experts(p, moe.dispatch(flat, r, e, cap)), r).reshape(x.shape)

@@ -1,0 +1,233 @@
+"""Answers to the exercises of lesson 11, right and wrong, for tests/test_checks_lesson11.py."""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from course_lib import moe
+
+# ---- exercise 1: GPipe ------------------------------------------------------------------------------------
+
+
+def gpipe_forward(stage_fn, stage_params, xs, axis_name):
+    """The reference (the notebook's solution): a Python loop over the m + p - 1 ticks."""
+    p = lax.axis_size(axis_name)
+    s = lax.axis_index(axis_name)
+    m = xs.shape[0]
+    to_next = [(i, i + 1) for i in range(p - 1)]
+    arrived = jnp.zeros_like(xs[0])
+    ys = jnp.zeros_like(xs)
+    for t in range(m + p - 1):
+        x = jnp.where(s == 0, xs[min(t, m - 1)], arrived)
+        y = stage_fn(x, stage_params)
+        i = t - (p - 1)
+        if i >= 0:
+            ys = ys.at[i].set(jnp.where(s == p - 1, y, ys[i]))
+        arrived = lax.ppermute(y, axis_name, to_next)
+    return ys
+
+
+def gpipe_scan(stage_fn, stage_params, xs, axis_name):
+    """Another correct form: lax.scan over the ticks, a zero micro-batch padded for the drain."""
+    p = lax.axis_size(axis_name)
+    s = lax.axis_index(axis_name)
+    feed = jnp.concatenate([xs, jnp.zeros((p - 1, *xs.shape[1:]), xs.dtype)])
+
+    def tick(arrived, x_new):
+        y = stage_fn(jnp.where(s == 0, x_new, arrived), stage_params)
+        return lax.ppermute(y, axis_name, [(i, (i + 1) % p) for i in range(p)]), y
+
+    start = lax.pcast(jnp.zeros_like(xs[0]), axis_name, to="varying")
+    _, outs = lax.scan(tick, start, feed)
+    return outs[p - 1 :]  # the last stage's outputs from tick p - 1 on (the others return junk)
+
+
+def gpipe_no_send(stage_fn, stage_params, xs, axis_name):
+    """Wrong: each stage applies its layers to the inputs themselves."""
+    return jax.vmap(lambda x: stage_fn(x, stage_params))(xs)
+
+
+def gpipe_reversed(stage_fn, stage_params, xs, axis_name):
+    """Wrong: the outputs are written in the opposite order."""
+    return gpipe_forward(stage_fn, stage_params, xs, axis_name)[::-1]
+
+
+def gpipe_late_read(stage_fn, stage_params, xs, axis_name):
+    """Wrong: the last stage writes micro-batch t - p at tick t (one tick late)."""
+    p = lax.axis_size(axis_name)
+    s = lax.axis_index(axis_name)
+    m = xs.shape[0]
+    arrived = jnp.zeros_like(xs[0])
+    ys = jnp.zeros_like(xs)
+    for t in range(m + p - 1):
+        y = stage_fn(jnp.where(s == 0, xs[min(t, m - 1)], arrived), stage_params)
+        i = t - p
+        if 0 <= i < m:
+            ys = ys.at[i].set(jnp.where(s == p - 1, y, ys[i]))
+        arrived = lax.ppermute(y, axis_name, [(j, j + 1) for j in range(p - 1)])
+    return ys
+
+
+def gpipe_sequential(stage_fn, stage_params, xs, axis_name):
+    """Right values, no overlap: each micro-batch goes through all p stages before the next enters."""
+    p = lax.axis_size(axis_name)
+    s = lax.axis_index(axis_name)
+    ys = jnp.zeros_like(xs)
+    for i in range(xs.shape[0]):
+        h = xs[i]
+        for _ in range(p):
+            y = stage_fn(h, stage_params)
+            h = jnp.where(
+                s == 0, xs[i], lax.ppermute(y, axis_name, [(j, j + 1) for j in range(p - 1)])
+            )
+        ys = ys.at[i].set(y)
+    return ys
+
+
+def gpipe_twice(stage_fn, stage_params, xs, axis_name):
+    """Right values, double work: the stage runs on the new input and on what arrived, then chooses."""
+    p = lax.axis_size(axis_name)
+    s = lax.axis_index(axis_name)
+    m = xs.shape[0]
+    arrived = jnp.zeros_like(xs[0])
+    ys = jnp.zeros_like(xs)
+    for t in range(m + p - 1):
+        y = jnp.where(
+            s == 0, stage_fn(xs[min(t, m - 1)], stage_params), stage_fn(arrived, stage_params)
+        )
+        if t >= p - 1:
+            ys = ys.at[t - p + 1].set(y)
+        arrived = lax.ppermute(y, axis_name, [(j, j + 1) for j in range(p - 1)])
+    return ys
+
+
+def gpipe_send_buffer(stage_fn, stage_params, xs, axis_name):
+    """Right values, too many bytes: every tick also passes the whole buffer of outputs along."""
+    p = lax.axis_size(axis_name)
+    s = lax.axis_index(axis_name)
+    m = xs.shape[0]
+    to_next = [(i, i + 1) for i in range(p - 1)]
+    arrived = jnp.zeros_like(xs[0])
+    ys = jnp.zeros_like(xs)
+    for t in range(m + p - 1):
+        y = stage_fn(jnp.where(s == 0, xs[min(t, m - 1)], arrived), stage_params)
+        if t >= p - 1:
+            ys = ys.at[t - p + 1].set(jnp.where(s == p - 1, y, ys[t - p + 1]))
+        arrived = lax.ppermute(y, axis_name, to_next)
+        ys = jnp.where(s == p - 1, ys, lax.ppermute(ys, axis_name, to_next))
+    return ys
+
+
+def gpipe_backwards(stage_fn, stage_params, xs, axis_name):
+    """Wrong: activations are sent to the previous stage."""
+    p = lax.axis_size(axis_name)
+    s = lax.axis_index(axis_name)
+    m = xs.shape[0]
+    arrived = jnp.zeros_like(xs[0])
+    ys = jnp.zeros_like(xs)
+    for t in range(m + p - 1):
+        y = stage_fn(jnp.where(s == 0, xs[min(t, m - 1)], arrived), stage_params)
+        if t >= p - 1:
+            ys = ys.at[t - p + 1].set(y)
+        arrived = lax.ppermute(y, axis_name, [(j + 1, j) for j in range(p - 1)])
+    return ys
+
+
+# ---- exercise 2: predict the bubble and the stash ---------------------------------------------------------
+
+
+def predict(name, p, m, v):
+    if name == "gpipe":
+        return (p - 1) / (m + p - 1), m
+    if name == "1f1b":
+        return (p - 1) / (m + p - 1), min(m, 2 * p - 1)
+    return (p - 1) / (v * m + p - 1), v * m
+
+
+def predict_dict(name, p, m, v):
+    bubble, stash = predict(name, p, m, v)
+    return {"bubble": bubble, "stash": stash}
+
+
+def predict_classic_1f1b(name, p, m, v):
+    """Wrong for this executor: the asynchronous 1F1B's p in flight."""
+    bubble, stash = predict(name, p, m, v)
+    return bubble, min(m, p) if name == "1f1b" else stash
+
+
+def predict_circular_like_gpipe(name, p, m, v):
+    """Wrong: every schedule is GPipe (1F1B's stash and interleaving change nothing)."""
+    return predict("gpipe", p, m, 1)
+
+
+def predict_bubble_over_m(name, p, m, v):
+    """Wrong: (p-1)/m, the bubble against the useful time."""
+    _, stash = predict(name, p, m, v)
+    return (p - 1) / (v * m if name == "circular" else m), stash
+
+
+# ---- exercise 3: the router ---------------------------------------------------------------------------------
+
+
+def route(logits, k, capacity):
+    """The reference: moe.route."""
+    return moe.route(logits, k, capacity)
+
+
+def route_tuple(logits, k, capacity):
+    """Another correct form: a plain tuple, slots from a running count per expert with lax.scan."""
+    n, e = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1)
+    gate, expert = lax.top_k(probs, k)
+    gate = gate / gate.sum(-1, keepdims=True)
+
+    def place(counts, choice):  # choice: [N] experts of one choice rank, tokens in order
+        def one(c, ex):
+            return c.at[ex].add(1), c[ex]
+
+        counts, slots = lax.scan(one, counts, choice)
+        return counts, slots
+
+    _, slots = lax.scan(place, jnp.zeros(e, jnp.int32), expert.T)
+    slot = slots.T
+    return expert, slot, slot < capacity, gate
+
+
+def route_given(logits, k, capacity):
+    """The notebook's silent bug: an inclusive cumulative count, so places start at 1."""
+    n, e = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1)
+    gate, expert = lax.top_k(probs, k)
+    gate = gate / gate.sum(-1, keepdims=True)
+    chosen = jax.nn.one_hot(expert, e, dtype=jnp.int32).transpose(1, 0, 2).reshape(k * n, e)
+    slot = (jnp.cumsum(chosen, axis=0) * chosen).sum(-1).reshape(k, n).T
+    return moe.Routing(expert, slot, slot < capacity, gate)
+
+
+def route_token_major(logits, k, capacity):
+    """Wrong priority: a token's second choice before the next token's first choice."""
+    n, e = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1)
+    gate, expert = lax.top_k(probs, k)
+    gate = gate / gate.sum(-1, keepdims=True)
+    chosen = jax.nn.one_hot(expert, e, dtype=jnp.int32).reshape(n * k, e)
+    slot = ((jnp.cumsum(chosen, axis=0) - chosen) * chosen).sum(-1).reshape(n, k)
+    return moe.Routing(expert, slot, slot < capacity, gate)
+
+
+def route_raw_gates(logits, k, capacity):
+    """Wrong: the gates are the router probabilities, not renormalised over the k choices."""
+    r = moe.route(logits, k, capacity)
+    gate, _ = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    return r._replace(gate=gate)
+
+
+def route_keep_le(logits, k, capacity):
+    """Wrong: a slot equal to the capacity is kept."""
+    r = moe.route(logits, k, capacity)
+    return r._replace(keep=r.slot <= capacity)
+
+
+def route_softmax_tokens(logits, k, capacity):
+    """Wrong: the softmax over the tokens instead of the experts."""
+    return moe.route(jnp.log(jax.nn.softmax(logits, axis=0)), k, capacity)

@@ -1,0 +1,55 @@
+"""Pictures of schedules, layers, the stash and the experts' load: drawn, with the right cells."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from course_lib import pipeline_diagrams as PD  # noqa: E402
+from course_lib import schedules as S  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "sched", [S.gpipe(4, 8), S.one_f_one_b(4, 8), S.circular(2, 4, 2)], ids=lambda s: s.name
+)
+def test_schedule_draws_every_cell(sched):
+    fig = PD.schedule(sched)
+    ax = fig.axes[0]
+    busy = (sched.f_mb >= 0) | (sched.b_mb >= 0)
+    both = (sched.f_mb >= 0) & (sched.b_mb >= 0)
+    # one patch per cell, two where a stage runs both lanes at once
+    assert len(ax.patches) == busy.size + both.sum()
+    assert len(ax.texts) == (sched.f_mb >= 0).sum() + (sched.b_mb >= 0).sum()
+    assert sched.name in ax.get_title(loc="left") and "bubble" in ax.get_title(loc="left")
+    plt.close(fig)
+
+
+def test_schedule_from_a_trace_matches_the_table():
+    sched = S.one_f_one_b(2, 3)
+    trace = np.stack([sched.f_mb, sched.f_chunk, sched.b_mb, sched.b_chunk], axis=1)  # [T, 4, p]
+    arrays = PD.trace_arrays(trace)
+    np.testing.assert_array_equal(arrays["b_mb"], sched.b_mb)
+    fig = PD.schedule(arrays, title="from the run")
+    assert fig.axes[0].get_title(loc="left") == "from the run"
+    forward_only = PD.trace_arrays(trace[:, :2])
+    assert (forward_only["b_mb"] == -1).all()
+    with pytest.raises(ValueError, match="expected"):
+        PD.trace_arrays(np.zeros((3, 3)))
+    plt.close("all")
+
+
+def test_layers_in_flight_expert_load_and_drops():
+    fig = PD.layers(8, 4, 2)
+    assert len(fig.axes[0].patches) >= 8
+    with pytest.raises(ValueError, match="do not split"):
+        PD.layers(6, 4)
+    fig = PD.in_flight([S.gpipe(4, 8), S.one_f_one_b(4, 8)])
+    assert [line.get_label() for line in fig.axes[0].lines] == ["gpipe (peak 8)", "1f1b (peak 7)"]
+    fig = PD.expert_load(np.array([5, 1, 3, 7]), 4)
+    assert "4 of 16 choices dropped" in fig.axes[0].get_title(loc="left")
+    fig = PD.drops([0.5, 1.0, 2.0], [0.5, 0.1, 0.0], [0.6, 0.2, 0.0])
+    assert len(fig.axes[0].lines) == 2
+    plt.close("all")
