@@ -204,6 +204,7 @@ def _row(
         "temp_bytes_per_device": stats.temp_bytes,
         "param_bytes_per_device": parallel.bytes_per_device(state.params),
         "opt_state_bytes_per_device": parallel.bytes_per_device(state.opt_state),
+        "grad_bytes_per_device": grad_bytes_per_device(key, config.model, n, shape, precision),
         "activation_bytes_per_device": costs.residual_activation_bytes(
             entry.tp_layout, config.model, local_batch, shape[1], act_bytes
         ),
@@ -223,6 +224,38 @@ def _row(
         "collectives": stats.collectives_str(),
         **_metadata(report, devices),
     }
+
+
+def grad_bytes_per_device(
+    key: str, model_config: Any, n_devices: int, mesh_shape: tuple[int, int], precision: str
+) -> int:
+    """Bytes of the reduced gradients one device holds for the optimizer update, predicted from the
+    strategy's parameter layout (:data:`course_lib.strategies.REGISTRY`): the update reads the gradients
+    laid out as the parameters (float32 in ``bfloat16`` runs: the master weights' dtype). A and the
+    replicated layouts (B, D) hold all of them; C its model shard; E and E′ 1/n of each sharded leaf
+    (after the reduce-scatter). Before its reduction each device computes its whole local gradient (E too:
+    it differentiates the gathered parameters) — that lives among the temporaries.
+    """
+    entry = strategies_lib.info(key)
+    shapes = comms.param_shapes(model_config)
+    values = comms.local_param_count(shapes, _grad_specs(entry, shapes, n_devices, mesh_shape), {
+        "data": mesh_shape[0], "model": mesh_shape[1]
+    })  # fmt: skip
+    return values * (8 if precision == "float64" else 4)
+
+
+def _grad_specs(entry, shapes, n_devices, mesh_shape):
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+        shapes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    if entry.layout is None:
+        return jax.tree.map(lambda _: P(), abstract)
+    return entry.layout(abstract, n_devices, mesh_shape)
 
 
 def mesh_shape_of(strategy: Any) -> tuple[int, int]:
