@@ -246,10 +246,12 @@ class DeviceProfile:
     source: str
 
 
+_PEAK = {peak.name: peak for peak in PEAKS}
+
 DEVICE_PROFILES = {
-    "A100": DeviceProfile("A100 SXM4 80GB, NVLink 3", PEAKS[4], 2.039e12, 300e9,
+    "A100": DeviceProfile("A100 SXM4 80GB, NVLink 3", _PEAK["A100"], 2.039e12, 300e9,
                           "A100 datasheet: 2,039 GB/s HBM2e; NVLink 3: 600 GB/s (300 GB/s each way)"),
-    "H100": DeviceProfile("H100 SXM5 80GB, NVLink 4", PEAKS[0], 3.35e12, 450e9,
+    "H100": DeviceProfile("H100 SXM5 80GB, NVLink 4", _PEAK["H100 SXM"], 3.35e12, 450e9,
                           "H100 datasheet: 3.35 TB/s HBM3; NVLink 4: 900 GB/s (450 GB/s each way)"),
 }  # fmt: skip
 """The profiles the lab's step-time model is drawn for (the source article used 8 × A100 80 GB)."""

@@ -157,6 +157,41 @@ def run_strategy(
     )  # fmt: skip
 
 
+def lower_strategy(
+    key: str,
+    devices: Sequence[Any],
+    config: LabConfig,
+    *,
+    seed: int = 0,
+    precision: str = "float32",
+    global_batch: int | None = None,
+    mesh_shape: tuple[int, int] | None = None,
+) -> Any:
+    """Strategy ``key``'s step lowered for one batch (``jax.stages.Lowered``), nothing run: to read its
+    program (e.g. :func:`course_lib.xla_dump.compile_with_dump`) without training.
+
+    Args:
+      global_batch: images of that one batch (default ``config.global_batch``); the program's collectives
+        on the gradients do not depend on it.
+
+    Raises:
+      ValueError: as :func:`run_strategy`.
+    """
+    precision_lib.check(precision)
+    with precision_lib.enabled(precision):
+        start = init_run(config, seed)
+        params = precision_lib.cast_params(start.params, precision)
+        optimizer = make_optimizer(config.learning_rate)
+        strat = strategies_lib.build(
+            key, start.graphdef, params, optimizer, devices, mesh_shape, precision=precision
+        )
+        state = strat.place_state(
+            precision_lib.cast_params(init_state(params, optimizer), precision)
+        )
+        batch = strat.batches(start.dataset, start.data_key, 1, global_batch or config.global_batch)
+        return strat.lower(state, precision_lib.cast_batch(batch[0], precision))
+
+
 def _predicted(key, config, strat, mesh_shape, precision, report, devices) -> list | None:
     if (
         strategies_lib.info(key).mesh_kind != "single"

@@ -35,7 +35,7 @@ from . import programs
 __all__ = [
     "Dump",
     "TempValue",
-    "all_reduce_dtypes",
+    "collective_dtypes",
     "bytes_by_dtype",
     "compile_with_dump",
     "peak_temporaries",
@@ -180,18 +180,21 @@ def bytes_by_dtype(values: list[TempValue]) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def all_reduce_dtypes(hlo_text: str, group_size: int | None = None) -> list[str]:
-    """The element type of every array every all-reduce of ``hlo_text`` sums, in program order (a combined
-    all-reduce contributes one per array): ``["bf16", "bf16", …, "f32"]``.
+def collective_dtypes(
+    hlo_text: str, kinds: tuple[str, ...] = ("all-reduce",), group_size: int | None = None
+) -> list[str]:
+    """The element type of every array that the collectives of ``kinds`` in ``hlo_text`` move, in program
+    order (a combined collective contributes one per array): ``["bf16", "bf16", …, "f32"]``.
 
     Args:
       hlo_text: an HLO module (:attr:`Dump.after_spmd`, :attr:`Dump.after_optimizations`).
-      group_size: only the all-reduces over groups of this many devices (e.g. the ``data`` axis of a
+      kinds: HLO collectives to read (``"all-reduce"``, ``"reduce-scatter"``, …).
+      group_size: only the collectives over groups of this many devices (e.g. the ``data`` axis of a
         ``data × model`` mesh); None: all of them.
     """
     return [
         dtype
         for op in programs.collective_ops(hlo_text)
-        if op.op == "all-reduce" and (group_size is None or op.group_size == group_size)
+        if op.op in kinds and (group_size is None or op.group_size == group_size)
         for dtype, _ in programs.arrays(op.shape)
     ]

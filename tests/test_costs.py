@@ -92,3 +92,8 @@ def test_residual_activations_from_shapes():
     assert costs.residual_activation_bytes(None, cpu, 8, value_bytes=2) == 66_698 * 8 * 2
     with pytest.raises(ValueError, match="unknown layout 'ring'"):
         costs.residual_activation_bytes("ring", cpu, 8)
+
+
+def test_the_device_profiles_use_their_own_gpus_peaks():
+    assert costs.DEVICE_PROFILES["A100"].peak.name == "A100"
+    assert costs.DEVICE_PROFILES["H100"].peak.name == "H100 SXM"

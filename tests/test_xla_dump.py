@@ -47,14 +47,16 @@ def test_the_peak_temporaries_of_a_step_and_their_element_types(report):
 
 def test_the_partitioner_asks_for_bfloat16_gradient_all_reduces_in_sharded_jit(report):
     _, d = xla_dump.compile_with_dump(_lowered("sharded_jit", report.devices, precision="bfloat16"))
-    after = xla_dump.all_reduce_dtypes(d.after_spmd)
+    after = xla_dump.collective_dtypes(d.after_spmd)
     assert after.count("bf16") == 10 and after.count("f32") == 1  # 10 gradient leaves; the loss
-    assert set(xla_dump.all_reduce_dtypes(d.after_optimizations)) == {
-        "f32"
-    }  # XLA:CPU promoted them
+    promoted = xla_dump.collective_dtypes(d.after_optimizations)
+    assert set(promoted) == {"f32"}  # XLA:CPU's AllReducePromotion sums them in float32
     _, c = xla_dump.compile_with_dump(_lowered("shard_map", report.devices, precision="bfloat16"))
-    grads = xla_dump.all_reduce_dtypes(c.after_spmd, group_size=4)  # over data (data=4 x model=2)
+    grads = xla_dump.collective_dtypes(c.after_spmd, group_size=4)  # over data (data=4 x model=2)
     assert grads and set(grads) == {"f32"}
+    _, e = xla_dump.compile_with_dump(_lowered("fsdp", report.devices, precision="bfloat16"))
+    kinds = ("all-reduce", "reduce-scatter")
+    assert set(xla_dump.collective_dtypes(e.after_spmd, kinds)) == {"f32"}
 
 
 def test_a_dump_without_buffer_assignment_is_refused(monkeypatch):
