@@ -38,6 +38,7 @@ __all__ = [
     "collective_dtypes",
     "bytes_by_dtype",
     "compile_with_dump",
+    "occupied_bytes",
     "peak_temporaries",
 ]
 
@@ -119,6 +120,7 @@ class TempValue:
       shape: its dimensions.
       size: bytes.
       start, end: its live range, as positions in the program order (inclusive).
+      offset: where it sits in the slab, bytes from its start.
     """
 
     name: str
@@ -127,10 +129,12 @@ class TempValue:
     size: int
     start: int
     end: int
+    offset: int = 0
 
 
 _VALUE = re.compile(
-    r"^ value: <\d+ (?P<name>\S+?)(?P<index>\{[\d,]*\})? @\d+> \(size=(?P<size>\d+),"
+    r"^ value: <\d+ (?P<name>\S+?)(?P<index>\{[\d,]*\})? @\d+> "
+    r"\(size=(?P<size>\d+),offset=(?P<offset>\d+)\)"
 )
 _RANGE = re.compile(r"^\s+(?P<name>\S+?\{[\d,]*\}):(?P<start>\d+)-(?P<end>\d+)$", re.MULTILINE)
 
@@ -156,18 +160,34 @@ def temp_values(dump: Dump) -> list[TempValue]:
         shape = line.split("): ", 1)[1]
         arrays = programs.arrays(shape)
         dtype, dims = ("tuple", ()) if shape.startswith("(") or not arrays else arrays[0]
-        out.append(TempValue(name, dtype, dims, int(m["size"]), *ranges[name]))
+        out.append(
+            TempValue(name, dtype, dims, int(m["size"]), *ranges[name], offset=int(m["offset"]))
+        )
     return out
 
 
+def occupied_bytes(values: list[TempValue]) -> int:
+    """Bytes of the temporary slab that ``values`` cover; bytes two values share (an instruction that
+    writes its result into its operand's buffer) count once."""
+    total, reach = 0, 0
+    for v in sorted(values, key=lambda v: v.offset):
+        lo, hi = max(v.offset, reach), v.offset + v.size
+        total += max(hi - lo, 0)
+        reach = max(reach, hi)
+    return total
+
+
 def peak_temporaries(dump: Dump) -> tuple[int, list[TempValue]]:
-    """``(position, values)``: the program point where the temporary values' bytes live at once are the
-    most, and the values live there (largest first). A value is live from its definition to its last use."""
+    """``(position, values)``: the program point where the temporary values live at once cover the most of
+    the slab (:func:`occupied_bytes`), and the values live there (largest first). A value is live from its
+    definition to its last use."""
     values = temp_values(dump)
     if not values:
         return 0, []
     positions = sorted({v.start for v in values})
-    best = max(positions, key=lambda t: sum(v.size for v in values if v.start <= t <= v.end))
+    best = max(
+        positions, key=lambda t: occupied_bytes([v for v in values if v.start <= t <= v.end])
+    )
     live = [v for v in values if v.start <= best <= v.end]
     return best, sorted(live, key=lambda v: -v.size)
 
