@@ -162,6 +162,8 @@ def lower_strategy(
     devices: Sequence[Any],
     config: LabConfig,
     *,
+    graphdef: Any = None,
+    params: Any = None,
     seed: int = 0,
     precision: str = "float32",
     global_batch: int | None = None,
@@ -170,7 +172,11 @@ def lower_strategy(
     """Strategy ``key``'s step lowered for one batch (``jax.stages.Lowered``), nothing run: to read its
     program (e.g. :func:`course_lib.xla_dump.compile_with_dump`) without training.
 
+    The batch is zeros of the right shape, dtype and sharding (the program does not depend on the values).
+
     Args:
+      graphdef, params: the CNN (:func:`course_lib.model.init_model`), to skip making it again; default
+        the run's own (:func:`course_lib.config.init_run` with ``seed``).
       global_batch: images of that one batch (default ``config.global_batch``); the program's collectives
         on the gradients do not depend on it.
 
@@ -179,17 +185,23 @@ def lower_strategy(
     """
     precision_lib.check(precision)
     with precision_lib.enabled(precision):
-        start = init_run(config, seed)
-        params = precision_lib.cast_params(start.params, precision)
+        if params is None:
+            start = init_run(config, seed)
+            graphdef, params = start.graphdef, start.params
+        params = precision_lib.cast_params(params, precision)
         optimizer = make_optimizer(config.learning_rate)
         strat = strategies_lib.build(
-            key, start.graphdef, params, optimizer, devices, mesh_shape, precision=precision
+            key, graphdef, params, optimizer, devices, mesh_shape, precision=precision
         )
         state = strat.place_state(
             precision_lib.cast_params(init_state(params, optimizer), precision)
         )
-        batch = strat.batches(start.dataset, start.data_key, 1, global_batch or config.global_batch)
-        return strat.lower(state, precision_lib.cast_batch(batch[0], precision))
+        b, m = global_batch or config.global_batch, config.model
+        data_lib.check_divisible(b, strat.global_batch_divisor, "global batch")
+        images = np.zeros((b, m.image_size, m.image_size, m.in_channels), np.float32)
+        labels = np.zeros((b,), np.int32)
+        batch = strat.to_step_batch(jax.device_put((images, labels), strat.batch_sharding))
+        return strat.lower(state, precision_lib.cast_batch(batch, precision))
 
 
 def _predicted(key, config, strat, mesh_shape, precision, report, devices) -> list | None:

@@ -127,3 +127,17 @@ def test_lab_notebook_has_marked_exercises():
     assert (
         len([line for line in body.splitlines() if line.strip()]) >= 15
     )  # a whole strategy to write
+
+
+def test_lower_strategy_gives_the_program_without_training(report):
+    cfg = config.resolve_profile("tiny", "cpu")
+    graphdef, params = model.init_model(jax.random.key(0), cfg.model)
+    for key in ("pmap", "sharded_jit"):
+        lowered = lab.lower_strategy(
+            key, report.devices[:2], cfg, graphdef=graphdef, params=params, global_batch=2
+        )
+        assert "all-reduce" in lowered.compile().as_text()
+    lowered = lab.lower_strategy("jit", report.devices[:1], cfg, precision="float64")
+    assert "f64" in lowered.as_text(dialect="hlo")
+    with pytest.raises(ValueError, match="global batch 3 is not divisible by 2"):
+        lab.lower_strategy("pmap", report.devices[:2], cfg, global_batch=3)
