@@ -11,12 +11,13 @@ Modules (import them explicitly; importing ``course_lib`` starts no JAX backend 
 - ``steps``       — the shared loss, optimizer and pure ``train_step``
 - ``parallel``    — tensor-parallel layout and per-shard forward for ``shard_map``
 - ``strategies``  — the registry of strategies: A ``jit``, B ``pmap``, C/C2/C′ ``shard_map``, D sharded ``jit``,
-  E/E′ FSDP
+  E/E′ FSDP (gathered once: ZeRO-2-like)
 - ``builders``    — how each strategy is built from the shared ``train_step``
 - ``precision``   — float32, float64 or bfloat16 mixed precision for a run
 - ``parity``      — the parity rule of each precision, and why float32 runs drift apart
 - ``comms``       — bytes on the wire: collectives measured in the compiled program and predicted from shapes
 - ``costs``       — memory per device by kind, peak FLOP/s per GPU kind (MFU), a step-time model
+- ``xla_dump``    — XLA's own records of a compile: the HLO after SPMD partitioning, what the temporaries hold
 - ``measure``     — timing, memory, FLOPs, collectives of compiled programs, scaling efficiency
 - ``programs``    — reading a program: jaxpr equations, collectives with their mesh axes and sizes, compiles
 - ``plots``       — loss curves, comparison bars, scaling plots

@@ -3,8 +3,9 @@
 A builder ``(info, graphdef, params, optimizer, devices, mesh_shape, *, precision) -> Strategy`` applies one
 transform to the same ``train_step``: ``jax.jit`` (A), ``jax.pmap`` (B), ``jax.shard_map`` over a
 ``data × model`` mesh with a tensor-parallel layout (C and its variants), ``jax.jit`` of sharded inputs
-(D), ``jax.shard_map`` with the parameters sharded over ``data`` and gathered in the forward pass (E, FSDP),
-``jax.jit`` of FSDP-sharded inputs (E′). :mod:`course_lib.strategies` holds the registry that names them.
+(D), ``jax.shard_map`` with the parameters sharded over ``data``, gathered once before the forward pass and
+kept through the backward pass (E, FSDP gathered once: ZeRO-2-like), ``jax.jit`` of FSDP-sharded inputs
+(E′). :mod:`course_lib.strategies` holds the registry that names them.
 """
 
 from __future__ import annotations
@@ -232,10 +233,12 @@ def build_article(info, graphdef, params, optimizer, devices, mesh_shape, *, pre
 
 
 def build_fsdp(info, graphdef, params, optimizer, devices, mesh_shape, *, precision="float32"):
-    """E, FSDP in ``shard_map``: parameters and optimizer state sharded over ``data``
-    (:func:`course_lib.parallel.fsdp_specs`); the forward pass gathers the parameters
-    (:func:`course_lib.parallel.gather_params`) and keeps them for the backward pass (ZeRO-3's sharding
-    without its re-gather), the gradients come back reduce-scattered."""
+    """E, FSDP in ``shard_map``, gathered once: parameters and optimizer state sharded over ``data``
+    (:func:`course_lib.parallel.fsdp_specs`); the step gathers every parameter before the forward pass
+    (:func:`course_lib.parallel.gather_params`) and the residuals keep them all alive through the backward
+    pass; the gradients come back reduce-scattered. That is ZeRO-2-like — PyTorch's ``SHARD_GRAD_OP``,
+    ``fully_shard(reshard_after_forward=False)`` — not ZeRO-3, which frees each layer's parameters after
+    use and gathers them again in the backward pass (``notebooks/10_transformers.ipynb``)."""
     mesh = data_mesh(devices, axis_type="explicit")
     specs = parallel.fsdp_specs(params, len(devices))
     model_apply = precision_lib.compute_in(partial(model_lib.apply, graphdef), precision, DATA)
@@ -249,9 +252,11 @@ def build_fsdp(info, graphdef, params, optimizer, devices, mesh_shape, *, precis
 
 
 def build_fsdp_jit(info, graphdef, params, optimizer, devices, mesh_shape, *, precision="float32"):
-    """E′, FSDP with sharded ``jit``: the unchanged step, state placed by the FSDP specs on an **Auto**
-    ``data`` mesh; the compiler inserts the gathers and reductions. (On an Explicit mesh a convolution whose
-    kernel and batch are both sharded over ``data`` raises ``ShardingTypeError``: it asks for ``out_sharding``.)"""
+    """E′, E's layout with sharded ``jit``: the unchanged step, state placed by the FSDP specs on an **Auto**
+    ``data`` mesh; the partitioner inserts the gathers and reductions (on XLA:CPU it all-reduces the whole
+    gradients and gathers some activations and kernels again: ``notebooks/08_lab.ipynb`` reads them). (On an
+    Explicit mesh a convolution whose kernel and batch are both sharded over ``data`` raises
+    ``ShardingTypeError``: it asks for ``out_sharding``.)"""
     mesh = data_mesh(devices, axis_type="auto")
     specs = parallel.fsdp_specs(params, len(devices))
     opt_specs = parallel.specs_like(jax.eval_shape(optimizer.init, params), params, specs)

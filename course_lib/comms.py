@@ -10,8 +10,16 @@ all-reduce          2(n−1)/n · S           the array (a reduce-scatter, then 
 all-gather          (n−1)/n · S            the gathered (full) result
 reduce-scatter      (n−1)/n · S            the full operand (n × the result)
 all-to-all          (n−1)/n · S            the array
-collective-permute  S                      the array (each device sends its block once)
+collective-permute  S · senders / devices  the array (a cyclic shift: every device sends its block once)
 ==================  =====================  =========================================================
+
+The convention is NCCL's *bus bandwidth* (``nccl-tests`` ``busbw``): the bytes a ring algorithm moves per
+device, a figure that does not depend on the algorithm NCCL picks. On NVSwitch servers NCCL may run
+NVLS (the switch reduces) or tree algorithms, which put other byte counts on the wires; the step-time model
+of :mod:`course_lib.costs` divides these bus bytes by the link bandwidth, as ``busbw`` does. A
+collective-permute over source-target pairs that do not form a cycle (a shift that stops at the edge) has
+devices that send nothing: :func:`collectives` gives its mean per device, S × (pairs whose source is not
+their target) / devices; the busiest device sends S.
 
 :func:`collectives` sizes them, as :func:`course_lib.programs.collective_ops` reads them from
 ``Compiled.as_text()``: kind, result shapes and dtypes (a combined all-reduce is one instruction with a
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 
 from . import programs
@@ -134,11 +143,77 @@ def collectives(hlo_text: str, mesh_axes: Mapping[str, int] | None = None) -> li
             )
         n = op.group_size or n_devices
         size = op.nbytes * (n if op.op == "reduce-scatter" else 1)
+        sent = op.bytes_sent
+        if op.op == "collective-permute":
+            pairs = _PAIRS.search(op.line)
+            pairs = re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)) if pairs else []
+            seen = len(
+                {int(d) for pair in pairs for d in pair}
+            )  # without a mesh: the devices named
+            sent = permute_bytes(op.nbytes, pairs, max(n_devices, seen)) if pairs else sent
         # a group of one device: named by the mesh's axis of size 1 (e.g. data on a 1 x 2 mesh)
         axes = op.axes or tuple(a for a, size in mesh_axes.items() if size == 1)[:1] or ("?",)
-        out.append(
-            Collective(op.op, axes, n, arrays_in(op.shape), int(size), op.bytes_sent, op.name)
-        )
+        out.append(Collective(op.op, axes, n, arrays_in(op.shape), int(size), sent, op.name))
+    return out
+
+
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def permute_bytes(size_bytes: float, pairs: Sequence[tuple], n_devices: int) -> float:
+    """Mean bytes per device that a collective-permute of ``size_bytes`` per block sends: ``size_bytes`` ×
+    the pairs whose source is not their target / ``n_devices``. A cyclic shift over every device gives
+    ``size_bytes``; a shift that stops at the edge (``{0,1},{1,2},{2,3}`` on 4 devices) gives 3/4 of it.
+
+    Args:
+      size_bytes: bytes of one device's block.
+      pairs: ``(source, target)`` device pairs (ints or digit strings), as the HLO's
+        ``source_target_pairs`` lists them.
+      n_devices: devices in the program.
+    """
+    senders = sum(1 for a, b in pairs if int(a) != int(b))
+    return size_bytes * senders / n_devices if n_devices else 0.0
+
+
+PARAMETERS, AGAIN, GRADIENTS, ACTIVATIONS = (
+    "parameters gathered",
+    "parameters gathered again",
+    "gradients (+ loss)",
+    "activations resharded",
+)
+"""What a data-parallel program's collective moves, as :func:`what_moves` names it."""
+
+
+def what_moves(items: Sequence[Collective], shapes: Mapping) -> list[str]:
+    """What each collective of a data-parallel step moves, read from its shapes alone (one label each):
+
+    - :data:`PARAMETERS`: an all-gather whose result has a parameter's full shape, as many times as
+      parameters have that shape; :data:`AGAIN` every later time (the backward pass gathering a kernel
+      once more);
+    - :data:`GRADIENTS`: a reduce-scatter, or an all-reduce whose arrays all have parameter shapes, in any
+      order of their dimensions (XLA may hold a dense kernel's gradient transposed), or are the scalar loss;
+    - :data:`ACTIVATIONS`: anything else (an all-to-all, or a gather of a batch-shaped array).
+
+    Args:
+      items: the program's collectives (:func:`collectives`), in program order.
+      shapes: the parameters' shapes, ``{layer: {leaf: shape}}`` (:func:`param_shapes`).
+    """
+    leaves = [tuple(shape) for layer in shapes.values() for shape in layer.values()]
+    full = set(leaves)
+    left = {shape: leaves.count(shape) for shape in full}  # first gathers still to come, per shape
+    transposed = {tuple(sorted(shape)) for shape in full}  # a gradient may come in another layout
+    out = []
+    for c in items:
+        dims = [d for _, d in c.shapes]
+        if c.kind == "all-gather" and len(dims) == 1 and dims[0] in full:
+            out.append(PARAMETERS if left[dims[0]] else AGAIN)
+            left[dims[0]] = max(left[dims[0]] - 1, 0)
+        elif c.kind == "reduce-scatter" or (
+            c.kind == "all-reduce" and all(tuple(sorted(d)) in transposed or d == () for d in dims)
+        ):
+            out.append(GRADIENTS)
+        else:
+            out.append(ACTIVATIONS)
     return out
 
 
@@ -202,16 +277,22 @@ def local_param_count(param_shapes: Mapping, param_specs: Mapping, sizes: Mappin
     )
 
 
-def predict_data_parallel(shapes, specs, *, n_devices, grad_bytes=4, **_) -> list[Transfer]:
-    """B and D: one all-reduce of every gradient (and the loss) over all devices."""
-    size = (local_param_count(shapes, specs, {}) + 1) * grad_bytes
+def predict_data_parallel(
+    shapes, specs, *, n_devices, grad_bytes=4, loss_bytes=None, **_
+) -> list[Transfer]:
+    """B and D: one all-reduce of every gradient (``grad_bytes`` per value) and the loss (``loss_bytes``,
+    default ``grad_bytes``) over all devices."""
+    loss_bytes = grad_bytes if loss_bytes is None else loss_bytes
+    size = local_param_count(shapes, specs, {}) * grad_bytes + loss_bytes
     return [transfer("all-reduce", "data", n_devices, size, "gradients + loss (combined)")]
 
 
-def predict_fsdp(shapes, specs, *, n_devices, grad_bytes=4, **_) -> list[Transfer]:
+def predict_fsdp(shapes, specs, *, n_devices, grad_bytes=4, loss_bytes=None, **_) -> list[Transfer]:
     """E: per sharded leaf an all-gather of the parameter (forward) and a reduce-scatter of its gradient
-    (backward); the replicated leaves' gradients and the loss in one all-reduce."""
-    out, replicated = [], 1
+    (backward); the replicated leaves' gradients and the loss in one all-reduce. (Gathered once and kept:
+    ZeRO-3's re-gather in the backward pass would add another all-gather per leaf.)"""
+    loss_bytes = grad_bytes if loss_bytes is None else loss_bytes
+    out, replicated = [], 0
     for layer, leaves in shapes.items():
         for leaf, shape in leaves.items():
             size = math.prod(shape) * grad_bytes
@@ -224,11 +305,8 @@ def predict_fsdp(shapes, specs, *, n_devices, grad_bytes=4, **_) -> list[Transfe
             out.append(
                 transfer("reduce-scatter", "data", n_devices, size, f"{layer}/{leaf} gradient")
             )
-    out.append(
-        transfer(
-            "all-reduce", "data", n_devices, replicated * grad_bytes, "replicated gradients + loss"
-        )
-    )
+    size = replicated * grad_bytes + loss_bytes
+    out.append(transfer("all-reduce", "data", n_devices, size, "replicated gradients + loss"))
     return out
 
 
@@ -259,7 +337,17 @@ def _activations(layout: str, cfg, b: int) -> list[tuple[str, int, str]]:
 
 
 def predict_tensor_parallel(
-    shapes, specs, *, layout, cfg, global_batch, mesh_shape, act_bytes=4, grad_bytes=4, **_
+    shapes,
+    specs,
+    *,
+    layout,
+    cfg,
+    global_batch,
+    mesh_shape,
+    act_bytes=4,
+    grad_bytes=4,
+    loss_bytes=None,
+    **_,
 ) -> list[Transfer]:
     """C, its pairs variant and C′: the layout's activation collectives over ``model`` and one all-reduce
     of this device's gradients (and the loss) over ``data``."""
@@ -269,9 +357,8 @@ def predict_tensor_parallel(
         for kind, elements, what in _activations(layout, cfg, global_batch // n_data)
     ]
     local = local_param_count(shapes, specs, {"data": n_data, "model": n_model})
-    out.append(
-        transfer("all-reduce", "data", n_data, (local + 1) * grad_bytes, "local gradients + loss")
-    )
+    size = local * grad_bytes + (grad_bytes if loss_bytes is None else loss_bytes)
+    out.append(transfer("all-reduce", "data", n_data, size, "local gradients + loss"))
     return out
 
 

@@ -1,16 +1,20 @@
 """What a training step costs, from shapes and datasheets: memory by kind, MFU and HFU, a step-time model.
 
-- **Memory per device by kind** (:func:`state_bytes`, :func:`residual_activation_bytes`): parameters and
-  optimizer state follow exactly from the parameter layout; the activations the backward pass keeps follow
-  from the layer shapes, the per-device batch and the tensor-parallel layout. The compiled program's
-  temporaries (``memory_analysis().temp_size_in_bytes``) hold more than those activations — the backward
-  pass's own intermediates, gradient buffers, the max-pools' index tensors, layout copies — so the
-  prediction is a lower bound of the temporaries, and ``notebooks/08_lab.ipynb`` prints the ratio. The
+- **Memory per device by kind** (:func:`residual_activation_bytes`; parameters, gradients and optimizer
+  state from the layout, :func:`course_lib.comms.local_param_count`): parameters, the reduced gradients the
+  update reads and the optimizer state follow exactly from the parameter layout; the activations the
+  backward pass keeps follow from the layer shapes, the per-device batch and the tensor-parallel layout. The
+  compiled program's temporaries (``memory_analysis().temp_size_in_bytes``) hold more than those
+  activations — the backward pass's own intermediates, the gradients before their reduction, the max-pools'
+  index tensors, layout copies — so the prediction is a lower bound of the temporaries;
+  ``notebooks/08_lab.ipynb`` attributes them with XLA's buffer assignment (:mod:`course_lib.xla_dump`). The
   input images are kept too, but the program holds them as an argument, so they are not counted here.
 - **Peak FLOP/s** (:data:`PEAKS`, :func:`peak_flops`) per GPU kind and precision, dense (no sparsity), from
-  the vendor's datasheets, for the utilisation (:func:`mfu`): of the *model's* FLOPs (MFU: the analytic
-  FLOPs of a training step, :func:`model_flops_per_step`), or of the FLOPs the compiled program runs (HFU:
-  work computed twice counts twice). None on CPUs: no peak is claimed.
+  the vendor's datasheets, for the utilisation (:func:`mfu`): of the *model's* FLOPs (MFU: the work a
+  training step needs, :func:`model_flops_per_step`), or of the FLOPs the compiled program runs (HFU:
+  everything it computes, work computed twice included). MFU ≤ HFU: the model's count leaves out what the
+  step does not need, the lab asserts model ≤ compiled FLOPs for every strategy. None on CPUs: no peak is
+  claimed.
 - **A step-time model** (:func:`step_time_model`): FLOPs at 100 % of a stated peak, plus bytes sent at a
   stated link bandwidth, plus an ASSUMED fixed latency per collective (:data:`COLLECTIVE_LATENCY_S`), for
   the device profiles in :data:`DEVICE_PROFILES`. A model, not a measurement.
@@ -22,8 +26,6 @@ import dataclasses
 import math
 import re
 from typing import Any
-
-from .model import flops_per_example
 
 # ---- memory by kind ----------------------------------------------------------------------------------
 
@@ -107,7 +109,10 @@ PEAKS = (
          "NVIDIA H100 Tensor Core GPU datasheet, PCIe column"),
     Peak("H100 NVL", r"H100 NVL", 60.0, 417.5, 835.5, 835.5,
          "NVIDIA H100 Tensor Core GPU datasheet, H100 NVL column"),
-    Peak("H200", r"H200", 67.0, 494.7, 989.4, 989.4, "NVIDIA H200 Tensor Core GPU datasheet, SXM column"),
+    Peak("H200 NVL", r"H200 NVL", 60.0, 417.5, 835.5, 835.5,
+         "NVIDIA H200 Tensor Core GPU datasheet, H200 NVL column"),
+    Peak("H200", r"H200(?!\s*NVL)", 67.0, 494.7, 989.4, 989.4,
+         "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column"),
     Peak("A100", r"A100", 19.5, 156.0, 312.0, 312.0,
          "NVIDIA A100 Tensor Core GPU datasheet (SXM4 and PCIe, 40 and 80 GB: the same peaks)"),
     Peak("L40S", r"L40S", 91.6, 183.0, 362.05, 362.05, "NVIDIA L40S datasheet"),
@@ -153,13 +158,53 @@ def rate(peak: Peak, precision: str, matmul_precision: str = "default") -> float
     return None if tflops is None else tflops * 1e12
 
 
-def model_flops_per_step(cfg: Any, global_batch: int) -> float:
-    """The model's FLOPs per training step: 3 × the analytic forward FLOPs per image × the global batch
-    (forward, and two matmuls per layer backward; :func:`course_lib.model.flops_per_example`).
-
-    The numerator of MFU: the same for every strategy, whatever work a layout repeats or the compiler adds.
+def valid_taps(size: int, kernel: int = 3) -> int:
+    """(output pixel, kernel tap) pairs of a ``kernel`` × ``kernel`` 'SAME' convolution, stride 1, on a
+    ``size`` × ``size`` image that fall inside the image: the multiply-adds per (input, output) channel
+    pair. The taps on the zero padding are left out, as XLA's cost analysis leaves them out:
+    ``(3·size − 2)²`` for a 3 × 3 kernel, against ``9·size²`` with the padding.
     """
-    return 3.0 * flops_per_example(cfg) * global_batch
+    half = kernel // 2
+    per_row = sum(min(i + half, size - 1) - max(i - half, 0) + 1 for i in range(size))
+    return per_row * per_row
+
+
+def model_flops_breakdown(cfg: Any) -> dict[str, float]:
+    """FLOPs per image of the work a training step needs, per layer and pass (2 per multiply-add).
+
+    Forward: each conv's valid taps (:func:`valid_taps`) and each dense layer's matmul. Backward: the weight
+    gradient of every layer (as many multiply-adds as its forward) and the input gradient of every layer but
+    the first — nothing needs the gradient of the images. Bias adds, ReLUs, pools, the loss and the optimizer
+    are left out (a few per cent here); the compiled program counts them (``cost_analysis()["flops"]``).
+
+    Returns:
+      ``{"conv1 forward": …, "conv1 weight gradient": …, "conv2 input gradient": …, …}``.
+    """
+    out: dict[str, float] = {}
+    s, c_in = cfg.image_size, cfg.in_channels
+    layers = []
+    for i, c_out in enumerate(cfg.channels, start=1):
+        layers.append((f"conv{i}", 2.0 * valid_taps(s) * c_in * c_out))
+        c_in, s = c_out, s // 2
+    layers.append(("dense1", 2.0 * cfg.flat_features * cfg.hidden))
+    layers.append(("dense2", 2.0 * cfg.hidden * cfg.num_classes))
+    for i, (name, flops) in enumerate(layers):
+        out[f"{name} forward"] = flops
+        out[f"{name} weight gradient"] = flops
+        if i > 0:  # the first layer's input gradient is the images' gradient: never needed
+            out[f"{name} input gradient"] = flops
+    return out
+
+
+def model_flops_per_step(cfg: Any, global_batch: int) -> float:
+    """The model's FLOPs per training step: :func:`model_flops_breakdown` summed, × the global batch.
+
+    The numerator of MFU: the same for every strategy, whatever work a layout repeats or the compiler adds,
+    and never more than the compiled program runs (``notebooks/08_lab.ipynb`` asserts it for every
+    strategy). The "3 × forward" rule overcounts it: by the padding taps and by the first layer's input
+    gradient (``notebooks/08_lab.ipynb`` prints both).
+    """
+    return float(sum(model_flops_breakdown(cfg).values())) * global_batch
 
 
 def mfu(flops_per_device: float, step_time_s: float, peak: float | None) -> float:
@@ -201,10 +246,12 @@ class DeviceProfile:
     source: str
 
 
+_PEAK = {peak.name: peak for peak in PEAKS}
+
 DEVICE_PROFILES = {
-    "A100": DeviceProfile("A100 SXM4 80GB, NVLink 3", PEAKS[4], 2.039e12, 300e9,
+    "A100": DeviceProfile("A100 SXM4 80GB, NVLink 3", _PEAK["A100"], 2.039e12, 300e9,
                           "A100 datasheet: 2,039 GB/s HBM2e; NVLink 3: 600 GB/s (300 GB/s each way)"),
-    "H100": DeviceProfile("H100 SXM5 80GB, NVLink 4", PEAKS[0], 3.35e12, 450e9,
+    "H100": DeviceProfile("H100 SXM5 80GB, NVLink 4", _PEAK["H100 SXM"], 3.35e12, 450e9,
                           "H100 datasheet: 3.35 TB/s HBM3; NVLink 4: 900 GB/s (450 GB/s each way)"),
 }  # fmt: skip
 """The profiles the lab's step-time model is drawn for (the source article used 8 × A100 80 GB)."""

@@ -157,6 +157,53 @@ def run_strategy(
     )  # fmt: skip
 
 
+def lower_strategy(
+    key: str,
+    devices: Sequence[Any],
+    config: LabConfig,
+    *,
+    graphdef: Any = None,
+    params: Any = None,
+    seed: int = 0,
+    precision: str = "float32",
+    global_batch: int | None = None,
+    mesh_shape: tuple[int, int] | None = None,
+) -> Any:
+    """Strategy ``key``'s step lowered for one batch (``jax.stages.Lowered``), nothing run: to read its
+    program (e.g. :func:`course_lib.xla_dump.compile_with_dump`) without training.
+
+    The batch is zeros of the right shape, dtype and sharding (the program does not depend on the values).
+
+    Args:
+      graphdef, params: the CNN (:func:`course_lib.model.init_model`), to skip making it again; default
+        the run's own (:func:`course_lib.config.init_run` with ``seed``).
+      global_batch: images of that one batch (default ``config.global_batch``); the program's collectives
+        on the gradients do not depend on it.
+
+    Raises:
+      ValueError: as :func:`run_strategy`.
+    """
+    precision_lib.check(precision)
+    with precision_lib.enabled(precision):
+        if params is None:
+            start = init_run(config, seed)
+            graphdef, params = start.graphdef, start.params
+        params = precision_lib.cast_params(params, precision)
+        optimizer = make_optimizer(config.learning_rate)
+        strat = strategies_lib.build(
+            key, graphdef, params, optimizer, devices, mesh_shape, precision=precision
+        )
+        state = strat.place_state(
+            precision_lib.cast_params(init_state(params, optimizer), precision)
+        )
+        b, m = global_batch or config.global_batch, config.model
+        data_lib.check_divisible(b, strat.global_batch_divisor, "global batch")
+        images = np.zeros((b, m.image_size, m.image_size, m.in_channels), np.float32)
+        labels = np.zeros((b,), np.int32)
+        batch = strat.to_step_batch(jax.device_put((images, labels), strat.batch_sharding))
+        return strat.lower(state, precision_lib.cast_batch(batch, precision))
+
+
 def _predicted(key, config, strat, mesh_shape, precision, report, devices) -> list | None:
     if (
         strategies_lib.info(key).mesh_kind != "single"
@@ -204,6 +251,7 @@ def _row(
         "temp_bytes_per_device": stats.temp_bytes,
         "param_bytes_per_device": parallel.bytes_per_device(state.params),
         "opt_state_bytes_per_device": parallel.bytes_per_device(state.opt_state),
+        "grad_bytes_per_device": grad_bytes_per_device(key, config.model, n, shape, precision),
         "activation_bytes_per_device": costs.residual_activation_bytes(
             entry.tp_layout, config.model, local_batch, shape[1], act_bytes
         ),
@@ -223,6 +271,38 @@ def _row(
         "collectives": stats.collectives_str(),
         **_metadata(report, devices),
     }
+
+
+def grad_bytes_per_device(
+    key: str, model_config: Any, n_devices: int, mesh_shape: tuple[int, int], precision: str
+) -> int:
+    """Bytes of the reduced gradients one device holds for the optimizer update, predicted from the
+    strategy's parameter layout (:data:`course_lib.strategies.REGISTRY`): the update reads the gradients
+    laid out as the parameters (float32 in ``bfloat16`` runs: the master weights' dtype). A and the
+    replicated layouts (B, D) hold all of them; C its model shard; E and E′ 1/n of each sharded leaf
+    (after the reduce-scatter). Before its reduction each device computes its whole local gradient (E too:
+    it differentiates the gathered parameters) — that lives among the temporaries.
+    """
+    entry = strategies_lib.info(key)
+    shapes = comms.param_shapes(model_config)
+    values = comms.local_param_count(shapes, _grad_specs(entry, shapes, n_devices, mesh_shape), {
+        "data": mesh_shape[0], "model": mesh_shape[1]
+    })  # fmt: skip
+    return values * (8 if precision == "float64" else 4)
+
+
+def _grad_specs(entry, shapes, n_devices, mesh_shape):
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+        shapes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    if entry.layout is None:
+        return jax.tree.map(lambda _: P(), abstract)
+    return entry.layout(abstract, n_devices, mesh_shape)
 
 
 def mesh_shape_of(strategy: Any) -> tuple[int, int]:

@@ -107,6 +107,43 @@ def time_calls(
     return Timing.from_samples(samples)
 
 
+def alternating(
+    calls: dict[str, Callable[[], Any]], rounds: int = 5, warmup: int = 1
+) -> dict[str, dict[str, Timing]]:
+    """Time several calls in alternating rounds, each in wall time and in CPU time.
+
+    Each round times every call once, in order, so that a change in the machine's load between rounds
+    reaches all of them alike; the median over rounds of each is reported, and ratios between calls are
+    best taken from these medians. CPU time (``time.process_time``: every thread of this process, XLA:CPU's
+    workers included) counts the work done and not the time spent waiting for a core another program holds.
+
+    Args:
+      calls: ``{name: fn}``, each ``fn()`` returning something to wait for (``jax.block_until_ready``).
+      rounds: timed rounds, at least 1.
+      warmup: untimed rounds before them.
+
+    Returns:
+      ``{name: {"wall": Timing, "cpu": Timing}}`` in seconds per call.
+
+    Raises:
+      ValueError: ``rounds`` < 1, ``warmup`` < 0 or no calls.
+    """
+    if rounds < 1 or warmup < 0 or not calls:
+        raise ValueError(f"rounds={rounds} must be >= 1, warmup={warmup} >= 0, and calls not empty")
+    samples = {name: ([], []) for name in calls}
+    for r in range(warmup + rounds):
+        for name, fn in calls.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fn())
+            if r >= warmup:
+                samples[name][0].append(time.perf_counter() - w0)
+                samples[name][1].append(time.process_time() - c0)
+    return {
+        name: {"wall": Timing.from_samples(w), "cpu": Timing.from_samples(c)}
+        for name, (w, c) in samples.items()
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledStats:
     """What the compiled step says about itself (all per device unless named otherwise).

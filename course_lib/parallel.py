@@ -14,7 +14,8 @@ dense2     input-split → ``psum``                      replicated
 =========  =========================================  ==============================================
 
 Bytes over the model axis per step (``notebooks/08_lab.ipynb`` measures and predicts them): the pairs
-layout all-reduces conv2's output — the network's largest activation — in the forward pass, dense1's
+layout all-reduces conv2's output — the largest activation any layout here all-reduces (conv1's output is
+twice as large, and only its pooled quarter is gathered, by the gather layout) — in the forward pass, dense1's
 output, and (backward) conv3's input gradient. The gather layout moves the pooled conv1 output (an
 ``all_gather`` forward, its transpose a reduce-scatter backward), conv3's output, dense2's output and
 (backward) dense1's input gradient: about a third fewer bytes, and no layer computed twice. dense1's
@@ -25,9 +26,11 @@ every model shard).
 
 FSDP shards every parameter over the ``data`` axis (:func:`fsdp_specs`) and gathers them for the forward
 pass (:func:`gather_params`); under ``check_vma=True`` the transpose of that ``all_gather`` is a
-reduce-scatter of the gradients, so the shared ``train_step`` needs no change. This is ZeRO-3's sharding
-without its re-gather: the gathered parameters are kept for the backward pass, so 1/n of the parameters
-is held at rest, not at the peak (ZeRO-3 frees them and gathers them again in the backward pass).
+reduce-scatter of the gradients, so the shared ``train_step`` needs no change. The gathered parameters
+are all kept alive through the backward pass (its residuals hold them), so 1/n of the parameters is held at
+rest, not at the peak: ZeRO-2-like, PyTorch's ``SHARD_GRAD_OP`` / ``fully_shard(reshard_after_forward=
+False)``. ZeRO-3 frees each layer's parameters after use and gathers them again in the backward pass
+(a per-layer gather under ``jax.checkpoint``: ``notebooks/10_transformers.ipynb``).
 """
 
 from __future__ import annotations

@@ -233,8 +233,24 @@ def gradient_jump(params: Any, batch: tuple, order: str, n_model: int = 2) -> di
     return out
 
 
-def nudge(params: Any) -> Any:
-    """``params`` with every entry moved up by one ulp (``numpy.nextafter``): a rounding-size change."""
-    return jax.tree.map(
-        lambda v: np.nextafter(np.asarray(v), np.inf, dtype=np.asarray(v).dtype), params
-    )
+def nudge(params: Any, ulp_of: Any = None) -> Any:
+    """``params`` with every entry moved up by one ulp (``numpy.nextafter``): a rounding-size change.
+
+    Args:
+      params: a pytree of floating arrays.
+      ulp_of: move by one ulp of this dtype instead of the entries' own (e.g. ``jnp.bfloat16`` for a
+        bfloat16 run, which computes with bfloat16 copies of float32 parameters: a float32 ulp vanishes
+        in that cast). Each entry becomes the next value of ``ulp_of`` above its own rounding to
+        ``ulp_of``, kept in its own dtype; None: the entries' dtype.
+    """
+    if ulp_of is None:
+        return jax.tree.map(
+            lambda v: np.nextafter(np.asarray(v), np.inf, dtype=np.asarray(v).dtype), params
+        )
+    dtype = np.dtype(ulp_of)
+
+    def up(v):
+        low = np.asarray(v).astype(dtype)
+        return np.nextafter(low, np.array(np.inf, dtype)).astype(np.asarray(v).dtype)
+
+    return jax.tree.map(up, params)

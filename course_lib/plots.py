@@ -173,8 +173,10 @@ def _axis_bytes(text: str, axis: str) -> float:
 
 
 def memory_by_kind(results: pd.DataFrame, ax=None):
-    """Per strategy, bytes per device: parameters, optimizer state and the activations the backward pass
-    keeps (stacked, predicted from shapes), and the compiled program's temporaries (dots). Returns the Axes."""
+    """Per strategy, bytes per device: parameters, gradients (reduced, as the update reads them), optimizer
+    state and the activations the backward pass keeps (stacked, predicted from shapes), and the compiled
+    program's temporaries (dots). A results table without ``grad_bytes_per_device`` (an older run) draws
+    no gradients. Returns the Axes."""
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.6))
     keys = list(results["strategy"])
@@ -182,9 +184,12 @@ def memory_by_kind(results: pd.DataFrame, ax=None):
     bottom = np.zeros(len(keys))
     for col, name in (
         ("param_bytes_per_device", "parameters"),
+        ("grad_bytes_per_device", "gradients, reduced (predicted)"),
         ("opt_state_bytes_per_device", "optimizer state"),
         ("activation_bytes_per_device", "activations kept (predicted)"),
     ):
+        if col not in results:
+            continue
         vals = results[col].astype(float).to_numpy()
         ax.bar(x, vals / 2**20, 0.6, bottom=bottom / 2**20, label=name)
         bottom += vals

@@ -8,13 +8,29 @@
   ``jax_default_matmul_precision`` says otherwise (TF32 on recent NVIDIA GPUs by default; no effect on CPU),
   so results record :func:`matmul_precision`.
 - ``bfloat16``: the usual mixed-precision recipe — bfloat16 activations and conv/matmul inputs, float32
-  parameters, gradients, optimizer state and loss (:func:`compute_in`).
+  parameters (master weights), optimizer state and loss (:func:`compute_in`). The gradients the update
+  reads are float32. *Where they are summed over devices, and in which dtype*, depends on the strategy and
+  the platform (``notebooks/08_lab.ipynb``, "the bfloat16 partial-sum pitfall"):
+
+  ==========================  ==========================================  ========================
+  strategy                    the gradient all-reduce sums                bytes per value moved
+  ==========================  ==========================================  ========================
+  ``pmap`` (B)                float32: the cast's transpose runs on each   4
+                              device before ``pmean``
+  ``shard_map`` (C, E)        float32, when the parameters are made to     4
+                              vary over ``data`` before the cast (below)
+  sharded ``jit`` (D, E′)     bfloat16 partial sums: the partitioner       XLA:GPU 2; XLA:CPU 4
+                              all-reduces the backward pass's bf16         (``AllReducePromotion``
+                              results, then casts them to float32          sums them in float32)
+  ==========================  ==========================================  ========================
 
 Where the bfloat16 cast sits matters inside ``shard_map`` (``check_vma=True``): a replicated parameter is
 implicitly broadcast (``pvary``) where it meets data that varies over the ``data`` axis, and the transpose of
 that broadcast is the gradient's all-reduce. Cast first, and that all-reduce sums bfloat16 gradients; make
 the parameters vary over ``data`` first (``lax.pcast(p, "data", to="varying")``), then cast, and it sums
-float32 gradients. :func:`compute_in` does the latter when given the data axis.
+float32 gradients (the cast's transpose comes before it). :func:`compute_in` does the latter when given the
+data axis. Sharded ``jit`` has no such choice in the step body: the partitioner places the all-reduce after
+the backward convolution or matmul that produced the partial sum, in that op's dtype.
 """
 
 from __future__ import annotations

@@ -10,12 +10,16 @@ C    ``shard_map``         2-D ``data × model`` mesh, manual SPMD: batch over `
                            tensor-parallel layers over ``model`` (:mod:`course_lib.parallel`), ``check_vma=True``
 D    ``sharded_jit``       ``jax.jit`` of the unmodified step on a 1-D ``data`` mesh; the compiler partitions it
                            ("computation follows data") and inserts the all-reduce (``notebooks/05_sharding.ipynb``)
-E    ``fsdp``              FSDP in ``shard_map`` (ZeRO-3's sharding without its re-gather): parameters and
-                           optimizer state sharded over ``data``, gathered for the forward pass and kept
-                           through the backward pass, gradients reduce-scattered
+E    ``fsdp``              FSDP in ``shard_map``, gathered once: parameters and optimizer state sharded over
+                           ``data``, every parameter all-gathered before the forward pass and kept alive
+                           through the backward pass, gradients reduce-scattered. That is ZeRO-2-like
+                           (PyTorch's ``SHARD_GRAD_OP``, ``fully_shard(reshard_after_forward=False)``): it
+                           saves memory at rest, not at the peak. ZeRO-3 frees each layer's parameters after
+                           use and gathers them again for the backward pass (``notebooks/10_transformers.ipynb``)
 C2   ``shard_map_pairs``   C with lesson 06's pairs layout (``notebooks/06_shard_map.ipynb``)
 C′   ``shard_map_article`` C with the source article's split: only conv1 over ``model``
-E′   ``fsdp_jit``          FSDP as sharded ``jit``: the unchanged step on FSDP-placed state (Auto mesh)
+E′   ``fsdp_jit``          E's layout as sharded ``jit``: the unchanged step on FSDP-placed state (Auto mesh);
+                           the partitioner chooses the collectives
 ===  ====================  ===========================================================================
 
 Every strategy starts from the same parameters and consumes the same global batches, so their losses
@@ -86,6 +90,12 @@ class StrategyInfo:
       lab: in the lab's default line-up (:data:`STRATEGIES`).
       multihost: run by the multi-process lesson (:data:`course_lib.distributed.MULTIHOST_STRATEGIES`).
       scaling: in the lab's scaling sweep (:func:`course_lib.lab.scaling_sweep`).
+      reduces_partial_sums: the compiler inserts the gradient all-reduce (sharded ``jit``), on the partial
+        sums of the backward pass, in the dtype they are computed in: under ``bfloat16`` the partitioner asks
+        for bfloat16 all-reduces, which XLA:CPU promotes to float32 and XLA:GPU keeps
+        (``notebooks/08_lab.ipynb``, "the bfloat16 partial-sum pitfall"). False: the step reduces float32
+        gradients itself (``pmap``, ``shard_map``: the cast to bfloat16 sits after the parameters are made
+        to vary over ``data``, so the reduction, the transpose of that broadcast, sees float32).
     """
 
     key: str
@@ -100,6 +110,7 @@ class StrategyInfo:
     lab: bool = False
     multihost: bool = False
     scaling: bool = False
+    reduces_partial_sums: bool = False
 
     def __post_init__(self):
         if self.mesh_kind not in MESH_KINDS:
@@ -138,10 +149,10 @@ REGISTRY: dict[str, StrategyInfo] = {
         StrategyInfo(
             "sharded_jit", "D", "D: sharded jit (data parallel)", "D", "data",
             builders.build_sharded_jit, comm_model=comms.predict_data_parallel,
-            lab=True, multihost=True, scaling=True,
+            lab=True, multihost=True, scaling=True, reduces_partial_sums=True,
         ),
         StrategyInfo(
-            "fsdp", "E", "E: FSDP (params sharded over data)", "P", "data", builders.build_fsdp,
+            "fsdp", "E", "E: FSDP, gathered once (ZeRO-2-like)", "P", "data", builders.build_fsdp,
             layout=lambda params, n, shape: parallel.fsdp_specs(params, n),
             comm_model=comms.predict_fsdp, lab=True,
         ),
@@ -156,8 +167,8 @@ REGISTRY: dict[str, StrategyInfo] = {
             comm_model=comms.predict_tensor_parallel, tp_layout="article",
         ),
         StrategyInfo(
-            "fsdp_jit", "E'", "E': FSDP as sharded jit", "X", "data", builders.build_fsdp_jit,
-            layout=lambda params, n, shape: parallel.fsdp_specs(params, n),
+            "fsdp_jit", "E'", "E': E's layout as sharded jit", "X", "data", builders.build_fsdp_jit,
+            layout=lambda params, n, shape: parallel.fsdp_specs(params, n), reduces_partial_sums=True,
         ),
     )
 }  # fmt: skip
@@ -235,9 +246,12 @@ def predict_comm(
       global_batch: images per step over all devices.
       n_devices: devices the strategy runs on.
       mesh_shape: ``(n_data, n_model)`` for the ``data_model`` strategies; default :func:`choose_mesh_shape`.
-      precision: activations move in bfloat16 under ``"bfloat16"`` (gradients stay float32), in float64
-        under ``"float64"``.
-      platform: ``"cpu"``: XLA:CPU computes bfloat16 collectives in float32, so they move 4 bytes per value.
+      precision: ``"float64"``: every value moves in 8 bytes. ``"bfloat16"``: activations move in bfloat16;
+        gradients in float32, except where the compiler reduces the partial sums
+        (:attr:`StrategyInfo.reduces_partial_sums`: sharded ``jit``), which sum bfloat16 on a GPU; the
+        loss is float32 everywhere.
+      platform: ``"cpu"``: XLA:CPU promotes bfloat16 collectives to float32 (``AllReducePromotion``), so
+        they move 4 bytes per value; ``"gpu"``: XLA:GPU keeps bfloat16 (2 bytes).
 
     Returns:
       One :class:`course_lib.comms.Transfer` per collective; empty for a single device.
@@ -263,10 +277,12 @@ def predict_comm(
     else:
         specs = entry.layout(abstract, n, shape)
     value_bytes = 8 if precision == "float64" else 4
-    act_bytes = 2 if precision == "bfloat16" and platform != "cpu" else value_bytes
+    bf16_moves = precision == "bfloat16" and platform != "cpu"  # XLA:CPU promotes bf16 collectives
+    act_bytes = 2 if bf16_moves else value_bytes
+    grad_bytes = 2 if bf16_moves and entry.reduces_partial_sums else value_bytes
     return entry.comm_model(
         shapes, specs, cfg=model_config, global_batch=global_batch, n_devices=n, mesh_shape=shape,
-        act_bytes=act_bytes, grad_bytes=value_bytes, layout=entry.tp_layout,
+        act_bytes=act_bytes, grad_bytes=grad_bytes, loss_bytes=value_bytes, layout=entry.tp_layout,
     )  # fmt: skip
 
 

@@ -59,6 +59,7 @@ RESULT_COLUMNS = (
     "opt_state_bytes_per_device",
     "activation_bytes_per_device",
     "mfu",
+    "grad_bytes_per_device",
 )
 """Columns every ``lab_results.csv`` has (the contract); rows may carry more."""
 

@@ -1,6 +1,8 @@
 """Bytes on the wire (course_lib.comms): the HLO parser on every printed form, the ring formulas, and the
 predictions from shapes against the compiled programs of the strategies (8 simulated CPU devices)."""
 
+import math
+
 import jax
 import pytest
 
@@ -169,3 +171,57 @@ def test_bfloat16_collectives_move_as_float32_on_cpu(report):
     assert (
         comms.sent_by_axis(gpu)["data"] == comms.sent_by_axis(cpu)["data"]
     )  # gradients stay float32
+
+
+def test_a_permute_that_stops_at_the_edge_sends_less_per_device():
+    shift = "source_target_pairs={{0,1},{1,2},{2,3}}"  # device 3 sends nothing
+    (c,) = comms.collectives(
+        hlo(f"%cp = f32[8,4]{{1,0}} collective-permute(%z), {shift}"), {"data": 4}
+    )
+    assert c.sent_bytes == pytest.approx(3 / 4 * 128)
+    ring = "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}"
+    (r,) = comms.collectives(
+        hlo(f"%cp = f32[8,4]{{1,0}} collective-permute(%z), {ring}"), {"data": 4}
+    )
+    assert r.sent_bytes == 128  # a cycle: every device sends its block once
+    (n,) = comms.collectives(hlo(f"%cp = f32[8,4]{{1,0}} collective-permute(%z), {shift}"))
+    assert n.sent_bytes == pytest.approx(3 / 4 * 128)  # no mesh: the devices the pairs name
+    assert (
+        comms.permute_bytes(100, [(0, 0), (1, 0)], 2) == 50
+    )  # a device "sending" to itself sends nothing
+
+
+def test_what_the_partitioner_chose_for_fsdp_as_sharded_jit(report):
+    # E' on XLA:CPU: every sharded parameter all-gathered, the whole gradients all-reduced (what B sends;
+    # no reduce-scatter on CPU), some kernels gathered again for the backward pass, activations resharded
+    s, compiled = _compiled("fsdp_jit", report.devices)
+    measured = comms.collectives(compiled.as_text(), s.mesh_axes)
+    labels = comms.what_moves(measured, comms.param_shapes(model.TINY))
+    sent = {}
+    for c, what in zip(measured, labels, strict=True):
+        sent[what] = sent.get(what, 0.0) + c.sent_bytes
+    fsdp = strategies.predict_comm("fsdp", model.TINY, 32, 8)
+    b = strategies.predict_comm("pmap", model.TINY, 32, 8)
+    gathers = sum(t.sent_bytes for t in fsdp if t.kind == "all-gather")
+    assert sent[comms.PARAMETERS] == pytest.approx(gathers)
+    assert sent[comms.GRADIENTS] == pytest.approx(comms.total_sent(b))
+    assert "reduce-scatter" not in {c.kind for c in measured}
+    assert comms.total_sent(measured) > comms.total_sent(fsdp)
+
+
+def test_bfloat16_gradients_of_sharded_jit_move_in_two_bytes_on_gpus():
+    cpu = strategies.predict_comm("sharded_jit", model.TINY, 32, 8, precision="bfloat16")
+    gpu = strategies.predict_comm(
+        "sharded_jit", model.TINY, 32, 8, precision="bfloat16", platform="gpu"
+    )
+    n_params = sum(
+        math.prod(s) for v in comms.param_shapes(model.TINY).values() for s in v.values()
+    )
+    assert cpu[0].size_bytes == 4 * n_params + 4  # XLA:CPU sums them in float32
+    assert (
+        gpu[0].size_bytes == 2 * n_params + 4
+    )  # XLA:GPU keeps the partitioner's bfloat16; f32 loss
+    for key in ("pmap", "fsdp"):  # these reduce float32 gradients on every platform
+        assert comms.total_sent(
+            strategies.predict_comm(key, model.TINY, 32, 8, precision="bfloat16", platform="gpu")
+        ) == pytest.approx(comms.total_sent(strategies.predict_comm(key, model.TINY, 32, 8)))

@@ -19,6 +19,8 @@ from course_lib.config import PROFILES
         ("NVIDIA H100 PCIe", "bfloat16", "default", 756.0, "H100 PCIe"),
         ("NVIDIA H100 NVL", "float32", "default", 417.5, "H100 NVL"),
         ("NVIDIA H200", "bfloat16", "default", 989.4, "H200"),
+        ("NVIDIA H200 NVL", "bfloat16", "default", 835.5, "H200 NVL"),  # not the SXM's figure
+        ("NVIDIA H200 NVL", "float32", "default", 417.5, "H200 NVL"),
         ("NVIDIA A100-SXM4-80GB", "float32", "default", 156.0, "A100"),
         ("NVIDIA A100-PCIE-40GB", "bfloat16", "default", 312.0, "A100"),
         ("NVIDIA A100 80GB PCIe", "float32", "tensorfloat32", 156.0, "A100"),
@@ -43,9 +45,22 @@ def test_no_peak_where_none_is_known():
     assert costs.mfu(1e12, 0.01, 200e12) == pytest.approx(0.5)  # 1e14 FLOP/s of 2e14
 
 
-def test_mfu_counts_the_models_flops_not_the_programs():
+def test_valid_taps_leave_out_the_padding():
+    assert costs.valid_taps(32) == 94**2  # (3 s - 2)^2, against 9 s^2 = 9216 with the padding
+    assert costs.valid_taps(1) == 1 and costs.valid_taps(2) == 16
+    assert costs.valid_taps(5, kernel=1) == 25
+
+
+def test_model_flops_count_the_work_a_step_needs():
     cpu = PROFILES["cpu"].model
-    assert costs.model_flops_per_step(cpu, 16) == 3 * 16 * model.flops_per_example(cpu)
+    parts = costs.model_flops_breakdown(cpu)
+    assert "conv1 input gradient" not in parts  # nobody needs the images' gradient
+    assert parts["conv2 input gradient"] == parts["conv2 forward"] == 2 * 46**2 * 32 * 64
+    assert parts["dense1 forward"] == 2 * 1024 * 128
+    per_image = sum(parts.values())
+    assert per_image == 42_083_328 and costs.model_flops_per_step(cpu, 64) == 64 * per_image
+    # the 3 x forward rule counts the padding taps and conv1's input gradient: 15 % more here
+    assert 3 * model.flops_per_example(cpu) / per_image == pytest.approx(1.154, abs=1e-3)
 
 
 def test_step_time_model():
@@ -77,3 +92,8 @@ def test_residual_activations_from_shapes():
     assert costs.residual_activation_bytes(None, cpu, 8, value_bytes=2) == 66_698 * 8 * 2
     with pytest.raises(ValueError, match="unknown layout 'ring'"):
         costs.residual_activation_bytes("ring", cpu, 8)
+
+
+def test_the_device_profiles_use_their_own_gpus_peaks():
+    assert costs.DEVICE_PROFILES["A100"].peak.name == "A100"
+    assert costs.DEVICE_PROFILES["H100"].peak.name == "H100 SXM"

@@ -47,6 +47,26 @@ def test_time_calls_reads_the_clock_it_is_given():
         measure.time_calls(work())  # the call's result, not the call
 
 
+def test_alternating_rounds_time_every_call_in_each_round_in_wall_and_cpu_time():
+    order = []
+    out = measure.alternating(
+        {
+            "sleep": lambda: order.append("sleep") or time.sleep(0.02),
+            "spin": lambda: order.append("spin") or sum(range(200_000)),
+        },
+        rounds=3,
+        warmup=1,
+    )
+    assert order == ["sleep", "spin"] * 4  # round by round, the warm-up round untimed
+    assert out["sleep"]["wall"].n == 3 and out["sleep"]["wall"].min_s >= 0.02
+    assert out["sleep"]["cpu"].max_s < 0.01  # waiting is not work
+    assert out["spin"]["cpu"].median_s > 0
+    with pytest.raises(ValueError, match="rounds=0"):
+        measure.alternating({"x": lambda: None}, rounds=0)
+    with pytest.raises(ValueError, match="calls not empty"):
+        measure.alternating({})
+
+
 def test_compile_and_analyse_matmul_flops_and_memory():
     x = jnp.ones((128, 128), jnp.float32)
     compiled, stats = measure.compile_and_analyse(lambda: jax.jit(lambda a: a @ a).lower(x))

@@ -216,3 +216,16 @@ def test_nudge_moves_every_entry_by_one_ulp():
     assert np.all(q["w"] > p["w"]) and np.array_equal(
         q["w"], np.nextafter(p["w"], np.float32(np.inf))
     )
+
+
+def test_nudge_by_a_bfloat16_ulp_changes_the_bfloat16_copy():
+    import jax.numpy as jnp
+
+    p = {"w": np.array([1.0, -0.2, 0.3001], np.float32)}
+    assert np.array_equal(
+        parity.nudge(p)["w"].astype(jnp.bfloat16), p["w"].astype(jnp.bfloat16)
+    )  # a float32 ulp vanishes in the cast a bfloat16 run makes
+    q = parity.nudge(p, ulp_of=jnp.bfloat16)
+    assert q["w"].dtype == np.float32 and np.all(q["w"] > p["w"])
+    low = p["w"].astype(jnp.bfloat16)
+    assert np.array_equal(q["w"].astype(jnp.bfloat16), np.nextafter(low, jnp.bfloat16(np.inf)))

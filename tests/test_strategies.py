@@ -162,3 +162,14 @@ def test_the_registry_is_the_one_description_of_a_strategy(report):
     assert s.global_batch_divisor == 2 and s.label == strategies.REGISTRY["shard_map"].label
     with pytest.raises(ValueError, match="unknown strategy 'ddp'; choose one of \\['jit', 'pmap'"):
         strategies.data_shards("ddp", 8)
+
+
+def test_the_registry_names_which_strategies_reduce_partial_sums_and_what_e_is():
+    # sharded jit lets the partitioner all-reduce the backward pass's partial sums (bfloat16 under
+    # mixed precision); pmap and shard_map reduce float32 gradients themselves
+    assert {k for k, i in strategies.REGISTRY.items() if i.reduces_partial_sums} == {
+        "sharded_jit",
+        "fsdp_jit",
+    }
+    # E gathers every parameter once and keeps them through the backward pass: ZeRO-2-like, not ZeRO-3
+    assert "ZeRO-2" in strategies.LABELS["fsdp"] and "ZeRO-3" not in strategies.LABELS["fsdp"]

@@ -15,11 +15,35 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from course_lib import comms, data, model, parallel, parity, steps, strategies
-from course_lib.config import PROFILES
+from course_lib import comms, data, model, parallel, parity, steps
 from course_lib.meshes import DATA, data_mesh
 
-from ._common import call_answer, checker, fail, passed, require
+from ._common import call_answer, checker, fail, passed
+from ._lesson08_fsdp import FSDP_CASES, check_fsdp_prediction, fsdp_case
+
+__all__ = [
+    "FSDP_CASES",
+    "check_fsdp_prediction",
+    "check_zero1",
+    "fsdp_case",
+    "make_check_optimizer",
+]
+
+WEIGHT_DECAY = 0.05
+"""Weight decay of the ZeRO-1 checker's optimizer."""
+
+
+def make_check_optimizer(learning_rate: float = 0.01):
+    """SGD with momentum and weight decay: an update that *reads the parameters* (``g + wd · p``), so a
+    step that hands ``optimizer.update`` the whole replicated parameters instead of this device's slices is
+    caught, and whose size follows the gradient's (an update n× too large is caught; Adam's, normalised by
+    the gradient's own scale, would not show it)."""
+    import optax
+
+    return optax.chain(
+        optax.add_decayed_weights(WEIGHT_DECAY), optax.sgd(learning_rate, momentum=0.9)
+    )
+
 
 BATCH_PER_DEVICE = 4
 CHECK_STEPS = 3
@@ -36,7 +60,7 @@ def _zero1_mapped(body: Callable, model_config, n: int, mesh: Any):
     abstract): ``(mapped, state_specs, graphdef, params, optimizer, specs)``; parameters replicated, the
     optimizer state sharded as FSDP shards the parameters."""
     graphdef, params = model.init_model(jax.random.key(0), model_config)
-    optimizer = steps.make_optimizer(0.01)
+    optimizer = make_check_optimizer()
     specs = parallel.fsdp_specs(params, n)
     opt_specs = parallel.specs_like(jax.eval_shape(optimizer.init, params), params, specs)
     state_specs = steps.TrainState(jax.tree.map(lambda _: P(), params), opt_specs)
@@ -83,6 +107,12 @@ def _explain(e: Exception):
             "the new parameters must be the same on every device (out_specs P()): all_gather each updated "
             "slice with lax.all_gather(…, axis=d, tiled=True, to='invarying'); and the loss: lax.pmean it",
         )
+    if "params" in text and "update" in text:
+        return (
+            f"optimizer.update needs the parameters ({type(e).__name__}: {text[:160]})",
+            "the checker's optimizer (weight decay) reads the parameters: pass this device's parameter "
+            "slices as optimizer.update's third argument",
+        )
     if "shape" in text.lower() or "incompatible" in text.lower():
         return (
             f"a shape does not match ({type(e).__name__}: {text[:160]})",
@@ -96,7 +126,7 @@ def _explain(e: Exception):
 def _reference(n: int, model_config):
     """Single-device jit on the CNN: the batches for ``n`` devices, A's states and losses (cached)."""
     graphdef, params = model.init_model(jax.random.key(0), model_config)
-    optimizer = steps.make_optimizer(0.01)
+    optimizer = make_check_optimizer()
     ds = data.SyntheticImages(image_size=model_config.image_size, signal=3.0)
     batches = data.batches(ds, jax.random.key(1), CHECK_STEPS, BATCH_PER_DEVICE * n)
     step = jax.jit(
@@ -293,111 +323,3 @@ def _judge_collectives(found: list[tuple[str, int]], params, specs, n) -> None:
             "ZeRO-1 sends what data parallelism sends: one reduce-scatter of each sharded gradient and one "
             "all-gather of each updated parameter slice",
         )
-
-
-FSDP_CASES = (("cpu", 8), ("cpu", 3), ("tiny", 8), ("tiny", 3), ("cpu", 2))
-"""(profile, devices) at which the FSDP prediction is checked: at 3 devices most of the cpu profile's
-leaves have no dimension divisible by 3 and stay whole; on the tiny model most leaves are small."""
-
-
-def fsdp_case(profile: str, n: int) -> dict:
-    """One FSDP case from shapes alone (float32): ``param_bytes``, ``replicated_bytes`` (the leaves
-    :func:`course_lib.parallel.fsdp_specs` keeps whole), and the true ``sent`` (:mod:`course_lib.comms`'s
-    prediction, which the lab checks against compiled programs) and ``state`` (params + momentum) per device."""
-    cfg = PROFILES[profile].model
-    shapes = comms.param_shapes(cfg)
-    flat = [shape for leaves in shapes.values() for shape in leaves.values()]
-    total = sum(int(np.prod(s)) for s in flat)
-    whole = sum(int(np.prod(s)) for s in flat if parallel.fsdp_dim(tuple(s), n) is None)
-    local = sum(
-        int(np.prod(s)) // (1 if parallel.fsdp_dim(tuple(s), n) is None else n) for s in flat
-    )
-    sent = comms.total_sent(strategies.predict_comm("fsdp", cfg, 4 * n, n))
-    return {
-        "profile": profile,
-        "n": n,
-        "param_bytes": 4 * total,
-        "replicated_bytes": 4 * whole,
-        "sent": sent,
-        "state": 2 * 4 * local,
-    }
-
-
-@checker
-def check_fsdp_prediction(sent_fn: Callable, state_fn: Callable, measured_row=None) -> bool:
-    """``sent_fn(param_bytes, replicated_bytes, n)`` and ``state_fn(...)``: E's bytes sent per device per
-    step and its parameter + momentum bytes per device, checked within 2 % at every :data:`FSDP_CASES`
-    (the checker's own shapes), then within 5 % against this run's measurement ``runs["fsdp"].row``."""
-    for case in (fsdp_case(p, n) for p, n in FSDP_CASES):
-        args = (case["param_bytes"], case["replicated_bytes"], case["n"])
-        where = (
-            f"{case['profile']} profile on {case['n']} devices (param_bytes={args[0]:,}, "
-            f"replicated_bytes={args[1]:,})"
-        )
-        sent = _number("fsdp_sent_bytes", call_answer("fsdp_sent_bytes", sent_fn, *args))
-        state = _number("fsdp_state_bytes", call_answer("fsdp_state_bytes", state_fn, *args))
-        _judge_sent(sent, case["sent"], case["n"], where, 0.02)
-        _judge_state(state, case, where, 0.02)
-    if measured_row is not None and "profile" in measured_row:
-        n = int(measured_row["n_devices"])
-        case = fsdp_case(measured_row["profile"], n)
-        scale = 2 if measured_row.get("precision") == "float64" else 1  # 8-byte values
-        args = (scale * case["param_bytes"], scale * case["replicated_bytes"], n)
-        true_sent = float(measured_row["collective_bytes_per_device"])
-        true_state = float(
-            measured_row["param_bytes_per_device"] + measured_row["opt_state_bytes_per_device"]
-        )
-        where = f"this run (measured, {measured_row.get('precision', 'float32')})"
-        _judge_sent(float(sent_fn(*args)), true_sent, n, where, 0.05)
-        _judge_state(float(state_fn(*args)), {**case, "state": true_state}, where, 0.05)
-        return passed(
-            f"at every case checked, and this run: E sends {true_sent:,.0f} B per device per step and "
-            f"holds {true_state:,.0f} B of state per device"
-        )
-    return passed(f"E's bytes sent and held match at {len(FSDP_CASES)} device counts and layouts")
-
-
-def _number(what: str, value) -> float:
-    value = require(what, value, "return a number of bytes")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        fail(f"{what} returned {value!r}", "return a number of bytes")
-
-
-def _judge_sent(sent: float, true_sent: float, n: int, where: str, tol: float) -> None:
-    if _close(sent, true_sent, tol):
-        return
-    if true_sent and _close(sent, 2 * true_sent, tol):
-        hint = "each collective sends (n-1)/n of its bytes once: an all-gather forward, a reduce-scatter backward"
-    elif true_sent and _close(sent, true_sent / 2, tol):
-        hint = "the backward pass sends too: the transpose of the all_gather is a reduce-scatter of the gradients"
-    elif n > 1 and true_sent and _close(sent, true_sent * n / (n - 1), tol):
-        hint = "a device keeps its own block: (n-1)/n of the bytes travel"
-    elif n == 1:
-        hint = "one device sends nothing"
-    else:
-        hint = (
-            "per sharded parameter: all-gather (n-1)/n·S forward + reduce-scatter (n-1)/n·S backward; the "
-            "leaves kept whole are all-reduced (2(n-1)/n·S), with the loss"
-        )
-    fail(f"{where}: predicted {sent:,.0f} bytes sent per device, true {true_sent:,.0f}", hint)
-
-
-def _judge_state(state: float, case: dict, where: str, tol: float) -> None:
-    true_state, n = case["state"], case["n"]
-    if _close(state, true_state, tol):
-        return
-    if _close(state, true_state / 2, tol):
-        hint = "SGD with momentum keeps one momentum value per parameter: count it too"
-    elif n > 1 and _close(state, true_state * n, tol):
-        hint = "FSDP shards both the parameters and the momentum over the devices"
-    elif case["replicated_bytes"] and _close(state, 2 * case["param_bytes"] / n, tol):
-        hint = "the leaves fsdp_specs keeps whole (replicated_bytes) are held whole on every device"
-    else:
-        hint = "(sharded bytes / n + replicated bytes) for the parameters, and as much for the momentum"
-    fail(f"{where}: predicted {state:,.0f} bytes of state per device, true {true_state:,.0f}", hint)
-
-
-def _close(a: float, b: float, tol: float = 0.05) -> bool:
-    return abs(a - b) <= tol * max(abs(b), 1.0)
