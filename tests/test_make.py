@@ -5,6 +5,7 @@ does not take is refused by name, bad values stop make, and a target run a secon
 ``make student`` cases run for real into a temporary build folder (a few seconds each).
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -19,8 +20,11 @@ VENV = Path(sys.prefix)
 def make(*args, cwd=ROOT, dry=True, timeout=120):
     """``make [-n] ARGS`` with this session's environment as VENV (never rebuilt: ``-o``)."""
     venv = [f"VENV={VENV}", "-o", f"{VENV}/.installed"]
-    cmd = ["make", *(["-n"] if dry else []), *venv, *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    cmd = ["make", "--no-print-directory", *(["-n"] if dry else []), *venv, *args]
+    # Under `make test` this make is a sub-make: MAKELEVEL and MAKEFLAGS would make it print "Entering
+    # directory" lines and inherit the outer make's flags, so it runs as a make of its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def readme_options() -> dict[str, list[str]]:
