@@ -244,7 +244,9 @@ def test_student_book_in_the_browser(student_book, tmp_path):
                 book_browser.check_page(v, out, base)
                 if page.stem in book_browser.LESSONS:
                     assert book_browser.sidebar_lessons(v) == book_browser.LESSONS, page.name
-                    assert len(v.prev_next) == (1 if page.stem == book_browser.LESSONS[-1] else 2), page.name
+                    assert len(v.prev_next) == (
+                        1 if page.stem == book_browser.LESSONS[-1] else 2
+                    ), page.name
                     assert v.page_toc, f"{page.name}: no per-page contents"
                     assert "student version" in v.text
             home = browser.visit(base + "index.html", screenshot=False)
