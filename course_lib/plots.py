@@ -3,6 +3,10 @@ never calls ``plt.show()`` and never changes global matplotlib style."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
@@ -228,7 +232,20 @@ def drift(relative: dict, ax=None, reference: str = "float64 A"):
 
 
 def save(fig, path) -> str:
-    """Save a Figure (or the Figure of an Axes) as PNG at 110 dpi; returns the path as a string."""
+    """Save a Figure (or the Figure of an Axes) as PNG at 110 dpi; returns the path as a string.
+
+    The PNG is written to a temporary file beside ``path`` and moved into place (``os.replace``), so a
+    full disk or an interrupted run leaves the previous picture (or none), never a truncated one; the
+    ``OSError`` of a failed write is raised as it is, and the temporary file is removed."""
     fig = getattr(fig, "figure", fig)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return str(path)

@@ -36,3 +36,24 @@ def test_plots_draw_what_they_are_given():
     fig = plots.comparison(rows[rows.n_devices == 4], reference=rows[rows.n_devices == 1])
     assert len(fig.axes) == 4 and len(fig.axes[0].patches) == 4
     matplotlib.pyplot.close("all")
+
+
+def test_save_replaces_a_picture_whole_or_leaves_the_old_one(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from course_lib import plots
+
+    fig = matplotlib.figure.Figure()
+    fig.add_subplot().plot([0, 1], [1, 0])
+    path = tmp_path / "p.png"
+    assert plots.save(fig, path) == str(path)
+    first = path.read_bytes()
+    assert first.startswith(b"\x89PNG") and oct(path.stat().st_mode & 0o777) == "0o644"
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        plots.save(fig, path)
+    assert path.read_bytes() == first and [p.name for p in tmp_path.iterdir()] == ["p.png"]
