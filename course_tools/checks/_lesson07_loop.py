@@ -30,6 +30,8 @@ HOST = (0.45, 0.3, 0.6, 0.35, 0.5, 0.4)
 """Each ``make_batch(i)``'s host work, as a fraction of the device time of the step before it (step
 ``i - 1``, with which a good loop overlaps it); ``log`` works a quarter of that."""
 _BASE_ITERS = 120
+LOG_LAG = 2
+"""``log(i, …)`` runs before step ``i + 1 + LOG_LAG`` is dispatched: at most this many steps late."""
 
 
 class Harness:
@@ -49,12 +51,14 @@ class Harness:
         self.ended: list = []  # when each step finished, recorded by the watcher thread
         self.batch_calls: list = []  # (i, start, end, running at start, running at end)
         self.logs: list = []  # (i, loss, steps dispatched by then)
+        self.queued: list = []  # per step 1 …: whether the step before still ran when it was dispatched
         self._pending: queue.Queue = queue.Queue()
 
     def _step_fn(self, state, batch, iters):
         h = lax.fori_loop(0, iters, lambda i, h: jnp.tanh(h @ self.m), state + batch)
         loss = jnp.mean((h - batch) ** 2)
-        return 0.9 * state + 0.1 * batch, {"loss": loss}
+        # the new state depends on the whole step's work: it is ready no sooner than the loss
+        return 0.9 * state + 0.1 * batch + 1e-6 * loss, {"loss": loss}
 
     def warm_up(self) -> Any:
         """Compile, then time one step of the base work (median of 3): the unit of every host time."""
@@ -95,6 +99,8 @@ class Harness:
     def step(self, state, batch):
         with self.lock:
             k = len(self.dispatched)
+        if k:
+            self.queued.append(self._running())
         t = time.perf_counter()
         out = self._step(state, batch, self.iters[min(k, N_STEPS - 1)])
         with self.lock:
@@ -196,6 +202,10 @@ def check_train_loop(fn: Callable) -> tuple[float, float, float]:
     - calls ``log(i, loss_i)`` once per step, in order, with step ``i``'s own loss;
     - never reads a loss before the next step is on its way: when ``log(i, …)`` runs, step ``i + 1`` has
       been dispatched (``i < n_steps - 1``);
+    - logs while training runs: ``log(i, …)`` runs before step ``i + 1 + LOG_LAG`` is dispatched;
+    - keeps the devices fed: at least half of the steps ``1 … n_steps-1`` are dispatched while the step
+      before still runs (a loop that waits on step ``i`` — reads its loss, copies the state to the host —
+      before dispatching step ``i + 1`` has none);
     - makes the batches while the devices compute: of the time ``make_batch(1 …)`` take, at least half
       overlaps a running step (measured: see :meth:`Harness.overlap`). The devices' work and the host's
       work per step vary (:data:`WORK`, :data:`HOST`), the host's always less than the step it can overlap.
@@ -218,6 +228,15 @@ def check_train_loop(fn: Callable) -> tuple[float, float, float]:
             "reading a loss waits for its step; dispatch the next step first, so the devices have work "
             "while the host waits and logs",
         )
+    behind = [i for i, _, n_disp in h.logs if n_disp > i + 1 + LOG_LAG]
+    if behind:
+        i = behind[0]
+        fail(
+            f"log({i}) ran after step {h.logs[i][2] - 1} was dispatched: the losses are logged "
+            f"{h.logs[i][2] - 1 - i} steps late",
+            "log while training runs, not after it: log step i's loss once step i+1 is on its way "
+            "(a diverging loss should show while the devices still compute)",
+        )
     overlapped, total = h.overlap()
     if overlapped < 0.5 * total:
         idle = sum(1 for i, _, _, start, _ in h.batch_calls if i >= 1 and not start)
@@ -226,5 +245,15 @@ def check_train_loop(fn: Callable) -> tuple[float, float, float]:
             f"spent making batches 1 … {N_STEPS - 1} ({idle} of them began with no step running)",
             "make batch i+1 while step i runs: dispatch step i, then make the next batch, and read "
             "losses only after the next step is on its way",
+        )
+    waited = h.queued.count(False)
+    if waited > len(h.queued) // 2:
+        fail(
+            f"{waited} of the {len(h.queued)} steps 1 … {N_STEPS - 1} were dispatched after the step "
+            "before had finished: the devices sat idle between steps",
+            "something waits for step i before step i+1 is dispatched — reading its loss (float, "
+            "np.asarray, device_get), copying the state to the host, block_until_ready — or the host "
+            "works longer than a step between two dispatches: dispatch step i+1 first, then read step "
+            "i's values",
         )
     return overlapped, total, took
