@@ -101,8 +101,8 @@ def test_train_loop_accepts_loops_that_keep_the_devices_busy(answer):
             "devices computed during 0 ms.*5 of them began with no step",
         ),
         (a.train_loop_log_before_next, r"log\(0\) ran before step 1 was dispatched"),
-        (a.train_loop_reads_loss_early, "5 of the 5 steps .* after the step before had finished"),
-        (a.train_loop_syncs_state, "5 of the 5 steps .* copying the state to the host"),
+        (a.train_loop_reads_loss_early, "[3-5] of the 5 steps .* after the loop waited"),
+        (a.train_loop_syncs_state, "[3-5] of the 5 steps .* copying the state to the host"),
         (
             a.train_loop_logs_at_end,
             r"log\(0\) ran after step 5 was dispatched.*while training runs",
