@@ -134,3 +134,37 @@ def fsdp_tp_step_no_out_sharding(params, velocity, x, y, lr):  # wrong: the ambi
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     return (*_momentum(params, velocity, grads, lr), loss)
+
+
+def fsdp_tp_step_lr_ignored(params, velocity, x, y, lr):  # wrong: the learning rate hard-coded
+    def loss_fn(p):
+        return _mlp(
+            p, x, y, jax.reshard(p["w1"], P(None, MODEL)), jax.reshard(p["w2"], P(MODEL, None))
+        )
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return (*_momentum(params, velocity, grads, 0.1), loss)
+
+
+def fsdp_tp_step_shard_map(params, velocity, x, y, lr):
+    """Other correct form: the same step in ``jax.shard_map``: all_gather over data only, one psum over
+    model, the gradient of the global loss (the gradients come back reduce-scattered over data)."""
+    specs = {"w1": P(DATA, MODEL), "b1": P(MODEL), "w2": P(MODEL, DATA), "b2": P()}
+
+    def body(p, v, xb, yb):
+        def loss_fn(p):
+            w1 = jax.lax.all_gather(p["w1"], DATA, axis=0, tiled=True)
+            w2 = jax.lax.all_gather(p["w2"], DATA, axis=1, tiled=True)
+            out = jax.lax.psum(jax.nn.relu(xb @ w1 + p["b1"]) @ w2, MODEL) + p["b2"]
+            return jax.lax.pmean(jnp.mean((out - yb) ** 2), DATA)
+
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        return (*_momentum(p, v, g, lr), loss)
+
+    mapped = jax.shard_map(
+        body,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(specs, specs, P(DATA), P(DATA)),
+        out_specs=(specs, specs, P()),
+    )
+    return mapped(params, velocity, x, y)

@@ -383,3 +383,40 @@ def halo_gather(x_block, kernel, axis_name):  # wrong: gathers the whole signal
     start = lax.axis_index(axis_name) * rows
     window = lax.dynamic_slice_in_dim(padded, start, rows + 2 * r)
     return sum(kernel[j] * window[j : j + rows] for j in range(kernel.shape[0]))
+
+
+def ring_bf16(x_block, axis_name):  # wrong: the reference ring, every chunk sent in bfloat16
+    n = lax.axis_size(axis_name)
+    me = lax.axis_index(axis_name)
+    right = [(i, (i + 1) % n) for i in range(n)]
+    chunks = x_block.reshape(n, -1, *x_block.shape[1:])
+
+    def send(v):
+        return lax.ppermute(v.astype(jnp.bfloat16), axis_name, right).astype(x_block.dtype)
+
+    running = chunks[me]
+    for s in range(n - 1):
+        running = send(running) + chunks[(me - 1 - s) % n]
+    out = jnp.zeros_like(chunks).at[(me + 1) % n].set(running)
+    for s in range(n - 1):
+        running = send(running)
+        out = out.at[(me - s) % n].set(running)
+    return out.reshape(x_block.shape)
+
+
+def tp_cross_entropy_gather_varying(
+    logits_block, labels, axis_name
+):  # wrong: all_gather, to varying
+    full = lax.all_gather(logits_block, axis_name, axis=1, tiled=True)  # [b, V] on every shard
+    return jax.nn.logsumexp(full, -1) - jnp.take_along_axis(full, labels[:, None], -1)[:, 0]
+
+
+def halo_bf16(x_block, kernel, axis_name):  # wrong: the right exchange, the halos sent in bfloat16
+    n = lax.axis_size(axis_name)
+    r, rows = kernel.shape[0] // 2, x_block.shape[0]
+    to_next = [(i, i + 1) for i in range(n - 1)]
+    to_prev = [(i + 1, i) for i in range(n - 1)]
+    before = lax.ppermute(x_block[rows - r :].astype(jnp.bfloat16), axis_name, to_next)
+    after = lax.ppermute(x_block[:r].astype(jnp.bfloat16), axis_name, to_prev)
+    padded = jnp.concatenate([before.astype(x_block.dtype), x_block, after.astype(x_block.dtype)])
+    return sum(kernel[j] * padded[j : j + rows] for j in range(kernel.shape[0]))

@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from course_tools.checks.lesson07 import layer
@@ -300,4 +301,67 @@ def train_loop_log_before_next(
         log(
             i, metrics["loss"]
         )  # ... but then waits for it: the devices idle until the next dispatch
+    return state
+
+
+def predict_memory_wrong_alias():  # wrong: with every tree donated, a third tree aliases
+    return {(): (3, 2, 0), (0,): (3, 2, 1), (0, 2): (3, 2, 2), (0, 1, 2): (3, 2, 3)}
+
+
+def remat_loss_named_depths_only(weights, x):  # wrong: block sizes looked up for 4, 9 and 25 layers
+    depth = weights.shape[0]
+    size = {4: 2, 9: 3, 25: 5}.get(depth, depth)  # any other depth: one checkpoint, nothing saved
+
+    @jax.checkpoint
+    def block(h, ws):
+        for w in ws:
+            h = layer(h, w)
+        return h
+
+    h = x
+    for i in range(0, depth, size):
+        h = block(h, weights[i : i + size])
+    return jnp.mean(h**2)
+
+
+def train_loop_reads_loss_early(step, state, make_batch, n_steps, log):
+    """Wrong: reads step i's loss before step i+1 is dispatched, so the host waits for every step."""
+    batch, pending = make_batch(0), None
+    for i in range(n_steps):
+        state, metrics = step(state, batch)
+        if i + 1 < n_steps:
+            batch = make_batch(i + 1)
+        value = np.asarray(metrics["loss"])  # waits for step i
+        if pending is not None:
+            log(i - 1, pending)
+        pending = value
+    log(n_steps - 1, pending)
+    return state
+
+
+def train_loop_syncs_state(step, state, make_batch, n_steps, log):
+    """Wrong: copies the state to the host after every step (a checkpoint every step): it waits."""
+    batch, pending = make_batch(0), None
+    for i in range(n_steps):
+        state, metrics = step(state, batch)
+        if i + 1 < n_steps:
+            batch = make_batch(i + 1)
+        jax.device_get(state)  # waits for step i
+        if pending is not None:
+            log(i - 1, pending)
+        pending = metrics["loss"]
+    log(n_steps - 1, pending)
+    return state
+
+
+def train_loop_logs_at_end(step, state, make_batch, n_steps, log):
+    """Wrong: overlaps batch-making, but logs nothing until training ends."""
+    batch, losses = make_batch(0), []
+    for i in range(n_steps):
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+        if i + 1 < n_steps:
+            batch = make_batch(i + 1)
+    for i, loss in enumerate(losses):
+        log(i, loss)
     return state

@@ -98,6 +98,13 @@ def test_collective_predictions(report):
         devs,
         match="OP over AXIS",
     )
+    for hedged in ("none; all-reduce over model", ["none", ("all-reduce", "model")]):
+        rejects(  # "none" next to an operation contradicts itself: malformed, not judged
+            lesson05.check_collective_predictions,
+            {**RIGHT, "b": hedged},
+            devs,
+            match="'none' stands alone",
+        )
     rejects(lesson05.check_collective_predictions, {"a": "none"}, devs, match="exactly the keys")
     _not_written(lesson05.check_collective_predictions, None, devs)
     _not_written(lesson05.check_collective_predictions, dict.fromkeys(RIGHT, ...), devs)
@@ -264,6 +271,27 @@ def train_wrong_lr(step, state, batches, mesh, lr_schedule):
     return state, losses
 
 
+def train_own_mesh(step, state, batches, mesh, lr_schedule):
+    """Wrong: ignores the mesh it is given and builds one over jax.devices()."""
+    own = jax.make_mesh((jax.device_count(),), (DATA,))
+    step_fn, rows = jax.jit(step), NamedSharding(own, P(DATA))
+    state, losses = jax.device_put(state, NamedSharding(own, P())), []
+    for i, batch in enumerate(batches):
+        state, loss = step_fn(state, jax.device_put(batch, rows), lr_schedule(i))
+        losses.append(float(loss))
+    return state, losses
+
+
+def train_in_shardings_numpy(step, state, batches, mesh, lr_schedule):
+    """Wrong: jit(in_shardings=...) fed NumPy, the state never placed (compiled twice)."""
+    rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA))
+    step_fn, losses = jax.jit(step, in_shardings=(rep, rows, None)), []
+    for i, batch in enumerate(batches):
+        state, loss = step_fn(state, batch, lr_schedule(i))
+        losses.append(float(loss))
+    return state, losses
+
+
 def test_data_parallel_loop(report):
     devs = report.devices
     n = len(devs)
@@ -300,6 +328,19 @@ def test_data_parallel_loop(report):
         devs,
         match="place the state on the mesh",
     )
+    if n > 1:
+        rejects(
+            lesson05.check_data_parallel_loop,
+            train_own_mesh,
+            devs,
+            match=f"mesh over {n // 2} of the devices.*split {n} ways.*mesh argument",
+        )
+    rejects(  # the two replicated types print alike: the message names the mesh
+        lesson05.check_data_parallel_loop,
+        train_in_shardings_numpy,
+        devs,
+        match="compiled twice.*on no mesh \\(uncommitted\\) to .* on the mesh \\{'data'",
+    )
     _not_written(lesson05.check_data_parallel_loop, stub, devs)
 
 
@@ -310,6 +351,7 @@ FSDP_RIGHT = [
     a.fsdp_tp_step_einsum,
     a.fsdp_tp_step_auto_matmul,
     a.fsdp_tp_step_gather_first,
+    a.fsdp_tp_step_shard_map,
 ]
 
 
@@ -326,6 +368,7 @@ def test_fsdp_tp_step_accepts(report, answer):
         (a.fsdp_tp_step_replicated_out, "gathers 4,096 bytes.*stay split over data"),
         (a.fsdp_tp_step_keeps_gathered, "parameters \\['w1', 'w2'\\] changed sharding"),
         (a.fsdp_tp_step_sgd, "new velocity of.*0.9 \\* v"),
+        (a.fsdp_tp_step_lr_ignored, "updated .* with lr=0.05.*lr the argument"),
         (a.fsdp_tp_step_loss_after, "loss .* before the update"),
         (a.fsdp_tp_step_no_out_sharding, "ShardingTypeError.*out_sharding=P\\('data', None\\)"),
         (

@@ -66,6 +66,7 @@ def test_ring_all_reduce():
         (a.ring_wrong_index, "differs from psum|one chunk only"),
         (a.ring_nothing, "still holds its own block"),
         (a.ring_gather_then_sum, r"sends 7\.00× its block"),
+        (a.ring_bf16, "differs from psum.*in bfloat16: the error is rounding"),
     ],
 )
 def test_ring_all_reduce_rejects(answer, match):
@@ -94,6 +95,7 @@ def test_tp_cross_entropy(report, n):
         (a.tp_cross_entropy_local_max, "differs from the full.*same global max"),
         (a.tp_cross_entropy_no_stop_gradient, "'pmax' has no derivative.*stop_gradient"),
         (a.tp_cross_entropy_gather, "the logits travel.*all_gather"),
+        (a.tp_cross_entropy_gather_varying, "the logits travel.*all_gather"),
         (a.tp_cross_entropy_unmasked, "differs from the full"),
     ],
 )
@@ -119,6 +121,7 @@ def test_halo_stencil(report, answer, n):
         (a.halo_swapped, "differs from the stencil of the whole signal at rows.*which block each"),
         (a.halo_whole_blocks, "sends 144 bytes; the halo is 2 · r · C · 4 = 48 bytes"),
         (a.halo_gather, "uses \\['all_gather'\\]"),
+        (a.halo_bf16, "differs from the stencil.*in bfloat16: the error is rounding"),
     ],
 )
 def test_halo_stencil_rejects(report, answer, match):

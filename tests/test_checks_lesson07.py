@@ -2,11 +2,14 @@
 other correct forms, rejects typical wrong answers with its own hint, and prints "not written yet" for the
 student stub (8 simulated CPU devices from conftest.py)."""
 
+import re
+
 import answers_lesson07 as a
 import pytest
 from checking import rejects
 
 from course_tools.checks import ExerciseError, lesson07
+from course_tools.checks import _lesson07_remat as _remat
 
 
 def stub(*args, **kwargs):
@@ -34,6 +37,11 @@ def test_memory_prediction():
             lesson07.check_memory_prediction(wrong)
         first = str(e.value).splitlines()[0]  # how many, never which
         assert "donate" not in first and "alias" not in first, first
+    with pytest.raises(ExerciseError, match="(?s)1 of your 12 numbers.*reread section 4") as e:
+        lesson07.check_memory_prediction(a.predict_memory_wrong_alias)
+    assert "same shape and dtype" not in str(
+        e.value
+    )  # the hint points at the section, not the rule
     rejects(lesson07.check_memory_prediction, lambda: {(): (3, 2, 0)}, match="keys")
 
 
@@ -47,16 +55,28 @@ def test_remat_loss_accepts(answer):
     [
         (a.remat_loss_given, "with 4 layers the gradient's temporaries are 5.2.*Around one layer"),
         (a.remat_loss_whole, "with 4 layers .* without any checkpoint 5.2.*around the whole loss"),
-        (a.remat_loss_dots, "with 4 layers .* blocks of 2 consecutive layers 4.3"),
+        (a.remat_loss_dots, "with 4 layers .* the best split into checkpointed blocks .* 4.3"),
         (a.remat_loss_scan, "with 4 layers the gradient's temporaries are 7.1"),
-        (a.remat_loss_fixed_4, "with 4 layers .*L/k \\+ k smallest"),
-        (a.remat_loss_pairs, "with 25 layers .* blocks of 5 consecutive layers"),
-        (a.remat_loss_fixed_3, "with 25 layers .* blocks of 5 consecutive layers"),
+        (a.remat_loss_fixed_4, "with 4 layers .*as a function of k, and choose k from L"),
+        (a.remat_loss_pairs, "with 25 layers .* the best split into checkpointed blocks"),
+        (a.remat_loss_fixed_3, "with 25 layers .* the best split into checkpointed blocks"),
         (a.remat_loss_skips_a_layer, "loss or its gradient differs"),
     ],
 )
 def test_remat_loss_rejects(answer, match):
     rejects(lesson07.check_remat_loss, answer, match=match)
+
+
+@pytest.mark.parametrize("depth", _remat.UNNAMED_DEPTHS)
+def test_remat_loss_judges_a_depth_the_exercise_does_not_name(monkeypatch, depth):
+    """A block size looked up for the named depths (4, 9, 25) is refused at any depth drawn; the
+    reference and the refusal message name no block size."""
+    monkeypatch.setattr(_remat, "unnamed_depth", lambda: depth)
+    assert lesson07.check_remat_loss(a.remat_loss)
+    with pytest.raises(ExerciseError, match=f"with {depth} layers") as e:
+        lesson07.check_remat_loss(a.remat_loss_named_depths_only)
+    assert "consecutive layers" in str(e.value) and "√" not in str(e.value)
+    assert not re.search(r"blocks of \d", str(e.value)) and "L/k + k" not in str(e.value)
 
 
 @pytest.mark.parametrize(
@@ -81,6 +101,12 @@ def test_train_loop_accepts_loops_that_keep_the_devices_busy(answer):
             "devices computed during 0 ms.*5 of them began with no step",
         ),
         (a.train_loop_log_before_next, r"log\(0\) ran before step 1 was dispatched"),
+        (a.train_loop_reads_loss_early, "[3-5] of the 5 steps .* after the loop waited"),
+        (a.train_loop_syncs_state, "[3-5] of the 5 steps .* copying the state to the host"),
+        (
+            a.train_loop_logs_at_end,
+            r"log\(0\) ran after step 5 was dispatched.*while training runs",
+        ),
     ],
 )
 def test_train_loop_rejects(answer, match):

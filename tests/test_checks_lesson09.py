@@ -128,7 +128,35 @@ def test_mesh_devices():
         sorted(devs, key=lambda x: (-x.process_index, x.id)), dtype=object
     ).reshape(d, m)
     rejects(lesson09.check_mesh_devices, reverse, match="process order")
+    rejects(lesson09.check_mesh_devices, mesh_first_appearance, match="process order")
+    rejects(lesson09.check_mesh_devices, mesh_hybrid_as_given, match="not in id order")
     _not_written(lesson09.check_mesh_devices, stub)
+
+
+def mesh_first_appearance(devices, n_data, n_model):
+    """Wrong: processes ordered by where their first device appears in the list, not by index."""
+    seen = []
+    for d in devices:
+        if d.process_index not in seen:
+            seen.append(d.process_index)
+    ordered = sorted(devices, key=lambda d: (seen.index(d.process_index), d.id))
+    return np.array(ordered, dtype=object).reshape(n_data, n_model)
+
+
+def mesh_hybrid_as_given(devices, n_data, n_model):
+    """Wrong by the spec (each process's devices in id order): JAX's helper on the devices as listed
+    keeps their order inside each process; on the devices sorted by id it is right (mesh_hybrid)."""
+    from jax.experimental import mesh_utils
+
+    n_proc = len({d.process_index for d in devices})
+    return mesh_utils.create_hybrid_device_mesh(
+        (n_data // n_proc, n_model), (n_proc, 1), devices=devices, process_is_granule=True
+    )
+
+
+def test_mesh_devices_success_message_names_the_sorted_devices(capsys):
+    assert lesson09.check_mesh_devices(mesh_ref)
+    assert "given the devices sorted by id" in capsys.readouterr().out
 
 
 def test_mesh_devices_hybrid_helper_agrees():
@@ -176,22 +204,57 @@ def load_grouped(
     )
 
 
-def load_coalesced(
-    source, sharding, global_shape
-):  # other correct form: one read of this process's box
-    index_map = sharding.addressable_devices_indices_map(global_shape)
+def _box(index_map, global_shape):
     spans = [
         [(s.start or 0, size if s.stop is None else s.stop) for s, size in zip(idx, global_shape)]
         for idx in index_map.values()
     ]
     lo = [min(sp[d][0] for sp in spans) for d in range(len(global_shape))]
     hi = [max(sp[d][1] for sp in spans) for d in range(len(global_shape))]
+    return spans, lo, hi
+
+
+def load_coalesced(source, sharding, global_shape):
+    """Other correct form (the review's): one read of this process's blocks when they fill their
+    bounding box exactly, one read per distinct block otherwise."""
+    index_map = sharding.addressable_devices_indices_map(global_shape)
+    spans, lo, hi = _box(index_map, global_shape)
+    covered = np.zeros([b - a for a, b in zip(lo, hi)], bool)
+    for sp in spans:
+        covered[tuple(slice(a - o, b - o) for (a, b), o in zip(sp, lo))] = True
+    if not covered.all():
+        return load_ref(source, sharding, global_shape)
     box = np.asarray(source[tuple(slice(a, b) for a, b in zip(lo, hi))])  # one read
     arrays = [
         jax.device_put(box[tuple(slice(a - o, b - o) for (a, b), o in zip(sp, lo))], device)
         for device, sp in zip(index_map, spans)
     ]
     return jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
+
+
+def load_bounding_box(source, sharding, global_shape):
+    """Wrong: one read of the bounding box of this process's blocks, also when they are not contiguous
+    (then it reads rows only another process holds)."""
+    index_map = sharding.addressable_devices_indices_map(global_shape)
+    spans, lo, hi = _box(index_map, global_shape)
+    box = np.asarray(source[tuple(slice(a, b) for a, b in zip(lo, hi))])
+    arrays = [
+        jax.device_put(box[tuple(slice(a - o, b - o) for (a, b), o in zip(sp, lo))], device)
+        for device, sp in zip(index_map, spans)
+    ]
+    return jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
+
+
+def load_fill_and_put(source, sharding, global_shape):
+    """Wrong: reads each block once into a host array of the whole global shape, then device_puts it:
+    every host holds the global batch."""
+    index_map = sharding.addressable_devices_indices_map(global_shape)
+    full, done = np.zeros(global_shape, source.dtype), set()
+    for idx in index_map.values():
+        if str(idx) not in done:
+            full[idx] = source[idx]
+            done.add(str(idx))
+    return jax.device_put(full, sharding)
 
 
 def load_global(
@@ -271,13 +334,25 @@ def test_block_loader(report):
         lesson09.check_block_loader,
         load_local_rows,
         devs,
-        match="a process per model column.*only process 1's devices hold.*whole rows",
+        match="only process 1's devices hold.*blocks are contiguous and its devices hold whole rows",
     )
     rejects(lesson09.check_block_loader, load_global, devs, match="only process 1's devices hold")
     rejects(
         lesson09.check_block_loader, load_global, devs[:1], match="only process 1's devices hold"
     )
     assert lesson09.check_block_loader(load_ref, devs[:1])
+    rejects(
+        lesson09.check_block_loader,
+        load_bounding_box,
+        devs,
+        match="devices alternating.*only process 1's devices hold.*blocks are contiguous",
+    )
+    rejects(
+        lesson09.check_block_loader,
+        load_fill_and_put,
+        devs,
+        match="8 processes, process 0 holds 16 KiB of a 128 KiB batch.*make_array_from_single_device",
+    )
     _not_written(lesson09.check_block_loader, stub, devs)
 
 

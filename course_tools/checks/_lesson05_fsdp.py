@@ -137,7 +137,7 @@ def _judge_values(params, new, new_v, loss, ref, where):
     if bad:
         fail(
             f"updated {bad} differ from one device's step {where}",
-            "p_new = p - lr * v_new, for every p",
+            "p_new = p - lr * v_new, for every p, with lr the argument the step is given",
         )
 
 
@@ -164,11 +164,28 @@ def _first_layer_types(jaxpr, b: int, h: int) -> list:
     ]
 
 
+def _local_first_layer(jaxpr, b: int, h: int) -> bool:
+    """A ``jax.shard_map`` body computes each device's block of ``x @ w1``, ``[B/d, H/m]``."""
+    for eqn, _ in programs.jaxpr_equations(jaxpr):
+        if eqn.primitive.name != "shard_map":
+            continue
+        sizes = dict(eqn.params["mesh"].shape)
+        block = sorted((b // sizes.get(DATA, 1), h // sizes.get(MODEL, 1)))
+        if any(
+            inner.primitive.name == "dot_general" and sorted(inner.outvars[0].aval.shape) == block
+            for inner, _ in programs.jaxpr_equations(eqn.params["jaxpr"])
+        ):
+            return True
+    return False
+
+
 def _judge_first_layer(jaxpr, b: int, h: int, where: str) -> None:
     found = _first_layer_types(jaxpr, b, h)
     for aval in found:
         if dim_axes(aval) == [{DATA} if size == b else {MODEL} for size in aval.shape]:
             return
+    if _local_first_layer(jaxpr, b, h):
+        return
     if found and not any(explicit_axes_of(aval) for aval in found):
         fail(
             f"x @ w1 ran on types that carry no sharding ({found[0]}) {where}",
@@ -227,7 +244,9 @@ def check_fsdp_tp_step(fn: Callable, devices: Sequence[Any]) -> bool:
       equal one device's step;
     - every new parameter and velocity keeps its :data:`AT_REST` sharding;
     - the first layer's product ``x @ w1`` is computed on Explicit types, ``[B@data, H@model]`` (only the
-      second matmul's contraction needs a choice: ``out_sharding=``, or ``auto_axes`` around it alone);
+      second matmul's contraction needs a choice: ``out_sharding=``, or ``auto_axes`` around it alone) —
+      or, written with ``jax.shard_map``, each device's block ``[B/d, H/m]`` of it;
+    - the learning rate is the argument ``lr`` (the step is also run with ``lr = 0.05``);
     - the compiled step gathers over data only, at most once per weight's model block (w1's ``[D, H/m]``
       and w2's ``[H/m, O]``), and never gathers, permutes or re-splits over model (all-reduces, e.g. the
       second layer's partial sums, are free to use either axis). On a mesh axis of size 1 nothing moves,
@@ -258,4 +277,7 @@ def check_fsdp_tp_step(fn: Callable, devices: Sequence[Any]) -> bool:
                     "nothing here, but the type says what it would move on more devices)",
                     _GATHER_HINT,
                 )
+    other = jax.jit(_reference_step)(params, velocity, x, y, 0.05)
+    new, new_v, loss = compiled(*args[:-1], 0.05)
+    _judge_values(params, new, new_v, loss, other, f"with lr=0.05 {where}")
     return True

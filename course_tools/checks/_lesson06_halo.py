@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from course_lib.programs import jaxpr_equations
 
 from ._common import fail
-from ._spmd import abstract, communicates, run_mapped
+from ._spmd import abstract, communicates, narrow_floats, precision_hint, run_mapped
 
 _AXIS = "seq"
 
@@ -96,6 +96,12 @@ def _judge_values(fn: Callable, devices: Sequence[Any], rng) -> list[int]:
                 f"{where}: every block is computed as if the signal ended at its edges",
                 "the first r rows of a block need the last r rows of the block before it, the last r rows "
                 "the first r rows of the block after it: exchange them with lax.ppermute",
+            )
+        narrow = narrow_floats(jax.make_jaxpr(mapped)(x, kernel))
+        if narrow:
+            fail(
+                f"{where}: the result differs from the stencil of the whole signal",
+                precision_hint(narrow),
             )
         bad = np.unique(np.nonzero(~np.isclose(got, want, rtol=1e-5, atol=1e-5).all(1))[0] % rows)
         fail(

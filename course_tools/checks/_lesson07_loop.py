@@ -30,6 +30,8 @@ HOST = (0.45, 0.3, 0.6, 0.35, 0.5, 0.4)
 """Each ``make_batch(i)``'s host work, as a fraction of the device time of the step before it (step
 ``i - 1``, with which a good loop overlaps it); ``log`` works a quarter of that."""
 _BASE_ITERS = 120
+LOG_LAG = 2
+"""``log(i, …)`` runs before step ``i + 1 + LOG_LAG`` is dispatched: at most this many steps late."""
 
 
 class Harness:
@@ -49,23 +51,27 @@ class Harness:
         self.ended: list = []  # when each step finished, recorded by the watcher thread
         self.batch_calls: list = []  # (i, start, end, running at start, running at end)
         self.logs: list = []  # (i, loss, steps dispatched by then)
+        self.queued: list = []  # per step 1 …: whether the step before still ran when it was dispatched
+        self.host_calls: list = []  # (start, end) of every make_batch and log call
         self._pending: queue.Queue = queue.Queue()
 
     def _step_fn(self, state, batch, iters):
         h = lax.fori_loop(0, iters, lambda i, h: jnp.tanh(h @ self.m), state + batch)
         loss = jnp.mean((h - batch) ** 2)
-        return 0.9 * state + 0.1 * batch, {"loss": loss}
+        # the new state depends on the whole step's work: it is ready no sooner than the loss
+        return 0.9 * state + 0.1 * batch + 1e-6 * loss, {"loss": loss}
 
     def warm_up(self) -> Any:
-        """Compile, then time one step of the base work (median of 3): the unit of every host time."""
+        """Compile, then time one step of the base work (the fastest of 5: a busy machine only ever
+        slows a step down): the unit of every host time."""
         state0 = jnp.zeros((self.size, self.size), jnp.float32)
         jax.block_until_ready(self._step(state0, self.batches[0], self.iters[0]))
         times = []
-        for _ in range(3):
+        for _ in range(5):
             t0 = time.perf_counter()
             jax.block_until_ready(self._step(state0, self.batches[0], self.iters[0]))
             times.append(time.perf_counter() - t0)
-        self.device_s = float(np.median(times))
+        self.device_s = float(np.min(times))
         return state0
 
     def expected(self, state):
@@ -95,6 +101,8 @@ class Harness:
     def step(self, state, batch):
         with self.lock:
             k = len(self.dispatched)
+        if k:
+            self.queued.append(self._running())
         t = time.perf_counter()
         out = self._step(state, batch, self.iters[min(k, N_STEPS - 1)])
         with self.lock:
@@ -116,13 +124,31 @@ class Harness:
         time.sleep(self._host_s(int(i)))
         end, running_end = time.perf_counter(), self._running()
         self.batch_calls.append((int(i), start, end, running_start, running_end))
+        self.host_calls.append((start, end))
         return self.batches[int(i)]
 
     def log(self, i, loss):
+        start = time.perf_counter()
         with self.lock:
             n_dispatched = len(self.dispatched)
         self.logs.append((int(i), float(loss), n_dispatched))
         time.sleep(self._host_s(int(i)) / 4)
+        self.host_calls.append((start, time.perf_counter()))
+
+    def waited(self) -> list[bool]:
+        """Per step ``1 …``: whether the loop waited for the step before ended before dispatching it —
+        that step had finished at the dispatch, and between the two dispatches the host spent more than a
+        tenth of a step outside ``make_batch`` and ``log`` (idle, or reading the step's results). A step
+        that finished during the host's own work is not a wait: the timing of a busy machine varies."""
+        out = []
+        times = [t for t, _ in self.dispatched]
+        for k, queued in enumerate(self.queued, start=1):
+            a, b = times[k - 1], times[k]
+            busy = _union_length(
+                [(max(s, a), min(e, b)) for s, e in self.host_calls if e > a and s < b]
+            )
+            out.append(not queued and (b - a) - busy > 0.1 * self.device_s)
+        return out
 
     def busy_intervals(self) -> list[tuple[float, float]]:
         """Each step's interval on the device: from its dispatch (or the previous step's end) to its end."""
@@ -149,6 +175,15 @@ class Harness:
             elif running_start:
                 overlapped += sum(max(0.0, min(end, b) - max(start, a)) for a, b in busy)
         return overlapped, total
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, -np.inf
+    for s, e in sorted(spans):
+        if e > reach:
+            total += e - max(s, reach)
+            reach = e
+    return total
 
 
 def _judge_calls(h: Harness, state, want_state, want_losses) -> None:
@@ -196,6 +231,10 @@ def check_train_loop(fn: Callable) -> tuple[float, float, float]:
     - calls ``log(i, loss_i)`` once per step, in order, with step ``i``'s own loss;
     - never reads a loss before the next step is on its way: when ``log(i, …)`` runs, step ``i + 1`` has
       been dispatched (``i < n_steps - 1``);
+    - logs while training runs: ``log(i, …)`` runs before step ``i + 1 + LOG_LAG`` is dispatched;
+    - keeps the devices fed: at most half of the steps ``1 … n_steps-1`` are dispatched after the loop
+      waited for the step before (:meth:`Harness.waited`; a loop that reads step ``i``'s loss or copies
+      the state to the host before dispatching step ``i + 1`` waits at every step);
     - makes the batches while the devices compute: of the time ``make_batch(1 …)`` take, at least half
       overlaps a running step (measured: see :meth:`Harness.overlap`). The devices' work and the host's
       work per step vary (:data:`WORK`, :data:`HOST`), the host's always less than the step it can overlap.
@@ -218,6 +257,15 @@ def check_train_loop(fn: Callable) -> tuple[float, float, float]:
             "reading a loss waits for its step; dispatch the next step first, so the devices have work "
             "while the host waits and logs",
         )
+    behind = [i for i, _, n_disp in h.logs if n_disp > i + 1 + LOG_LAG]
+    if behind:
+        i = behind[0]
+        fail(
+            f"log({i}) ran after step {h.logs[i][2] - 1} was dispatched: the losses are logged "
+            f"{h.logs[i][2] - 1 - i} steps late",
+            "log while training runs, not after it: log step i's loss once step i+1 is on its way "
+            "(a diverging loss should show while the devices still compute)",
+        )
     overlapped, total = h.overlap()
     if overlapped < 0.5 * total:
         idle = sum(1 for i, _, _, start, _ in h.batch_calls if i >= 1 and not start)
@@ -226,5 +274,14 @@ def check_train_loop(fn: Callable) -> tuple[float, float, float]:
             f"spent making batches 1 … {N_STEPS - 1} ({idle} of them began with no step running)",
             "make batch i+1 while step i runs: dispatch step i, then make the next batch, and read "
             "losses only after the next step is on its way",
+        )
+    waited = h.waited().count(True)
+    if waited > len(h.queued) // 2:
+        fail(
+            f"{waited} of the {len(h.queued)} steps 1 … {N_STEPS - 1} were dispatched after the loop waited "
+            "for the step before to finish: the devices sat idle between steps",
+            "something in the loop waits for step i before step i+1 is dispatched — reading its loss "
+            "(float, np.asarray, device_get), copying the state to the host, block_until_ready: dispatch "
+            "step i+1 first, then read step i's values",
         )
     return overlapped, total, took

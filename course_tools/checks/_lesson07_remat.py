@@ -18,7 +18,11 @@ import numpy as np
 from ._common import call_answer, fail
 
 DEPTHS = (4, 9, 25)
-"""The depths judged: their best block sizes differ (2, 3, 5), so no one block size fits them all."""
+"""The depths the exercise names: their best block sizes differ (2, 3, 5), so no one block size fits them
+all."""
+UNNAMED_DEPTHS = (12, 16, 20)
+"""Each check also judges one of these, drawn at random: depths the exercise does not name, so a block
+size looked up for the named depths does not pass."""
 _BATCH, _WIDTH = 512, 32
 
 
@@ -48,6 +52,11 @@ def blocks_loss(weights, x, k: int):
     for start in range(0, weights.shape[0], k):
         h = jax.checkpoint(block)(h, weights[start : start + k])
     return jnp.mean(h**2)
+
+
+def unnamed_depth() -> int:
+    """One of :data:`UNNAMED_DEPTHS`, drawn at random (a fresh draw every check)."""
+    return int(np.random.default_rng().choice(UNNAMED_DEPTHS))
 
 
 def problem(depth: int):
@@ -97,7 +106,8 @@ def check_remat_loss(fn: Callable) -> list[tuple[int, float, float]]:
     """Judge a checkpointed loss (exercise 2).
 
     Spec: ``fn(weights, x)`` — weights f32[L, 32, 32] of ``L`` layers ``tanh(h @ w)``, x f32[512, 32] —
-    returns :func:`mlp_loss`'s value, and for every depth of :data:`DEPTHS`
+    returns :func:`mlp_loss`'s value, and for every depth of :data:`DEPTHS` and one of
+    :data:`UNNAMED_DEPTHS` (drawn at random)
 
     - its value and its gradient w.r.t. the weights equal the plain loss's to 1e-5 (compared with the
       blocks' program, which computes the same numbers);
@@ -110,7 +120,7 @@ def check_remat_loss(fn: Callable) -> list[tuple[int, float, float]]:
     """
     act = activation_bytes()
     rows = []
-    for depth in DEPTHS:
+    for depth in (*DEPTHS, unnamed_depth()):
         weights, x = problem(depth)
         compiled = call_answer(
             f"jax.value_and_grad(remat_loss) for {depth} layers", compiled_grad, fn, weights, x
@@ -131,13 +141,13 @@ def check_remat_loss(fn: Callable) -> list[tuple[int, float, float]]:
             plain = plain_temps(depth)
             fail(
                 f"with {depth} layers the gradient's temporaries are {mine / act:.1f} activations "
-                f"([512, 32] float32 each); without any checkpoint {plain / act:.1f}; checkpointing "
-                f"blocks of {best_block(depth)} consecutive layers {best / act:.1f}",
+                f"([512, 32] float32 each); without any checkpoint {plain / act:.1f}; the best split "
+                f"into checkpointed blocks of consecutive layers {best / act:.1f}",
                 "jax.checkpoint keeps its function's inputs and recomputes the rest in the backward "
                 "pass. Around one layer it keeps that layer's input, which plain autodiff kept anyway; "
                 "around the whole loss it keeps only the inputs, but the backward pass then recomputes "
                 "the whole forward pass and needs all its activations at once again. Checkpoint blocks of "
                 "k layers: the backward pass then holds at most about the L/k block inputs plus one "
-                "block's k activations — choose k from L to make L/k + k smallest",
+                "block's k activations: count what it holds as a function of k, and choose k from L",
             )
     return rows

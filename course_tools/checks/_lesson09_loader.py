@@ -7,6 +7,7 @@ being this process's), where a read of another process's elements shows.
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -141,8 +142,15 @@ def _judge_other_process(fn: Callable) -> None:
     )
     shape = (8, 4)
     grid = devices.reshape(2, 2)
+    interleaved = np.array(
+        [GroupDevice(d.id, d.process_index) for d in fake_devices(2, 2, True, ids="interleaved")]
+    )
     for what, sharding in (
         ("rows over data", NamedSharding(Mesh(devices, (DATA,)), P(DATA))),
+        (
+            "rows over data, the processes' devices alternating along the mesh",
+            NamedSharding(Mesh(interleaved, (DATA,)), P(DATA)),
+        ),
         (
             "a 2 x 2 grid, a process per data row",
             NamedSharding(Mesh(grid, (DATA, MODEL)), P(DATA, MODEL)),
@@ -166,8 +174,36 @@ def _judge_other_process(fn: Callable) -> None:
                 "only process 1's devices hold",
                 "sharding.devices_indices_map (and np.asarray(source)) cover every process's devices; read "
                 "only the blocks of sharding.addressable_devices_indices_map(global_shape), this process's "
-                "own — a contiguous range of rows is this process's data only when its devices hold whole rows",
+                "own — one larger read (a range of rows, a bounding box) is this process's data only when "
+                "its blocks are contiguous and its devices hold whole rows",
             )
+
+
+def _judge_host_memory(fn: Callable) -> None:
+    """On stand-in devices of 8 processes (one each) process 0 holds an eighth of the batch: the host
+    memory the loader allocates (``tracemalloc``'s peak, NumPy's buffers included) must stay near that
+    eighth, not the global batch's size."""
+    devices = np.array([GroupDevice(p, p) for p in range(8)])
+    shape = (64, 512)  # 128 KiB of float32; process 0's rows: 16 KiB
+    sharding = NamedSharding(Mesh(devices, (DATA,)), P(DATA))
+    source = RecordingSource(np.zeros(shape, np.float32))
+    whole, mine = int(np.prod(shape)) * 4, int(np.prod(shape)) * 4 // 8
+    tracemalloc.start()
+    try:
+        fn(source, sharding, shape)
+    except Exception:  # noqa: BLE001 - stand-in devices hold no data; the allocation is what is judged
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    if peak > mine * 4 + 16 * 1024:
+        fail(
+            f"in a group of 8 processes, process 0 holds {mine // 1024} KiB of a {whole // 1024} KiB batch, "
+            f"and the loader allocated {peak // 1024} KiB on the host",
+            "a per-process loader never holds the global batch on a host: put each block read on its "
+            "devices (jax.device_put(block, device)) and assemble the global array from them with "
+            "jax.make_array_from_single_device_arrays",
+        )
 
 
 def check_block_loader(fn: Callable, devices: Sequence[Any]) -> int:
@@ -179,8 +215,11 @@ def check_block_loader(fn: Callable, devices: Sequence[Any]) -> int:
     per distinct block, or fewer, larger reads that cover exactly the same elements. Judged on four layouts
     of the notebook's devices (rows over data; rows with copies over model; rows and columns; replicated),
     where the process holds everything, and on stand-in devices of 2 processes (:func:`_judge_other_process`:
-    rows over data, a 2 × 2 grid whose data rows are one process's, and one whose columns are), where a
-    read of another process's elements shows.
+    rows over data, the same with the processes' devices alternating so that a process's blocks are not
+    contiguous, a 2 × 2 grid whose data rows are one process's, and one whose columns are), where a read of
+    another process's elements shows; and on stand-in devices of 8 processes, where the host memory the
+    loader allocates must stay near this process's share (:func:`_judge_host_memory`: no host copy of the
+    global batch).
     """
     n_data, n_model = choose_mesh_shape(len(devices))
     shape = (4 * len(devices), 2 * n_model)
@@ -214,4 +253,5 @@ def check_block_loader(fn: Callable, devices: Sequence[Any]) -> int:
             )
         _judge_reads(what, source.reads, sharding, shape)
     _judge_other_process(fn)
+    _judge_host_memory(fn)
     return len(_loader_cases(devices))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from course_lib.meshes import data_model_mesh
@@ -64,3 +65,25 @@ def run_mapped(what: str, fn: Callable, *args, varies_hint: str):
         return None
 
     return call_answer(what, fn, *args, explain=explain)
+
+
+def narrow_floats(jaxpr) -> list[str]:
+    """The floating dtypes narrower than float32 that any equation of ``jaxpr`` (nested ones included)
+    produces: where a float32 answer loses precision (a chunk cast to bfloat16 before a ppermute…)."""
+    from course_lib.programs import jaxpr_equations
+
+    found = set()
+    for eqn, _ in jaxpr_equations(jaxpr):
+        for v in eqn.outvars:
+            dtype = getattr(getattr(v, "aval", None), "dtype", None)
+            if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+                found.add(str(dtype))
+    return sorted(found)
+
+
+def precision_hint(dtypes: list[str]) -> str:
+    """The hint for a result off by rounding because the program computes in ``dtypes``."""
+    return (
+        f"the program computes or sends values in {', '.join(dtypes)}: the error is rounding, not which "
+        "rows or chunks go where. Keep the block's float32 in every ppermute and every sum"
+    )

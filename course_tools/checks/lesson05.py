@@ -48,7 +48,7 @@ _OP_WORDS = {op.replace("-", ""): op for op in programs.HLO_COLLECTIVES} | {
 }
 _PREDICTION_HINT = (
     "write 'none', or 'OP over AXIS' with OP one of all-reduce, all-gather, all-to-all, reduce-scatter, "
-    "collective-permute and AXIS data and/or model; separate several with ';'"
+    "collective-permute and AXIS data and/or model; separate several with ';' ('none' stands alone)"
 )
 _HOW_TO_PREDICT = (
     "for each program ask what a device needs that another device holds. Nothing: 'none'. Partial sums "
@@ -81,11 +81,15 @@ def _measure(name: str, mesh) -> frozenset:
     return frozenset((op, axis) for op, axes in found for axis in axes)
 
 
+_NOTHING = ("none", "no communication", "nothing")
+
+
 def _parse_text(value: str) -> set[tuple[str, str]]:
-    out = set()
-    for part in re.split(r"[;\n]", value.lower()):
-        part = part.strip()
-        if part in ("", "none", "no communication", "nothing"):
+    out, parts = set(), [p.strip() for p in re.split(r"[;\n]", value.lower()) if p.strip()]
+    if len(parts) > 1 and any(p in _NOTHING for p in parts):
+        raise ValueError(value)  # "none" joined to an operation contradicts itself
+    for part in parts:
+        if part in _NOTHING:
             continue
         words = [w.replace("_", "-") for w in re.findall(r"[a-z_-]+", part)]
         ops = [_OP_WORDS[w] for w in words if w in _OP_WORDS]
@@ -110,6 +114,11 @@ def _parse_prediction(value: Any) -> set[tuple[str, str]]:
             raise ValueError(value)
         return {(op, a) for a in axes}
     if isinstance(value, set | frozenset | list | tuple):
+        nothing = [
+            v for v in value if v is None or isinstance(v, str) and v.strip().lower() in _NOTHING
+        ]
+        if nothing and len(value) > 1:
+            raise ValueError(value)  # "none" next to an operation contradicts itself
         return set().union(*(_parse_prediction(item) for item in value))
     raise ValueError(value)
 
@@ -231,8 +240,8 @@ def _judge_traces(record: list, n_steps: int) -> Any:
     """The traces the step went through: one, with the batch split over data along its rows."""
     if len(record) == 2 and record[0][0] != record[1][0]:
         fail(
-            f"the step was compiled twice: the state's type changed from {record[0][0]} to "
-            f"{record[1][0]} after the first step",
+            f"the step was compiled twice: the state's type changed from {_placement(record[0][0])} "
+            f"to {_placement(record[1][0])} after the first step",
             "a NumPy (or single-device) state is placed by the first call and comes back on the mesh: "
             "put it on the mesh before the loop, jax.device_put(state, NamedSharding(mesh, P()))",
         )
@@ -246,6 +255,14 @@ def _judge_traces(record: list, n_steps: int) -> Any:
     for what, t in (("batch's inputs", record[0][1]), ("batch's labels", record[0][2])):
         _judge_rows(what, t)
     return record[0][1]
+
+
+def _placement(t) -> str:
+    """``t`` (a traced type) and the mesh it is typed on: two replicated types print alike."""
+    mesh = t.sharding.mesh
+    if not mesh.shape:
+        return f"{t} on no mesh (uncommitted)"
+    return f"{t} on the mesh {dict(mesh.shape)}"
 
 
 def _judge_rows(what: str, t) -> None:
@@ -268,6 +285,24 @@ def _judge_rows(what: str, t) -> None:
     )
 
 
+def _judge_given_mesh(fn, devices: list, w0, batches) -> None:
+    """The loop runs on the mesh it is given: here one over half the devices, in reverse order."""
+    mesh, record = data_mesh(devices, axis_type="explicit"), []
+    state, _ = _run_loop(fn, mesh, w0, batches, record)
+    split = [dict(t.sharding.mesh.shape).get(DATA, 1) for _, t, _ in record]
+    placed = getattr(state, "sharding", None)
+    if any(k != len(devices) for k in split) or (
+        placed is not None and placed.device_set != set(devices)
+    ):
+        where = f"{len(placed.device_set)} device(s)" if placed is not None else "the host"
+        fail(
+            f"given a mesh over {len(devices)} of the devices, the batch was split {split[0]} ways "
+            f"and the state came back on {where}",
+            "build every sharding from the mesh argument, NamedSharding(mesh, ...): a mesh of your "
+            "own over jax.devices() is not the one the caller chose",
+        )
+
+
 @checker
 def check_data_parallel_loop(fn: Callable, devices: Sequence[Any], n_steps: int = 3) -> bool:
     """Judge a data-parallel training loop on an Explicit data mesh of ``devices``.
@@ -279,7 +314,9 @@ def check_data_parallel_loop(fn: Callable, devices: Sequence[Any], n_steps: int 
     - the step is traced and compiled once for all the batches (the learning rate, different every step,
       is an ordinary argument, not a static one or a baked-in constant);
     - in that compiled step both halves of the batch (inputs and labels) are typed as split over ``data``
-      along their rows and along nothing else: every device works on its own examples only.
+      along their rows and along nothing else: every device works on its own examples only;
+    - the loop uses the mesh it is given: on a mesh over half the devices (in reverse order) the batch
+      is split over that mesh and the state comes back on its devices.
 
     Measured: the losses and the state against a single-device run; the types each trace of the step
     saw (recorded inside the step, one entry per trace).
@@ -305,6 +342,8 @@ def check_data_parallel_loop(fn: Callable, devices: Sequence[Any], n_steps: int 
             "return the state after the last step",
         )
     x_type = _judge_traces(record, n_steps)
+    if n > 1:
+        _judge_given_mesh(fn, list(devices)[::-1][: n // 2], w0, batches[:1])
     return passed(
         f"one compile for {n_steps} steps, each batch {x_type} split over {n} device(s), losses equal "
         "to one device's"

@@ -24,7 +24,7 @@ from course_lib.programs import jaxpr_equations
 from ._common import call_answer, checker, fail, passed
 from ._lesson06_halo import check_halo_stencil as _check_halo
 from ._lesson06_tp import check_tp_cross_entropy
-from ._spmd import abstract, communicates, run_mapped
+from ._spmd import abstract, communicates, narrow_floats, precision_hint, run_mapped
 
 __all__ = [
     "check_halo_stencil",
@@ -204,6 +204,13 @@ def _ring_values(fn: Callable, rng) -> None:
                 f"on a ring of {n}, each device holds the complete sum of one chunk only",
                 "that is the reduce-scatter half: pass the complete chunks on around the ring n-1 more "
                 "times (the all-gather half) so that every device gets all n",
+            )
+        narrow = narrow_floats(jax.make_jaxpr(ring)(x))
+        if narrow:
+            fail(
+                f"on a ring of {n}, the result differs from psum by up to "
+                f"{np.abs(got - want).max():.3g}",
+                precision_hint(narrow),
             )
         fail(
             f"on a ring of {n}, the result differs from psum by up to {np.abs(got - want).max():.3g}",

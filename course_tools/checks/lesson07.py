@@ -53,10 +53,9 @@ def _measured_memory(donate: tuple[int, ...]) -> tuple[float, float, float]:
 
 
 _MEMORY_RULES = (
-    "arguments are every input buffer the program receives, donated or not; outputs are the trees it "
-    "returns; an alias is a donated input buffer reused for an output of the same shape and dtype — "
-    "without donation nothing aliases, and an output can reuse only one buffer (a donation that finds "
-    "no output to reuse is unusable, and JAX warns about it)"
+    "reread section 4 (High peak memory: measure it, then donate buffers): for each variant ask which "
+    "buffers the program receives, which it returns, and which of the returned ones can be written "
+    "into a donated buffer"
 )
 
 

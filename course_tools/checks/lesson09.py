@@ -186,11 +186,15 @@ def check_mesh_devices(fn: Callable) -> bool:
     Spec: ``fn(devices, n_data, n_model)`` returns a ``[n_data, n_model]`` array holding every device once,
     in which every row (a model group) lies inside one process, the rows in process order (process 0's
     first) and each process's devices in id order, for every case of :data:`_MESH_CASES`: the devices
-    arrive interleaved across processes and shuffled within each, and their ids are grouped by process in
+    arrive interleaved across processes and shuffled within each, the list starting with a device of the
+    last process, and their ids are grouped by process in
     one case only (elsewhere interleaved or random, so sorting by id alone does not group the processes).
     """
     for P_, local, n_data, n_model, ids in _MESH_CASES:
         devs = fake_devices(P_, local, seed=P_ * 10 + local, ids=ids)
+        if P_ > 1:  # the list starts with a device of the last process, not of process 0
+            first = next(k for k, d in enumerate(devs) if d.process_index == P_ - 1)
+            devs = [devs[first], *devs[:first], *devs[first + 1 :]]
         case = f"{P_} processes x {local} devices ({ids} ids) as [{n_data}, {n_model}]"
         got = _call(
             f"mesh_devices(devices, {n_data}, {n_model})",
@@ -237,7 +241,8 @@ def check_mesh_devices(fn: Callable) -> bool:
             )
     return passed(
         f"all {len(_MESH_CASES)} layouts keep every model group inside one process, in process order "
-        "(JAX's mesh_utils.create_hybrid_device_mesh(..., process_is_granule=True) builds such meshes)"
+        "(JAX's mesh_utils.create_hybrid_device_mesh(..., process_is_granule=True), given the devices "
+        "sorted by id, builds such meshes)"
     )
 
 
