@@ -166,14 +166,44 @@ def _median_time(fn, *args, repeats=5):
     return statistics.median(samples)
 
 
-def _loop_then_block(
-    fn, *args, repeats=5
-):  # another correct form: time a queue of calls, block once
+def _loop_then_block(fn, *args, repeats=5):  # WRONG: a queue of calls blocked once gives their mean
     jax.block_until_ready(fn(*args))
     start = time.perf_counter()
     outs = [fn(*args) for _ in range(repeats)]
     jax.block_until_ready(outs)
     return (time.perf_counter() - start) / repeats
+
+
+def _timed(fn, args, repeats, wait):
+    def one():
+        begin = time.perf_counter()
+        wait(fn(*args))
+        return time.perf_counter() - begin
+
+    one()  # warm-up
+    return [one() for _ in range(repeats)]
+
+
+def _device_get_median(fn, *args, repeats=5):  # another correct form: a copy to the host waits too
+    return float(np.median(_timed(fn, args, repeats, jax.device_get)))
+
+
+def _mean(fn, *args, repeats=5):  # the colleague's statistic, synchronised and warmed up
+    times = _timed(fn, args, repeats, jax.block_until_ready)
+    return sum(times) / len(times)
+
+
+def _minimum(fn, *args, repeats=5):
+    return min(_timed(fn, args, repeats, jax.block_until_ready))
+
+
+def _one_call(fn, *args, repeats=5):  # ignores repeats
+    return _timed(fn, args, 1, jax.block_until_ready)[0]
+
+
+def _first_leaf(fn, *args, repeats=5):  # waits for the first array of the output only
+    wait = lambda out: jax.tree.leaves(out)[0].block_until_ready()  # noqa: E731
+    return statistics.median(_timed(fn, args, repeats, wait))
 
 
 def _the_original(fn, *args, repeats=5):
@@ -217,7 +247,7 @@ def _warm_but_unsynced(fn, *args, repeats=5):
 
 def test_median_time_accepts_correct_forms():
     assert lesson02.check_median_time(_median_time)
-    assert lesson02.check_median_time(_loop_then_block)
+    assert lesson02.check_median_time(_device_get_median)
 
 
 @pytest.fixture
@@ -229,7 +259,8 @@ def busy_sleep(monkeypatch):
 
 def test_median_time_on_a_busy_machine_accepts_right_answers_and_refuses_wrong_ones(busy_sleep):
     assert lesson02.check_median_time(_median_time)
-    assert lesson02.check_median_time(_loop_then_block)
+    assert lesson02.check_median_time(_device_get_median)
+    rejects(lesson02.check_median_time, _mean, match="mean of the timed calls")
     rejects(lesson02.check_median_time, _synced_no_warmup, match="warm-up")
     rejects(lesson02.check_median_time, _median_no_warmup, match="repeats=1.*\n.*warm-up")
     rejects(lesson02.check_median_time, _the_original, match="queued")
@@ -244,6 +275,11 @@ def test_median_time_wrong_answers():
     rejects(lesson02.check_median_time, _warm_but_unsynced, match="queued")
     rejects(lesson02.check_median_time, _synced_no_warmup, match="warm-up")
     rejects(lesson02.check_median_time, _median_no_warmup, match="repeats=1.*\n.*warm-up")
+    rejects(lesson02.check_median_time, _mean, match="mean of the timed calls")
+    rejects(lesson02.check_median_time, _loop_then_block, match="mean of the timed calls")
+    rejects(lesson02.check_median_time, _minimum, match="take the median")
+    rejects(lesson02.check_median_time, _one_call, match="2 times for repeats=5")
+    rejects(lesson02.check_median_time, _first_leaf, match="one of the 2 results")
     rejects(
         lesson02.check_median_time,
         lambda fn, *a, repeats=5: 1e3 * _median_time(fn, *a, repeats=repeats),
