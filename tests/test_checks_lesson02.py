@@ -321,6 +321,24 @@ def _unrolled(loss_fn, params, xs, ys, lr):
     return params, jnp.stack(losses)
 
 
+@partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _train_scan_donating(
+    loss_fn, params, xs, ys, lr
+):  # another correct form: the params are donated
+    return _train_scan.__wrapped__(loss_fn, params, xs, ys, lr)
+
+
+@partial(jax.jit, static_argnums=0)
+def _unrolled_by_xla(
+    loss_fn, params, xs, ys, lr
+):  # one body in the jaxpr, unrolled in the compiled HLO
+    def step(params, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
+
+    return lax.scan(step, params, (xs, ys), unroll=True)
+
+
 def _not_jitted(loss_fn, params, xs, ys, lr):
     return _train_scan.__wrapped__(loss_fn, params, xs, ys, lr)
 
@@ -352,6 +370,7 @@ def _loss_after_update(loss_fn, params, xs, ys, lr):
 def test_train_scan_accepts_correct_forms():
     assert lesson02.check_train_scan(_train_scan)
     assert lesson02.check_train_scan(_train_fori)
+    assert lesson02.check_train_scan(_train_scan_donating)
 
 
 def test_train_scan_stub(monkeypatch, capsys):
@@ -360,6 +379,7 @@ def test_train_scan_stub(monkeypatch, capsys):
 
 def test_train_scan_wrong_answers():
     rejects(lesson02.check_train_scan, _unrolled, match="unrolled")
+    rejects(lesson02.check_train_scan, _unrolled_by_xla, match="compiled program grows")
     rejects(lesson02.check_train_scan, _not_jitted, match="compiled")
     rejects(lesson02.check_train_scan, _static_lr, match="learning rate is data")
     rejects(lesson02.check_train_scan, _params_not_carried, match="initial params")
