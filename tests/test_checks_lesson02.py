@@ -151,6 +151,21 @@ def test_bucket_pad_wrong_answers():
         jnp.arange(_bucket_pad(x)[0].shape[0]) < x.shape[0],
     )
     rejects(check, before, match="first rows")
+    before_marked = lambda x: (  # noqa: E731 - pads before the real rows, and marks the last n
+        before(x)[0],
+        jnp.arange(_bucket_pad(x)[0].shape[0]) >= _bucket_pad(x)[0].shape[0] - x.shape[0],
+    )
+    rejects(check, before_marked, match="first rows of x_padded are not x")
+    nan_padding = lambda x: (  # noqa: E731
+        jnp.pad(x, ((0, _bucket_pad(x)[0].shape[0] - x.shape[0]), (0, 0)), constant_values=jnp.nan),
+        _bucket_pad(x)[1],
+    )
+    rejects(check, nan_padding, match="padding rows .* hold NaN")
+    mask_at_end = lambda x: (  # noqa: E731 - x in the first rows, the mask true at the last n
+        _bucket_pad(x)[0],
+        jnp.arange(_bucket_pad(x)[0].shape[0]) >= _bucket_pad(x)[0].shape[0] - x.shape[0],
+    )
+    rejects(check, mask_at_end, match="but not the first 3, where x is")
 
 
 # ---------------------------------------------------------------- exercise 3
