@@ -3,6 +3,7 @@ reject typical wrong ones, each with its own hint; an unwritten answer prints it
 COURSE_STRICT_CHECKS=1)."""
 
 import concurrent.futures
+import copy
 import functools
 import os
 
@@ -148,10 +149,40 @@ def _stringly(n, env):  # a number where os.environ needs a str
     return {**_reference_env(n, env), "JAX_NUM_CPU_DEVICES": n}
 
 
+def _shallow_copy(
+    n, env
+):  # copy.copy of os.environ shares its data: the caller's mapping is edited
+    fresh = copy.copy(env)
+    fresh.pop("JAX_NUM_CPU_DEVICES", None)
+    kept = [f for f in fresh.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] != FLAG]
+    fresh["XLA_FLAGS"] = " ".join([*kept, f"{FLAG}={n}"])
+    fresh["JAX_PLATFORMS"] = "cpu"
+    return fresh
+
+
+def _replaces_count_2_only(n, env):  # edits the flag by text, for the stale count of the story only
+    fresh = dict(env)
+    fresh.pop("JAX_NUM_CPU_DEVICES", None)
+    flags = fresh.get("XLA_FLAGS", "")
+    if f"{FLAG}=2" in flags:
+        flags = flags.replace(f"{FLAG}=2", f"{FLAG}={n}")
+    elif FLAG not in flags:
+        flags = f"{flags} {FLAG}={n}".strip()
+    return {**fresh, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+
+
+def _environ_copy_method(n, env):  # another correct form: os.environ.copy() is a dict
+    fresh = env.copy()
+    fresh.pop("JAX_NUM_CPU_DEVICES", None)
+    kept = [f for f in fresh.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] != FLAG]
+    return {**fresh, "XLA_FLAGS": " ".join([*kept, f"{FLAG}={n}"]), "JAX_PLATFORMS": "cpu"}
+
+
 def test_cpu_env_accepts_correct_forms():
     assert lesson00.check_cpu_env(_reference_env)
     assert lesson00.check_cpu_env(_sets_the_variable)  # the review's refused right answer
     assert lesson00.check_cpu_env(_appends_a_second_flag)  # XLA takes the last flag: n
+    assert lesson00.check_cpu_env(_environ_copy_method)
 
 
 def test_cpu_env_stub(monkeypatch, capsys):
@@ -174,6 +205,13 @@ def test_cpu_env_wrong_answers():
     rejects(lesson00.check_cpu_env, _prepends_the_flag, match="XLA takes the last")
     rejects(lesson00.check_cpu_env, _forgets_the_backend, match="JAX_PLATFORMS")
     rejects(lesson00.check_cpu_env, _stringly, match="not a str")
+    rejects(lesson00.check_cpu_env, _shallow_copy, match="changed the caller's mapping")
+    assert dict(os.environ) == before
+    rejects(
+        lesson00.check_cpu_env,
+        _replaces_count_2_only,
+        match=r"(?s)cpu_env\(2, env\) gives a fresh process 6 .*already held a count flag",
+    )
     rejects(
         lesson00.check_cpu_env, lambda n, env: _reference_env(8, env), match="use the argument n"
     )
