@@ -64,6 +64,25 @@ def test_dropout_wrong_answers():
         match="probability 1 - rate",
     )
     rejects(lesson01.check_dropout, lambda k, x, r: _dropout(k, x[0], r), match="output shape")
+    rejects(lesson01.check_dropout, _same_columns_every_row, match="along axis 0 drops the same")
+    rejects(lesson01.check_dropout, _mask_per_column, match="along axis 0 drops the same")
+    rejects(lesson01.check_dropout, _mask_per_example, match="along axis 1 drops the same")
+
+
+def _same_columns_every_row(key, x, rate):  # exactly `rate` of the last axis, the same in every row
+    d = x.shape[-1]
+    keep = jax.random.permutation(key, d) >= int(round(rate * d))
+    return jnp.where(keep, x / (1 - rate), 0)
+
+
+def _mask_per_column(key, x, rate):  # one bernoulli mask of the last axis, broadcast over the batch
+    keep = jax.random.bernoulli(key, 1 - rate, x.shape[-1:])
+    return jnp.where(keep, x / (1 - rate), 0)
+
+
+def _mask_per_example(key, x, rate):  # one mask per leading index, shared by the axes after it
+    keep = jax.random.bernoulli(key, 1 - rate, (x.shape[0], 1, x.shape[2]))
+    return jnp.where(keep, x / (1 - rate), 0)
 
 
 # ---------------------------------------------------------------- exercise 2

@@ -26,13 +26,14 @@ def check_dropout(dropout: Callable) -> bool:
     """Exercise 1: a pure ``dropout(key, x, rate)``: zero a fraction ``rate``, scale the rest by ``1/(1-rate)``.
 
     Spec: the output has x's shape and dtype; every entry is 0 or the same entry of ``x / (1 - rate)``;
-    about ``rate`` of them (within 3 points) are 0; the same key gives the same output and another key
+    the entries are dropped independently (no axis along which every slice has the same mask); about
+    ``rate`` of them (within 3 points) are 0; the same key gives the same output and another key
     another; under ``jax.jit`` (``rate`` static) the values are the same. Judged on random (not constant)
     ``x`` (so an output that ignores x shows) at rates 0.3 and 0.6.
 
     Raises:
-      ExerciseError: wrong shape or dtype, output not built from ``x``, no rescaling, impure, key ignored,
-        wrong drop fraction, fails under ``jit``.
+      ExerciseError: wrong shape or dtype, output not built from ``x``, no rescaling, one mask shared along
+        an axis, impure, key ignored, wrong drop fraction, fails under ``jit``.
     """
     import jax
     import jax.numpy as jnp
@@ -59,6 +60,18 @@ def check_dropout(dropout: Callable) -> bool:
         kept = a != 0
         scaled = xs / (1 - rate)
         dropped = 1 - kept.mean()
+        shared = [
+            axis
+            for axis in range(kept.ndim)
+            if (kept == np.take(kept, [0], axis=axis)).all()  # every slice along axis: one mask
+        ]
+        if shared:
+            fail(
+                f"every slice of the output along axis {shared[0]} drops the same entries: one mask "
+                f"serves all {x.shape[shared[0]]} of them",
+                "draw one keep/drop decision per entry of x (shape x.shape), not one mask broadcast over "
+                "the batch",
+            )
         if abs(dropped - rate) > 0.03:
             fail(
                 f"{dropped:.0%} of the entries were dropped, expected about {rate:.0%}",
