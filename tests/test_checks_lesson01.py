@@ -193,7 +193,27 @@ def test_safe_distance_refuses_every_epsilon():
     shifted = lambda p, q: jnp.where(  # noqa: E731
         jnp.all(p == q), 0.0, jnp.sqrt(jnp.sum((p - q) ** 2) + 1e-10)
     )
-    rejects(check, shifted, match="nearly equal pairs")
+    rejects(check, shifted, match="0.0001 apart is .*relative error")
+    rejects(check, _small_epsilon, match="1e-05 apart is .*relative error")
+    rejects(check, _threshold, match="1e-05 apart is 0")
+    rejects(check, _threshold_1e12, match="1e-0[68] apart is 0")
+
+
+def _small_epsilon(p, q):  # exact at 0, an epsilon small enough to hide at 1e-4: 0.5% off at 1e-6
+    squared = jnp.sum((p - q) ** 2)
+    return jnp.where(squared > 0, jnp.sqrt(squared + 1e-14), 0.0)
+
+
+def _threshold(p, q):  # every pair closer than ~3e-5 counts as coincident
+    squared = jnp.sum((p - q) ** 2)
+    positive = squared > 1e-9
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, squared, 1.0)), 0.0)
+
+
+def _threshold_1e12(p, q):  # the same with a tolerance of 1e-12 on d2: zero below 1e-6
+    squared = jnp.sum((p - q) ** 2)
+    positive = squared > 1e-12
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, squared, 1.0)), 0.0)
 
 
 def test_safe_distance_wrong_answers():
