@@ -317,6 +317,10 @@ def test_accumulate_accepts_correct_forms():
     assert lesson01.check_accumulate(_accumulate_sums)
     assert lesson01.check_accumulate(_accumulate_checkpointed)
     assert lesson01.check_accumulate(jax.jit(_accumulate, static_argnums=(0, 4)))
+    # smaller micro-batches than allowed ("at most micro rows"): more passes, still one at a time
+    half = lambda f, p, x, y, m: _accumulate(f, p, x, y, max(1, m // 2))  # noqa: E731
+    assert lesson01.check_accumulate(half)
+    assert lesson01.check_accumulate(lambda f, p, x, y, m: _accumulate(f, p, x, y, 1))
 
 
 def test_accumulate_refuses_all_micro_batches_at_once():
