@@ -226,8 +226,24 @@ def test_batch_norm_refuses_a_wrong_epsilon(report):
     rejects(lesson03.check_batch_norm, _norm_with(1e-5, ddof=1), report.devices, match="n - 1")
 
 
+def _frozen_statistics(x):  # right values, but no gradient through the batch's mean and variance
+    mean = lax.stop_gradient(lax.pmean(x, "batch"))
+    var = lax.stop_gradient(lax.pmean((x - mean) ** 2, "batch"))
+    return (x - mean) * lax.rsqrt(var + 1e-5)
+
+
+def _frozen_variance(x):  # the mean differentiated, the variance not
+    mean = lax.pmean(x, "batch")
+    var = lax.stop_gradient(lax.pmean((x - mean) ** 2, "batch"))
+    return (x - mean) / jnp.sqrt(var + 1e-5)
+
+
 def test_batch_norm_wrong_answers(report):
     rejects(lesson03.check_batch_norm, _layer_norm, report.devices, match="layer norm")
+    rejects(
+        lesson03.check_batch_norm, _frozen_statistics, match="gradient with respect to the batch"
+    )
+    rejects(lesson03.check_batch_norm, _frozen_variance, match="gradient with respect to the batch")
     rejects(
         lesson03.check_batch_norm,
         lambda x: (
