@@ -338,6 +338,18 @@ def _diagnose_clipping(got, params, xs, ys, max_norm, want) -> None:
     whole = shrink(np.sqrt(np.sum(mean_w**2) + mean_b**2))
     mistakes = [
         (
+            (mean_w, mean_b),
+            "no example's gradient was clipped: the result is the mean of the unclipped gradients"
+            + (
+                " (here the batch's mean gradient is shorter than max_norm, so clipping the mean, not "
+                "each example's, gives it too)"
+                if whole == 1.0
+                else ""
+            ),
+            "compute per-example gradients first (vmap of grad), scale each one by "
+            "min(1, max_norm / its norm), then average",
+        ),
+        (
             (whole * mean_w, whole * mean_b),
             "the batch's mean gradient is clipped, not each example's",
             "compute per-example gradients first (vmap of grad), clip each one, then average",
