@@ -135,11 +135,14 @@ class RecordMoves:
             )
             return view
 
-        self._buffer = array.ArrayImpl.__buffer__
+        self._buffer = getattr(
+            array.ArrayImpl, "__buffer__", None
+        )  # absent: NumPy goes through _value
         api.device_put = jax.device_put = device_put
         lax_internal._convert_element_type = convert_element_type
         array.ArrayImpl._value = property(to_host)
-        array.ArrayImpl.__buffer__ = buffer
+        if self._buffer is not None:
+            array.ArrayImpl.__buffer__ = buffer
         self._log = _TransferLog()
         self._log.__enter__()
         return self
@@ -162,7 +165,8 @@ class RecordMoves:
 
         api.device_put, jax.device_put, lax_internal._convert_element_type = self._saved
         array.ArrayImpl._value = self._value
-        array.ArrayImpl.__buffer__ = self._buffer
+        if self._buffer is not None:
+            array.ArrayImpl.__buffer__ = self._buffer
         self._log.__exit__(*exc)
         by_id = {d.id: d for d in jax.devices()}
         logged = parse_transfer_log(self._log.text, by_id)
