@@ -3,6 +3,7 @@ reject typical wrong ones, each with its own hint; an unwritten answer prints it
 COURSE_STRICT_CHECKS=1)."""
 
 import concurrent.futures
+import copy
 import functools
 import os
 
@@ -148,10 +149,40 @@ def _stringly(n, env):  # a number where os.environ needs a str
     return {**_reference_env(n, env), "JAX_NUM_CPU_DEVICES": n}
 
 
+def _shallow_copy(
+    n, env
+):  # copy.copy of os.environ shares its data: the caller's mapping is edited
+    fresh = copy.copy(env)
+    fresh.pop("JAX_NUM_CPU_DEVICES", None)
+    kept = [f for f in fresh.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] != FLAG]
+    fresh["XLA_FLAGS"] = " ".join([*kept, f"{FLAG}={n}"])
+    fresh["JAX_PLATFORMS"] = "cpu"
+    return fresh
+
+
+def _replaces_count_2_only(n, env):  # edits the flag by text, for the stale count of the story only
+    fresh = dict(env)
+    fresh.pop("JAX_NUM_CPU_DEVICES", None)
+    flags = fresh.get("XLA_FLAGS", "")
+    if f"{FLAG}=2" in flags:
+        flags = flags.replace(f"{FLAG}=2", f"{FLAG}={n}")
+    elif FLAG not in flags:
+        flags = f"{flags} {FLAG}={n}".strip()
+    return {**fresh, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+
+
+def _environ_copy_method(n, env):  # another correct form: os.environ.copy() is a dict
+    fresh = env.copy()
+    fresh.pop("JAX_NUM_CPU_DEVICES", None)
+    kept = [f for f in fresh.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] != FLAG]
+    return {**fresh, "XLA_FLAGS": " ".join([*kept, f"{FLAG}={n}"]), "JAX_PLATFORMS": "cpu"}
+
+
 def test_cpu_env_accepts_correct_forms():
     assert lesson00.check_cpu_env(_reference_env)
     assert lesson00.check_cpu_env(_sets_the_variable)  # the review's refused right answer
     assert lesson00.check_cpu_env(_appends_a_second_flag)  # XLA takes the last flag: n
+    assert lesson00.check_cpu_env(_environ_copy_method)
 
 
 def test_cpu_env_stub(monkeypatch, capsys):
@@ -174,6 +205,13 @@ def test_cpu_env_wrong_answers():
     rejects(lesson00.check_cpu_env, _prepends_the_flag, match="XLA takes the last")
     rejects(lesson00.check_cpu_env, _forgets_the_backend, match="JAX_PLATFORMS")
     rejects(lesson00.check_cpu_env, _stringly, match="not a str")
+    rejects(lesson00.check_cpu_env, _shallow_copy, match="changed the caller's mapping")
+    assert dict(os.environ) == before
+    rejects(
+        lesson00.check_cpu_env,
+        _replaces_count_2_only,
+        match=r"(?s)cpu_env\(2, env\) gives a fresh process 6 .*already held a count flag",
+    )
     rejects(
         lesson00.check_cpu_env, lambda n, env: _reference_env(8, env), match="use the argument n"
     )
@@ -243,10 +281,14 @@ def _split_asarray(x, devices):  # jnp.asarray(x[:k], device=devices[0]) stays u
     return [jnp.asarray(x[i * k : (i + 1) * k], device=d) for i, d in enumerate(devices)]
 
 
-def _sums_to_device(parts, device):  # another correct form: to_device and jnp.asarray(device=)
+def _sums_to_device(
+    parts, device
+):  # another correct form: to_device, and jnp.asarray(device=) of the
+    # partial already on the target (jnp.asarray of an array committed elsewhere raises on JAX 0.12)
     partials = [p.sum(axis=0) for p in parts]
-    moved = [p.to_device(device) for p in partials[:-1]] + [
-        jnp.asarray(partials[-1], device=device)
+    moved = [
+        jnp.asarray(p, device=device) if p.devices() == {device} else p.to_device(device)
+        for p in partials
     ]
     return partials, functools.reduce(jnp.add, moved)
 
@@ -270,6 +312,25 @@ def _tree_sum(parts, device):  # another correct form: pairwise sums on the way 
     return partials, jax.device_put(level[0], device)
 
 
+def _sums_added_on_host(
+    parts, device
+):  # another correct form: only the partial sums visit the host
+    partials = [p.sum(axis=0) for p in parts]
+    return partials, jax.device_put(np.sum([np.asarray(s) for s in partials], axis=0), device)
+
+
+def _split_by_list_put(x, devices):  # another correct form: one device_put of a list to a list
+    if x.shape[0] % len(devices):
+        raise ValueError(f"{x.shape[0]} rows on {len(devices)} devices: use a multiple of them")
+    k = x.shape[0] // len(devices)
+    return jax.device_put([x[i * k : (i + 1) * k] for i in range(len(devices))], list(devices))
+
+
+def _sums_by_list_put(parts, device):
+    partials = [p.sum(axis=0) for p in parts]
+    return partials, jnp.stack(jax.device_put(partials, [device] * len(partials))).sum(axis=0)
+
+
 def test_split_and_sum_accepts_correct_forms(report):
     for devices in (report.devices, report.devices[:3], report.devices[:1]):
         assert lesson00.check_split_and_sum(answer(_split, _sums), devices)
@@ -279,6 +340,8 @@ def test_split_and_sum_accepts_correct_forms(report):
         (_split, _sums_to_device),
         (_split_by_sharding, _sums),
         (_split, _tree_sum),
+        (_split, _sums_added_on_host),
+        (_split_by_list_put, _sums_by_list_put),
     ):
         assert lesson00.check_split_and_sum(answer(split, sums), report.devices), split
     as_list = lambda x, ds, d: list(answer(_split, _sums)(x, ds, d))
@@ -374,8 +437,39 @@ def test_split_and_sum_refuses_sums_made_elsewhere(report):
         rejects(check, _total_by_asarray, devices, match="sum of all the rows was moved")
         rejects(check, _total_by_to_device, devices, match="every row of x was moved")
         rejects(check, _total_by_jit, devices, match="every row of x was moved")
-        rejects(check, _total_via_host, devices, match="sum of all the rows was moved from host")
+        rejects(check, _total_via_host, devices, match="was copied from cpu:0 to the host")
     rejects(check, _parts_after_moving_x, report.devices, match="every row of x was moved")
+    rejects(check, _split_on_the_host, report.devices, match=r"shape \(16, 3\) .*to the host")
+
+
+def _split_on_the_host(x, devices, device):  # np.asarray(x) copies every row to the host first
+    host = np.asarray(x)
+    parts = _split(host, devices)
+    return (parts, *_sums(parts, device))
+
+
+def _total_on_the_last_device(parts, device):  # ignores the device argument
+    partials = [p.sum(axis=0) for p in parts]
+    last = next(iter(parts[-1].devices()))
+    return partials, functools.reduce(jnp.add, [jax.device_put(s, last) for s in partials])
+
+
+def _split_over_eight(x, devices):  # hard-codes the notebook's 8 devices
+    if x.shape[0] % 8:
+        raise ValueError(f"{x.shape[0]} rows cannot be split over 8 devices; use a multiple of 8")
+    k = x.shape[0] // 8
+    return [jax.device_put(x[i * k : (i + 1) * k], devices[i]) for i in range(8)]
+
+
+def _split_error_without_fix(x, devices):
+    if x.shape[0] % len(devices):
+        raise ValueError(f"{x.shape[0]} rows, {len(devices)} devices")
+    return _split(x, devices)
+
+
+def _float_total(parts, device):
+    partials, total = _sums(parts, device)
+    return partials, total.astype(jnp.float32)
 
 
 def test_split_and_sum_wrong_answers(report):
@@ -395,6 +489,10 @@ def test_split_and_sum_wrong_answers(report):
     )
     rejects(check, answer(_split, _moves_the_rows), devices, match="never the rows")
     rejects(check, answer(_split, _total_on_the_host), devices, match="total lives on")
+    rejects(check, answer(_split, _total_on_the_last_device), devices, match="expected cpu:3")
+    rejects(check, answer(_split_over_eight, _sums), devices, match="with 3 devices raised")
+    rejects(check, answer(_split_error_without_fix, _sums), devices, match="the error for 17 rows")
+    rejects(check, answer(_split, _float_total), devices, match="int32 x has dtype float32")
     rejects(
         check,
         lambda x, ds, d: answer(_split, _sums)(x, ds, d)[:2],

@@ -64,6 +64,25 @@ def test_dropout_wrong_answers():
         match="probability 1 - rate",
     )
     rejects(lesson01.check_dropout, lambda k, x, r: _dropout(k, x[0], r), match="output shape")
+    rejects(lesson01.check_dropout, _same_columns_every_row, match="along axis 0 drops the same")
+    rejects(lesson01.check_dropout, _mask_per_column, match="along axis 0 drops the same")
+    rejects(lesson01.check_dropout, _mask_per_example, match="along axis 1 drops the same")
+
+
+def _same_columns_every_row(key, x, rate):  # exactly `rate` of the last axis, the same in every row
+    d = x.shape[-1]
+    keep = jax.random.permutation(key, d) >= int(round(rate * d))
+    return jnp.where(keep, x / (1 - rate), 0)
+
+
+def _mask_per_column(key, x, rate):  # one bernoulli mask of the last axis, broadcast over the batch
+    keep = jax.random.bernoulli(key, 1 - rate, x.shape[-1:])
+    return jnp.where(keep, x / (1 - rate), 0)
+
+
+def _mask_per_example(key, x, rate):  # one mask per leading index, shared by the axes after it
+    keep = jax.random.bernoulli(key, 1 - rate, (x.shape[0], 1, x.shape[2]))
+    return jnp.where(keep, x / (1 - rate), 0)
 
 
 # ---------------------------------------------------------------- exercise 2
@@ -174,7 +193,27 @@ def test_safe_distance_refuses_every_epsilon():
     shifted = lambda p, q: jnp.where(  # noqa: E731
         jnp.all(p == q), 0.0, jnp.sqrt(jnp.sum((p - q) ** 2) + 1e-10)
     )
-    rejects(check, shifted, match="nearly equal pairs")
+    rejects(check, shifted, match="0.0001 apart is .*relative error")
+    rejects(check, _small_epsilon, match="1e-05 apart is .*relative error")
+    rejects(check, _threshold, match="1e-05 apart is 0")
+    rejects(check, _threshold_1e12, match="1e-0[68] apart is 0")
+
+
+def _small_epsilon(p, q):  # exact at 0, an epsilon small enough to hide at 1e-4: 0.5% off at 1e-6
+    squared = jnp.sum((p - q) ** 2)
+    return jnp.where(squared > 0, jnp.sqrt(squared + 1e-14), 0.0)
+
+
+def _threshold(p, q):  # every pair closer than ~3e-5 counts as coincident
+    squared = jnp.sum((p - q) ** 2)
+    positive = squared > 1e-9
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, squared, 1.0)), 0.0)
+
+
+def _threshold_1e12(p, q):  # the same with a tolerance of 1e-12 on d2: zero below 1e-6
+    squared = jnp.sum((p - q) ** 2)
+    positive = squared > 1e-12
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, squared, 1.0)), 0.0)
 
 
 def test_safe_distance_wrong_answers():
@@ -278,6 +317,10 @@ def test_accumulate_accepts_correct_forms():
     assert lesson01.check_accumulate(_accumulate_sums)
     assert lesson01.check_accumulate(_accumulate_checkpointed)
     assert lesson01.check_accumulate(jax.jit(_accumulate, static_argnums=(0, 4)))
+    # smaller micro-batches than allowed ("at most micro rows"): more passes, still one at a time
+    half = lambda f, p, x, y, m: _accumulate(f, p, x, y, max(1, m // 2))  # noqa: E731
+    assert lesson01.check_accumulate(half)
+    assert lesson01.check_accumulate(lambda f, p, x, y, m: _accumulate(f, p, x, y, 1))
 
 
 def test_accumulate_refuses_all_micro_batches_at_once():

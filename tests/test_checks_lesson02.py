@@ -102,8 +102,15 @@ def _bucket_log2(x):  # another correct form: math.log2, a NumPy mask
     return jnp.pad(x, ((0, b - n), (0, 0))), np.arange(b) < n
 
 
+def _bucket_edge(x):  # another correct form (the review's): copies of the last row as padding
+    n = x.shape[0]
+    b = 1 << (n - 1).bit_length()
+    return jnp.pad(x, ((0, b - n), (0, 0)), mode="edge"), jnp.arange(b) < n
+
+
 def test_bucket_pad_accepts_correct_forms():
     assert lesson02.check_bucket_pad(_bucket_pad)
+    assert lesson02.check_bucket_pad(_bucket_edge)
     assert lesson02.check_bucket_pad(_bucket_loop)
     assert lesson02.check_bucket_pad(_bucket_log2)
 
@@ -151,6 +158,21 @@ def test_bucket_pad_wrong_answers():
         jnp.arange(_bucket_pad(x)[0].shape[0]) < x.shape[0],
     )
     rejects(check, before, match="first rows")
+    before_marked = lambda x: (  # noqa: E731 - pads before the real rows, and marks the last n
+        before(x)[0],
+        jnp.arange(_bucket_pad(x)[0].shape[0]) >= _bucket_pad(x)[0].shape[0] - x.shape[0],
+    )
+    rejects(check, before_marked, match="first rows of x_padded are not x")
+    nan_padding = lambda x: (  # noqa: E731
+        jnp.pad(x, ((0, _bucket_pad(x)[0].shape[0] - x.shape[0]), (0, 0)), constant_values=jnp.nan),
+        _bucket_pad(x)[1],
+    )
+    rejects(check, nan_padding, match="padding rows .* hold NaN")
+    mask_at_end = lambda x: (  # noqa: E731 - x in the first rows, the mask true at the last n
+        _bucket_pad(x)[0],
+        jnp.arange(_bucket_pad(x)[0].shape[0]) >= _bucket_pad(x)[0].shape[0] - x.shape[0],
+    )
+    rejects(check, mask_at_end, match="but not the first 3, where x is")
 
 
 # ---------------------------------------------------------------- exercise 3
@@ -166,14 +188,44 @@ def _median_time(fn, *args, repeats=5):
     return statistics.median(samples)
 
 
-def _loop_then_block(
-    fn, *args, repeats=5
-):  # another correct form: time a queue of calls, block once
+def _loop_then_block(fn, *args, repeats=5):  # WRONG: a queue of calls blocked once gives their mean
     jax.block_until_ready(fn(*args))
     start = time.perf_counter()
     outs = [fn(*args) for _ in range(repeats)]
     jax.block_until_ready(outs)
     return (time.perf_counter() - start) / repeats
+
+
+def _timed(fn, args, repeats, wait):
+    def one():
+        begin = time.perf_counter()
+        wait(fn(*args))
+        return time.perf_counter() - begin
+
+    one()  # warm-up
+    return [one() for _ in range(repeats)]
+
+
+def _device_get_median(fn, *args, repeats=5):  # another correct form: a copy to the host waits too
+    return float(np.median(_timed(fn, args, repeats, jax.device_get)))
+
+
+def _mean(fn, *args, repeats=5):  # the colleague's statistic, synchronised and warmed up
+    times = _timed(fn, args, repeats, jax.block_until_ready)
+    return sum(times) / len(times)
+
+
+def _minimum(fn, *args, repeats=5):
+    return min(_timed(fn, args, repeats, jax.block_until_ready))
+
+
+def _one_call(fn, *args, repeats=5):  # ignores repeats
+    return _timed(fn, args, 1, jax.block_until_ready)[0]
+
+
+def _first_leaf(fn, *args, repeats=5):  # waits for the first array of the output only
+    wait = lambda out: jax.tree.leaves(out)[0].block_until_ready()  # noqa: E731
+    return statistics.median(_timed(fn, args, repeats, wait))
 
 
 def _the_original(fn, *args, repeats=5):
@@ -217,7 +269,7 @@ def _warm_but_unsynced(fn, *args, repeats=5):
 
 def test_median_time_accepts_correct_forms():
     assert lesson02.check_median_time(_median_time)
-    assert lesson02.check_median_time(_loop_then_block)
+    assert lesson02.check_median_time(_device_get_median)
 
 
 @pytest.fixture
@@ -229,7 +281,8 @@ def busy_sleep(monkeypatch):
 
 def test_median_time_on_a_busy_machine_accepts_right_answers_and_refuses_wrong_ones(busy_sleep):
     assert lesson02.check_median_time(_median_time)
-    assert lesson02.check_median_time(_loop_then_block)
+    assert lesson02.check_median_time(_device_get_median)
+    rejects(lesson02.check_median_time, _mean, match="mean of the timed calls")
     rejects(lesson02.check_median_time, _synced_no_warmup, match="warm-up")
     rejects(lesson02.check_median_time, _median_no_warmup, match="repeats=1.*\n.*warm-up")
     rejects(lesson02.check_median_time, _the_original, match="queued")
@@ -244,6 +297,11 @@ def test_median_time_wrong_answers():
     rejects(lesson02.check_median_time, _warm_but_unsynced, match="queued")
     rejects(lesson02.check_median_time, _synced_no_warmup, match="warm-up")
     rejects(lesson02.check_median_time, _median_no_warmup, match="repeats=1.*\n.*warm-up")
+    rejects(lesson02.check_median_time, _mean, match="mean of the timed calls")
+    rejects(lesson02.check_median_time, _loop_then_block, match="mean of the timed calls")
+    rejects(lesson02.check_median_time, _minimum, match="take the median")
+    rejects(lesson02.check_median_time, _one_call, match="2 times for repeats=5")
+    rejects(lesson02.check_median_time, _first_leaf, match="one of the 2 results")
     rejects(
         lesson02.check_median_time,
         lambda fn, *a, repeats=5: 1e3 * _median_time(fn, *a, repeats=repeats),
@@ -285,6 +343,24 @@ def _unrolled(loss_fn, params, xs, ys, lr):
     return params, jnp.stack(losses)
 
 
+@partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _train_scan_donating(
+    loss_fn, params, xs, ys, lr
+):  # another correct form: the params are donated
+    return _train_scan.__wrapped__(loss_fn, params, xs, ys, lr)
+
+
+@partial(jax.jit, static_argnums=0)
+def _unrolled_by_xla(
+    loss_fn, params, xs, ys, lr
+):  # one body in the jaxpr, unrolled in the compiled HLO
+    def step(params, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
+
+    return lax.scan(step, params, (xs, ys), unroll=True)
+
+
 def _not_jitted(loss_fn, params, xs, ys, lr):
     return _train_scan.__wrapped__(loss_fn, params, xs, ys, lr)
 
@@ -316,6 +392,7 @@ def _loss_after_update(loss_fn, params, xs, ys, lr):
 def test_train_scan_accepts_correct_forms():
     assert lesson02.check_train_scan(_train_scan)
     assert lesson02.check_train_scan(_train_fori)
+    assert lesson02.check_train_scan(_train_scan_donating)
 
 
 def test_train_scan_stub(monkeypatch, capsys):
@@ -324,6 +401,7 @@ def test_train_scan_stub(monkeypatch, capsys):
 
 def test_train_scan_wrong_answers():
     rejects(lesson02.check_train_scan, _unrolled, match="unrolled")
+    rejects(lesson02.check_train_scan, _unrolled_by_xla, match="compiled program grows")
     rejects(lesson02.check_train_scan, _not_jitted, match="compiled")
     rejects(lesson02.check_train_scan, _static_lr, match="learning rate is data")
     rejects(lesson02.check_train_scan, _params_not_carried, match="initial params")

@@ -226,8 +226,24 @@ def test_batch_norm_refuses_a_wrong_epsilon(report):
     rejects(lesson03.check_batch_norm, _norm_with(1e-5, ddof=1), report.devices, match="n - 1")
 
 
+def _frozen_statistics(x):  # right values, but no gradient through the batch's mean and variance
+    mean = lax.stop_gradient(lax.pmean(x, "batch"))
+    var = lax.stop_gradient(lax.pmean((x - mean) ** 2, "batch"))
+    return (x - mean) * lax.rsqrt(var + 1e-5)
+
+
+def _frozen_variance(x):  # the mean differentiated, the variance not
+    mean = lax.pmean(x, "batch")
+    var = lax.stop_gradient(lax.pmean((x - mean) ** 2, "batch"))
+    return (x - mean) / jnp.sqrt(var + 1e-5)
+
+
 def test_batch_norm_wrong_answers(report):
     rejects(lesson03.check_batch_norm, _layer_norm, report.devices, match="layer norm")
+    rejects(
+        lesson03.check_batch_norm, _frozen_statistics, match="gradient with respect to the batch"
+    )
+    rejects(lesson03.check_batch_norm, _frozen_variance, match="gradient with respect to the batch")
     rejects(
         lesson03.check_batch_norm,
         lambda x: (
@@ -339,6 +355,13 @@ def _mean_scale_times_mean_grad(loss_fn, params, xs, ys, max_norm):  # the revie
     return jax.tree.map(lambda leaf: scale * leaf.mean(0), g)
 
 
+def _no_clipping(
+    loss_fn, params, xs, ys, max_norm
+):  # per-example gradients, averaged, never clipped
+    grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))(params, xs, ys)
+    return jax.tree.map(lambda g: g.mean(axis=0), grads)
+
+
 def test_clipped_grad_accepts_correct_forms():
     assert lesson03.check_clipped_grad(_clipped)
     assert lesson03.check_clipped_grad(_clipped_per_example_fn)
@@ -351,6 +374,7 @@ def test_clipped_grad_stub(monkeypatch, capsys):
 
 def test_clipped_grad_wrong_answers():
     rejects(lesson03.check_clipped_grad, _batch_clipped, match="not each example's")
+    rejects(lesson03.check_clipped_grad, _no_clipping, match="no example.s gradient was clipped")
     rejects(lesson03.check_clipped_grad, _per_leaf, match="own norm")
     rejects(lesson03.check_clipped_grad, _mean_scale_times_mean_grad, match="differs from a loop")
     rejects(lesson03.check_clipped_grad, _w_norm_only, match="one leaf \\(w\\) only")

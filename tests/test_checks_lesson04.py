@@ -232,6 +232,35 @@ def acc_vmap(loss_fn, params, batch, axis_name, n_micro):  # every micro-batch a
     return lax.pmean(jax.tree.map(lambda a: a.mean(0), g), axis_name)
 
 
+def acc_stacked(
+    loss_fn, params, batch, axis_name, n_micro
+):  # n_micro gradients stacked, then averaged
+    micro = jax.tree.map(lambda a: a.reshape((n_micro, -1) + a.shape[1:]), batch)
+    _, grads = lax.scan(lambda c, mb: (c, jax.grad(loss_fn)(params, mb)), 0, micro)
+    return lax.pmean(jax.tree.map(lambda g: g.mean(axis=0), grads), axis_name)
+
+
+def acc_buffer(
+    loss_fn, params, batch, axis_name, n_micro
+):  # a carried [n_micro, ...] buffer per leaf
+    micro = jax.tree.map(lambda a: a.reshape((n_micro, -1) + a.shape[1:]), batch)
+
+    def body(i, bufs):
+        g = jax.grad(loss_fn)(params, jax.tree.map(lambda a: a[i], micro))
+        return jax.tree.map(lambda b, gi: b.at[i].set(gi), bufs, g)
+
+    empty = jax.tree.map(lambda p: jnp.zeros((n_micro,) + p.shape, p.dtype), params)
+    bufs = lax.fori_loop(0, n_micro, body, empty)
+    return lax.pmean(jax.tree.map(lambda b: b.mean(axis=0), bufs), axis_name)
+
+
+def acc_all_gather(
+    loss_fn, params, batch, axis_name, n_micro
+):  # no all-reduce: every gradient gathered
+    g = acc_local(loss_fn, params, batch, axis_name, n_micro)
+    return jax.tree.map(lambda a: lax.all_gather(a, axis_name).mean(axis=0), g)
+
+
 def test_accumulated_grads(report):
     n = len(report.devices)
     assert lesson04.check_accumulated_grads(acc_scan, report.devices)
@@ -270,6 +299,19 @@ def test_accumulated_grads(report):
             lesson04.check_accumulated_grads, acc_local, report.devices, match="different gradients"
         )
         rejects(lesson04.check_accumulated_grads, acc_psum, report.devices, match="psum adds")
+    for kept in (acc_stacked, acc_buffer):
+        rejects(
+            lesson04.check_accumulated_grads,
+            kept,
+            report.devices,
+            match="carries or stacks 76[89] numbers with n_micro=2 and 3,07[23]",
+        )
+    rejects(
+        lesson04.check_accumulated_grads,
+        acc_all_gather,
+        report.devices,
+        match="with all_gather, not only with an all-reduce",
+    )
     _not_written(lesson04.check_accumulated_grads, stub, report.devices)
 
 

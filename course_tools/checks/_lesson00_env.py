@@ -2,7 +2,9 @@
 
 The spec (what a right answer must do), each part exercised by the test environments below:
 
-1. ``env`` is left unchanged (it may be ``os.environ``), and a NEW mapping of str to str is returned;
+1. ``env`` is left unchanged (it may be ``os.environ``: the checker passes an :class:`Environ`, which
+   behaves like it, so ``copy.copy(env)`` writes through as it does on ``os.environ``), and a NEW mapping of
+   str to str is returned;
 2. every variable of ``env`` other than ``XLA_FLAGS``, ``JAX_NUM_CPU_DEVICES`` and ``JAX_PLATFORMS`` is kept
    with its value — the user's own ``JAX_*`` settings too (``JAX_ENABLE_X64``, a compilation cache);
 3. every XLA flag of ``env`` other than the device-count flag is kept;
@@ -11,7 +13,9 @@ The spec (what a right answer must do), each part exercised by the test environm
    in a fresh process by the tests): ``JAX_NUM_CPU_DEVICES`` when it is set — it silently wins over
    ``XLA_FLAGS`` — else the LAST ``--xla_force_host_platform_device_count`` flag, else 1. So
    ``JAX_NUM_CPU_DEVICES=n`` with a stale count flag left in ``XLA_FLAGS`` is right, and so is dropping the
-   variable and replacing the flag. The environment of the hardest case is also run in a fresh process.
+   variable and replacing the flag. The stale count flags of the test environments differ (6 and 2), so
+   editing one value by text does not pass. The environment of the hardest case is also run in a fresh
+   process.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ DEVICE_VARS = ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS")
 
 CASES = (
     (3, {"COURSE_MARKER": "kept", "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}),
-    (2, {"COURSE_MARKER": "kept", "JAX_ENABLE_X64": "1"}),
+    (2, {"COURSE_MARKER": "kept", "JAX_ENABLE_X64": "1", "XLA_FLAGS": f"{COUNT_FLAG}=6"}),
     (
         5,
         {
@@ -40,6 +44,25 @@ CASES = (
     ),
 )
 """(n, the variables the environment holds besides this process's own, device settings removed)."""
+
+
+class Environ(os._Environ):
+    """A mapping that behaves as ``os.environ`` does — ``copy.copy`` of it shares its data, ``.copy()`` gives
+    a dict — without writing to this process's environment (no ``putenv``). The answer is called with one,
+    as the exercise's colleague calls it with ``os.environ``."""
+
+    def __init__(self, data: Mapping[str, str]):
+        real = os.environ
+        encoded = {real.encodekey(k): real.encodevalue(v) for k, v in data.items()}
+        super().__init__(
+            encoded, real.encodekey, real.decodekey, real.encodevalue, real.decodevalue
+        )
+
+    def __setitem__(self, key, value):
+        self._data[self.encodekey(key)] = self.encodevalue(value)
+
+    def __delitem__(self, key):
+        del self._data[self.encodekey(key)]
 
 
 def clean_environ() -> dict[str, str]:
@@ -81,7 +104,8 @@ def _judge_kept(n: int, env: Mapping[str, str], before: Mapping[str, str], out: 
         changed = sorted(k for k in set(env) | set(before) if env.get(k) != before.get(k))
         fail(
             f"cpu_env({n}, env) changed the caller's mapping ({', '.join(changed)})",
-            "called with os.environ, that edits this very process: build a new dict and edit that",
+            "called with os.environ, that edits this very process: build a new dict (dict(env); "
+            "copy.copy(os.environ) shares its data) and edit that",
         )
     if out is env:
         fail(f"cpu_env({n}, env) returned the mapping it was given", "return a new dict")
@@ -112,11 +136,14 @@ def _judge_kept(n: int, env: Mapping[str, str], before: Mapping[str, str], out: 
         )
 
 
-def _judge_count(n: int, out: Mapping[str, str], counts: dict[int, str]) -> None:
+def _judge_count(
+    n: int, out: Mapping[str, str], counts: dict[int, str], env: Mapping[str, str]
+) -> None:
     """Part 5: the count a fresh process would get, with what decides it."""
     got, source = effective_count(out)
     if got == str(n):
         return
+    stale = count_flags(env)
     if source == "JAX_NUM_CPU_DEVICES":
         hint = (
             "JAX_NUM_CPU_DEVICES is still set from before, and it silently wins over XLA_FLAGS: drop it, "
@@ -125,6 +152,11 @@ def _judge_count(n: int, out: Mapping[str, str], counts: dict[int, str]) -> None
     elif len(count_flags(out)) > 1:
         hint = (
             "XLA_FLAGS holds several count flags and XLA takes the last: remove the old one first"
+        )
+    elif stale and got == stale[-1] and f"{COUNT_FLAG}={got}" in out.get("XLA_FLAGS", "").split():
+        hint = (
+            f"XLA_FLAGS already held a count flag ({COUNT_FLAG}={got}) and it is still there: replace "
+            "the count flag whatever its value"
         )
     elif source.startswith("no setting"):
         hint = f"add {COUNT_FLAG}=n to XLA_FLAGS (or set JAX_NUM_CPU_DEVICES=n)"
@@ -140,15 +172,15 @@ def _judge_count(n: int, out: Mapping[str, str], counts: dict[int, str]) -> None
 def judge_cpu_env(cpu_env: Callable[[int, Mapping[str, str]], Mapping[str, str]]) -> int:
     """Judge ``cpu_env`` on :data:`CASES` and run the hardest case's environment in a fresh process;
     returns the device count that process reported."""
-    counts, outs = {}, {}
+    counts, outs, envs = {}, {}, {}
     for n, extra in CASES:
-        env = {**clean_environ(), **extra}
+        env = Environ({**clean_environ(), **extra})
         before = dict(env)
         out = call_answer(f"cpu_env({n}, env)", cpu_env, n, env)
         _judge_kept(n, env, before, out)
-        counts[n], outs[n] = effective_count(out)[0], out
+        counts[n], outs[n], envs[n] = effective_count(out)[0], dict(out), before
     for n, _ in CASES:
-        _judge_count(n, outs[n], counts)
+        _judge_count(n, outs[n], counts, envs[n])
     n, _ = CASES[-1]
     run = run_python("import jax; print(jax.device_count(), jax.default_backend())", env=outs[n])
     if run.returncode != 0:

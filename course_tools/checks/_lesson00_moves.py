@@ -10,10 +10,11 @@ each moved sum is built from partial sums that are already where it is moved fro
 - explicit ones with their values: ``jax.device_put`` under any name (``jax._src.api.device_put``, so also
   ``Array.to_device``), and ``jnp.asarray`` / ``jnp.array`` with ``device=`` (both end in
   ``lax._convert_element_type(..., sharding=)``);
-- copies to the host that go through ``ArrayImpl._value`` (``jax.device_get``, printing, ``np.asarray`` on
-  a GPU), with their shapes and values. On the CPU ``np.asarray`` reads the buffer directly and is not
-  seen: what comes back from the host (``device_put`` of a NumPy value) is judged like any other move,
-  with the host as its source, where no partial sum is unless one was copied there;
+- copies to the host, with their shapes and values: those that go through ``ArrayImpl._value``
+  (``jax.device_get``, printing, ``np.asarray`` on a GPU) and those that read a CPU array's buffer directly
+  (``np.asarray``, ``np.array`` on the CPU: ``ArrayImpl.__buffer__`` is wrapped). What comes back from the
+  host (``device_put`` of a NumPy value) is judged like any other move, with the host as its source, where
+  only the partial sums (and sums of them) are that were copied there;
 - every device-to-device copy, also the implicit ones (a jitted call with ``out_shardings``, an
   uncommitted array moved to a committed one's device) and any explicit path not named above: JAX's
   transfer guard at level ``"log_explicit"`` reports each one on the process's stderr (file descriptor 2),
@@ -104,8 +105,11 @@ class RecordMoves:
 
         def device_put(x, device=None, *args, **kwargs):
             if device is not None:
-                for leaf in jax.tree.leaves(x):
-                    self._explicit(leaf, device)
+                leaves = jax.tree.leaves(x)
+                # a list of devices matching a list of arrays: leaf i goes to device i
+                paired = isinstance(device, list | tuple) and len(device) == len(leaves)
+                for leaf, dst in zip(leaves, device if paired else [device] * len(leaves)):
+                    self._explicit(leaf, dst)
             elif any(not isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(x)):
                 for leaf in jax.tree.leaves(x):  # to the default device, from the host
                     if not isinstance(leaf, jax.Array):
@@ -124,9 +128,21 @@ class RecordMoves:
             self.moves.append(Move("host", tuple(arr.shape), _device_of(arr), "host", out))
             return out
 
+        def buffer(arr, flags):  # NumPy reads a CPU array's buffer directly (np.asarray, np.array)
+            view = self._buffer(arr, flags)
+            self.moves.append(
+                Move("host", tuple(arr.shape), _device_of(arr), "host", np.array(view))
+            )
+            return view
+
+        self._buffer = getattr(
+            array.ArrayImpl, "__buffer__", None
+        )  # absent: NumPy goes through _value
         api.device_put = jax.device_put = device_put
         lax_internal._convert_element_type = convert_element_type
         array.ArrayImpl._value = property(to_host)
+        if self._buffer is not None:
+            array.ArrayImpl.__buffer__ = buffer
         self._log = _TransferLog()
         self._log.__enter__()
         return self
@@ -149,6 +165,8 @@ class RecordMoves:
 
         api.device_put, jax.device_put, lax_internal._convert_element_type = self._saved
         array.ArrayImpl._value = self._value
+        if self._buffer is not None:
+            array.ArrayImpl.__buffer__ = self._buffer
         self._log.__exit__(*exc)
         by_id = {d.id: d for d in jax.devices()}
         logged = parse_transfer_log(self._log.text, by_id)

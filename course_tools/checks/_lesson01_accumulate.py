@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from ._common import fail
@@ -28,7 +30,9 @@ def pass_tap(passes: list):
 
 
 def judge_one_at_a_time(order: str, chunks: int) -> None:
-    """``order``: the "f"/"b" log of the answer's passes (a checkpoint's recompute repeats an "f")."""
+    """``order``: the "f"/"b" log of the answer's passes (a checkpoint's recompute repeats an "f"). Right: at
+    least ``chunks`` backward passes, each micro-batch's forward pass followed by its backward pass before
+    the next forward pass starts ("fb" repeated); smaller micro-batches than ``micro`` are right too."""
     while "ff" in order:
         order = order.replace("ff", "f")
     if order.count("b") < chunks:
@@ -38,7 +42,7 @@ def judge_one_at_a_time(order: str, chunks: int) -> None:
             "differentiate one micro-batch, add its gradient into the running sum, then take the next "
             "(a Python loop, lax.scan or lax.fori_loop)",
         )
-    if order != "fb" * chunks:
+    if re.fullmatch("(fb)+", order) is None:  # any number of micro-batches of at most micro rows
         fail(
             "a micro-batch's forward pass started before the previous one's backward pass ended "
             "(one grad of a sum of micro-batch losses?): every micro-batch's activations are kept",

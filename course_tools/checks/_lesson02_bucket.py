@@ -2,7 +2,8 @@
 
 Spec: ``bucket_pad(x) -> (x_padded, mask)`` for ``x`` float32 ``[n, d]`` (``n >= 1``): ``x_padded`` is
 ``[b, d]`` with ``b`` the smallest power of two ``>= n`` (so ``n <= b < 2n``: at most half the rows are
-padding), ``x`` in its first ``n`` rows; ``mask`` is ``[b]``, true (or 1) at the ``n`` real rows only. Its
+padding), ``x`` in its first ``n`` rows and finite values (zeros) in the others; ``mask`` is ``[b]``, true (or 1) at
+the ``n`` real rows only. Its
 outputs keep one dtype for every ``n``, so that a jitted step compiles once per bucket: for ``n`` = 1 … 40
 that is 7 programs (1, 2, 4, …, 64 rows) where unpadded batches would need 40 and padding everything to
 the largest batch (64) would waste up to 63 of 64 rows.
@@ -52,13 +53,24 @@ def _judge_one(n: int, d: int, x: np.ndarray, out) -> tuple:
     if tuple(np.shape(mask)) != (rows,):
         fail(f"mask shape {tuple(np.shape(mask))}, expected ({rows},)", "one mask entry per row")
     real = np.asarray(mask).astype(bool)
-    if real.sum() != n or not real[:n].all():
+    if real.sum() != n:
         fail(
             f"the mask marks {int(real.sum())} rows as real for a batch of {n}",
             "the mask is true at the first n positions only",
         )
-    if not np.allclose(np.asarray(xp)[:n], x):
+    padded = np.asarray(xp)
+    if not np.allclose(padded[:n], x):
         fail("the first rows of x_padded are not x", "keep x in the first n rows; pad after it")
+    if not real[:n].all():
+        fail(
+            f"the mask marks {n} rows as real for a batch of {n}, but not the first {n}, where x is",
+            "the mask is true at the first n positions only",
+        )
+    if not np.isfinite(padded[n:]).all():
+        fail(
+            f"the padding rows of a {n}-row batch hold NaN or inf",
+            "a masked sum multiplies padding by 0, and NaN * 0 is NaN: pad with finite values (zeros)",
+        )
     return _signature(xp), _signature(mask)
 
 

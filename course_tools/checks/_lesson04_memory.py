@@ -4,7 +4,8 @@
   probe loss's ``tanh`` on ``b // n_micro`` rows) must sit inside a loop body (``lax.scan``,
   ``lax.fori_loop``, ``lax.while_loop``, ``lax.map``), so that the micro-batches run one after another
   and one iteration's buffers serve every micro-batch; a Python loop, a ``vmap`` or one ``jax.grad`` of
-  their summed losses put every forward pass into one straight-line program instead;
+  their summed losses put every forward pass into one straight-line program instead; and what that loop
+  carries or stacks must not grow with ``n_micro`` (stacked per-micro-batch gradients do);
 - where the program is XLA:CPU's, also by its compiled temporary memory (``memory_analysis``), which must
   shrink as ``n_micro`` grows. Another compiler schedules buffers its own way, so elsewhere the bytes are
   printed, not judged.
@@ -75,6 +76,46 @@ def judge_loop(fn: Callable, device, loss_fn: Callable) -> None:
         )
 
 
+def _has_forward(eqn) -> bool:
+    """Whether the probe loss's forward pass (its tanh) runs inside ``eqn``'s nested programs."""
+    return any(e.primitive.name == "tanh" for e, _ in _walk(_Eqns([eqn])))
+
+
+class _Eqns:
+    """A list of equations that :func:`_walk` walks like a jaxpr's."""
+
+    def __init__(self, eqns):
+        self.eqns = eqns
+
+
+def loop_output_elements(fn: Callable, device, loss_fn: Callable, n_micro: int) -> int:
+    """Elements (summed over arrays) that the loops over micro-batches carry or stack, for ``n_micro``."""
+    import math
+
+    params, batch = _inputs()
+    jaxpr = jax.make_jaxpr(_mapped(fn, device, loss_fn, n_micro))(params, batch)
+    return sum(
+        math.prod(v.aval.shape)
+        for e, in_loop in _walk(jaxpr)
+        if e.primitive.name in LOOPS and not in_loop and _has_forward(e)
+        for v in e.outvars
+    )
+
+
+def judge_growth(fn: Callable, device, loss_fn: Callable) -> None:
+    """What the loop keeps must not grow with ``n_micro`` by more than a few scalars per micro-batch (its
+    losses, say): n_micro stacked gradients are what accumulation exists to avoid (every platform)."""
+    few, many = MEMORY_MICRO
+    kept = {m: loop_output_elements(fn, device, loss_fn, m) for m in MEMORY_MICRO}
+    if kept[many] - kept[few] > 16 * (many - few):
+        fail(
+            f"the loop over micro-batches carries or stacks {kept[few]:,} numbers with n_micro={few} and "
+            f"{kept[many]:,} with n_micro={many}: it keeps something per micro-batch (each one's gradient?)",
+            "keep only the running sum of gradients between micro-batches: nothing that grows with the "
+            "number of micro-batches may be carried or stacked by the loop",
+        )
+
+
 def _temp_bytes(fn: Callable, device, loss_fn: Callable, n_micro: int) -> int:
     params, batch = _inputs()
     mapped = _mapped(fn, device, loss_fn, n_micro)
@@ -84,6 +125,7 @@ def _temp_bytes(fn: Callable, device, loss_fn: Callable, n_micro: int) -> int:
 def judge_memory(fn: Callable, device, loss_fn: Callable) -> str:
     """The loop (every platform), then the compiled temporaries (judged on XLA:CPU only); a summary."""
     judge_loop(fn, device, loss_fn)
+    judge_growth(fn, device, loss_fn)
     few, many = MEMORY_MICRO
     t_few, t_many = (_temp_bytes(fn, device, loss_fn, m) for m in MEMORY_MICRO)
     summary = f"temporaries {t_few:,} B with n_micro={few}, {t_many:,} B with {many}"

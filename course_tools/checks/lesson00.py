@@ -225,8 +225,23 @@ def _judge_sums(out, parts, devices, target) -> None:
         fail(
             f"the total lives on {_where(total)} (committed: {getattr(total, 'committed', False)}), "
             f"expected {target}",
-            "move the partial sums to the target device with device_put, then add them",
+            "move the partial sums to the target device (the `device` argument) with device_put, then add them",
         )
+
+
+_FIX_WORDS = (
+    "multiple",
+    "divisible",
+    "pad",
+    "drop",
+    "trim",
+    "remove",
+    "use ",
+    "add ",
+    "choose",
+    "pick",
+)
+"""Words of which an error message that names a fix holds at least one ("use a multiple of 4", "pad x")."""
 
 
 def _indivisible(split_and_sum, devices) -> None:
@@ -236,7 +251,8 @@ def _indivisible(split_and_sum, devices) -> None:
     try:
         out = split_and_sum(jnp.zeros((rows, 2)), devices, devices[0])
     except ValueError as e:
-        if str(rows) not in str(e) or str(n) not in str(e):
+        text = str(e).lower()
+        if str(rows) not in text or str(n) not in text or not any(w in text for w in _FIX_WORDS):
             fail(
                 f"the error for {rows} rows on {n} devices says {str(e)!r}",
                 "name both numbers and the fix, "
@@ -273,8 +289,10 @@ def check_split_and_sum(split_and_sum: Callable, devices: Sequence[Any]) -> bool
       where those partial sums are; nothing larger than a row goes to the host;
     - rows not divisible by the device count raise ``ValueError`` naming both numbers.
 
-    Judged on a float32 and an int32 input (x uncommitted on the default device, as in the notebook), the
-    target being the last device; the indivisible case with ``2n + 1`` rows.
+    Judged on a float32 and an int32 input (x uncommitted on the default device, as in the notebook) on the
+    run's devices, the target being the last device, then a middle one; then on a shorter device list in
+    reverse order (2 or 3 devices); the total must keep x's dtype; the indivisible case with ``2n + 1``
+    rows, whose error must name both numbers and a fix ("use a multiple of n").
 
     Raises:
       ExerciseError: a part or partial sum on the wrong device or uncommitted, rows interleaved or out of
@@ -286,21 +304,27 @@ def check_split_and_sum(split_and_sum: Callable, devices: Sequence[Any]) -> bool
     import jax.numpy as jnp
 
     devices = list(devices)
-    n, target = len(devices), devices[-1]
+    n = len(devices)
     rng = np.random.default_rng(0)
-    inputs = [
-        rng.normal(size=(2 * n, 3)).astype(np.float32),
-        rng.integers(0, 99, (3 * n, 2, 2)).astype(np.int32),
+    # (x, the devices passed, the target device): the run's devices with the last and a middle one as the
+    # target, then (with 2 devices or more) a shorter list in reverse order, so no device count, order or
+    # target can be assumed
+    runs = [
+        (rng.normal(size=(2 * n, 3)).astype(np.float32), devices, devices[-1]),
+        (rng.integers(0, 99, (3 * n, 2, 2)).astype(np.int32), devices, devices[(n - 1) // 2]),
     ]
+    if n >= 2:
+        fewer = devices[: max(2, min(3, n - 1))][::-1]
+        runs.append((rng.normal(size=(2 * len(fewer), 3)).astype(np.float32), fewer, devices[-1]))
     gap = 0.0
-    for x_np in inputs:
+    for x_np, these, target in runs:
         x = jnp.asarray(x_np)
         with RecordMoves() as record:
             out = call_answer(
-                "split_and_sum(x, devices, device)",
+                f"split_and_sum(x, devices, device) with {len(these)} devices",
                 split_and_sum,
                 x,
-                devices,
+                list(these),
                 target,
                 explain=_adding_across_devices,
             )
@@ -309,13 +333,18 @@ def check_split_and_sum(split_and_sum: Callable, devices: Sequence[Any]) -> bool
                 "split_and_sum should return (parts, partials, total)",
                 "return all three, in that order",
             )
-        _judge_parts(out[0], x_np, devices)
-        _judge_sums(out[1:], out[0], devices, target)
-        judge_moves(record.moves, x_np, out[0], out[1], devices)
+        _judge_parts(out[0], x_np, these)
+        _judge_sums(out[1:], out[0], these, target)
+        judge_moves(record.moves, x_np, out[0], out[1], these)
+        if out[2].dtype != x_np.dtype:
+            fail(
+                f"the total of a {x_np.dtype} x has dtype {out[2].dtype}",
+                f"add the partial sums as they are: the column sum of {x_np.dtype} rows is {x_np.dtype}",
+            )
         total = np.asarray(out[2], np.float64)
         if not np.allclose(total, x_np.sum(0), rtol=1e-5, atol=1e-4):
             fail("the total is not the column sum of x", "add all the partial sums")
-        if x_np.dtype == np.float32:  # another order of additions than one jnp.sum (section 1)
+        if x_np.dtype == np.float32 and these is devices:  # another order of additions (section 1)
             reference = np.asarray(jnp.sum(x, axis=0), np.float64)
             gap = float(np.max(np.abs(total - reference)))
     if n > 1:

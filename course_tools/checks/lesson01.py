@@ -26,13 +26,14 @@ def check_dropout(dropout: Callable) -> bool:
     """Exercise 1: a pure ``dropout(key, x, rate)``: zero a fraction ``rate``, scale the rest by ``1/(1-rate)``.
 
     Spec: the output has x's shape and dtype; every entry is 0 or the same entry of ``x / (1 - rate)``;
-    about ``rate`` of them (within 3 points) are 0; the same key gives the same output and another key
+    the entries are dropped independently (no axis along which every slice has the same mask); about
+    ``rate`` of them (within 3 points) are 0; the same key gives the same output and another key
     another; under ``jax.jit`` (``rate`` static) the values are the same. Judged on random (not constant)
     ``x`` (so an output that ignores x shows) at rates 0.3 and 0.6.
 
     Raises:
-      ExerciseError: wrong shape or dtype, output not built from ``x``, no rescaling, impure, key ignored,
-        wrong drop fraction, fails under ``jit``.
+      ExerciseError: wrong shape or dtype, output not built from ``x``, no rescaling, one mask shared along
+        an axis, impure, key ignored, wrong drop fraction, fails under ``jit``.
     """
     import jax
     import jax.numpy as jnp
@@ -59,6 +60,18 @@ def check_dropout(dropout: Callable) -> bool:
         kept = a != 0
         scaled = xs / (1 - rate)
         dropped = 1 - kept.mean()
+        shared = [
+            axis
+            for axis in range(kept.ndim)
+            if (kept == np.take(kept, [0], axis=axis)).all()  # every slice along axis: one mask
+        ]
+        if shared:
+            fail(
+                f"every slice of the output along axis {shared[0]} drops the same entries: one mask "
+                f"serves all {x.shape[shared[0]]} of them",
+                "draw one keep/drop decision per entry of x (shape x.shape), not one mask broadcast over "
+                "the batch",
+            )
         if abs(dropped - rate) > 0.03:
             fail(
                 f"{dropped:.0%} of the entries were dropped, expected about {rate:.0%}",
@@ -174,22 +187,28 @@ def check_trace_counts(predictions: Mapping[str, int] | None) -> bool:
 # ---------------------------------------------------------------- exercise 3: debug a NaN gradient
 
 
-NEAR = 1e-4
-"""The distance of the checker's nearly equal pairs: an epsilon inside the square root shows there."""
+NEAR = (1e-4, 1e-4, 1e-5, 1e-6, 1e-8, 1e-15)
+"""The distances of the checker's nearly equal pairs: an epsilon inside the square root, or a threshold
+below which points count as coincident, shows at one of them (float32 represents them all: the points of
+the smaller ones have magnitudes near 100 times their distance, so p - q is exact)."""
 
 
 def _distance_pairs():
-    """p, q: f32[8, 5]; rows 0 and 4 the same point twice, rows 2 and 6 at distance NEAR, the rest random."""
+    """p, q: f32[12, 5]; rows 0 and 4 the same point twice, rows 2, 6, 8, 9, 10, 11 at the distances
+    ``NEAR``, the rest random; returns (p, q, same, near, the distance of each near row)."""
     rng = np.random.default_rng(2)
-    p = rng.normal(size=(8, 5)).astype(np.float32)
-    q = rng.normal(size=(8, 5)).astype(np.float32)
-    same, near = np.isin(np.arange(8), (0, 4)), np.isin(np.arange(8), (2, 6))
+    p = rng.normal(size=(12, 5)).astype(np.float32)
+    q = rng.normal(size=(12, 5)).astype(np.float32)
+    rows = (2, 6, 8, 9, 10, 11)
+    same, near = np.isin(np.arange(12), (0, 4)), np.isin(np.arange(12), rows)
     q[same] = p[same]
-    step = rng.normal(size=(2, 5))
-    q[near] = (p[near] + NEAR * step / np.linalg.norm(step, axis=1, keepdims=True)).astype(
-        np.float32
-    )
-    return p, q, same, near
+    step = rng.normal(size=(len(rows), 5))
+    step /= np.linalg.norm(step, axis=1, keepdims=True)
+    for row, dist, u in zip(rows, NEAR, step):
+        if dist < 1e-4:
+            p[row] = (p[row] * 100 * dist).astype(np.float32)
+        q[row] = (p[row] + dist * u).astype(np.float32)
+    return p, q, same, near, dict(zip(rows, NEAR))
 
 
 @checker
@@ -198,7 +217,8 @@ def check_safe_distance(safe_distance: Callable) -> bool:
 
     Spec: for float32 [d] vectors, the value is ``sqrt(sum((p - q) ** 2))`` everywhere — exactly 0 at
     ``p == q`` — and the gradient with respect to ``p`` is ``(p - q) / |p - q|`` wherever ``p != q`` (to
-    1e-4, also at ``|p - q| = 1e-4``, where an epsilon inside the square root bends it) and 0 at ``p == q``;
+    1e-4, also at ``|p - q|`` from 1e-4 down to 1e-15 (``NEAR``), where an epsilon inside the square root, or a
+    threshold below which points count as the same, bends it) and 0 at ``p == q``;
     finite in reverse mode (``grad``, under ``jit`` and ``vmap``) and in forward mode (``jvp``). So the
     double ``jnp.where`` and a ``jax.custom_jvp`` pass; any epsilon or clamp (``sqrt(d2 + eps)``,
     ``sqrt(maximum(d2, eps))``) fails at one of the two edges.
@@ -210,7 +230,7 @@ def check_safe_distance(safe_distance: Callable) -> bool:
     import jax
     import jax.numpy as jnp
 
-    p, q, same, near = _distance_pairs()
+    p, q, same, near, near_dist = _distance_pairs()
     diff = p - q  # float32, as JAX computes it
     norm = np.linalg.norm(diff.astype(np.float64), axis=1)
     value = np.asarray(
@@ -232,19 +252,19 @@ def check_safe_distance(safe_distance: Callable) -> bool:
             f"safe_distance fails under jit/vmap: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
             "use jnp operations only (jnp.where, not a Python if on the arrays)",
         )
-    _judge_distance(values, grads, np.asarray(tangents), diff, norm, same, near)
+    _judge_distance(values, grads, np.asarray(tangents), diff, norm, same, near, near_dist)
     return passed(
-        "safe_distance is exact (0 at p == q), and its gradient is right everywhere, also at |p - q| = "
-        f"{NEAR:g} (grad, vmap and jvp)"
+        "safe_distance is exact (0 at p == q), and its gradient is right everywhere, also at |p - q| from "
+        f"{max(NEAR):g} down to {min(NEAR):g} (grad, vmap and jvp)"
     )
 
 
-def _judge_distance(values, grads, tangents, diff, norm, same, near) -> None:
-    apart = ~same
-    if not np.allclose(values[apart], norm[apart], rtol=1e-5, atol=0):
+def _judge_distance(values, grads, tangents, diff, norm, same, near, near_dist) -> None:
+    apart, far = ~same, ~same & ~near
+    if not np.allclose(values[far], norm[far], rtol=1e-5, atol=0):
         fail(
-            "the distance between different points is wrong (the nearly equal pairs included)",
-            "the value is sqrt(sum((p - q) ** 2)); an epsilon inside sqrt shifts the small distances",
+            "the distance between different points is wrong",
+            "the value is sqrt(sum((p - q) ** 2))",
         )
     if np.any(values[same] != 0):
         fail(
@@ -252,6 +272,21 @@ def _judge_distance(values, grads, tangents, diff, norm, same, near) -> None:
             "an epsilon inside sqrt (or a clamp) makes it sqrt(eps); select the value 0 exactly where "
             "p == q instead (jnp.where)",
         )
+    close = sorted(near_dist, key=near_dist.get, reverse=True)
+    for row in close:  # the largest distance first: where a threshold or an epsilon first shows
+        if values[row] == 0:
+            fail(
+                f"the distance of two points {near_dist[row]:g} apart is 0",
+                "a tolerance (d2 > eps, or a clamp) treats close points as the same point: select the "
+                "zero branch only where p == q exactly (d2 > 0)",
+            )
+        if not np.isclose(values[row], norm[row], rtol=1e-5, atol=0):
+            fail(
+                f"the distance of two points {near_dist[row]:g} apart is {float(values[row]):.7g}, a "
+                f"relative error of {abs(float(values[row]) / norm[row] - 1):.1e}",
+                "an epsilon inside sqrt shifts the small distances, however small it is: keep sqrt's input "
+                "exact where p != q",
+            )
     if not np.all(np.isfinite(grads)):
         fail(
             "the gradient at p == q is NaN",
@@ -259,10 +294,11 @@ def _judge_distance(values, grads, tangents, diff, norm, same, near) -> None:
             "is 0 x (the unselected branch's gradient), and sqrt's gradient at 0 is infinite: 0 x inf = NaN. Give "
             "sqrt an input that is safe where its branch is not used (a second jnp.where on d2)",
         )
-    unit = diff / np.maximum(norm, 1e-30)[:, None]
-    if not np.allclose(grads[near], unit[near], rtol=1e-4, atol=1e-6):
+    unit = diff / np.maximum(norm, 1e-38)[:, None]
+    bent = [r for r in close if not np.allclose(grads[r], unit[r], rtol=1e-4, atol=1e-6)]
+    if bent:
         fail(
-            f"at |p - q| = {NEAR:g} the gradient is not (p - q) / |p - q|",
+            f"at |p - q| = {near_dist[bent[0]]:g} the gradient is not (p - q) / |p - q|",
             "an epsilon inside sqrt bends the gradient of small distances; keep sqrt's input exact "
             "where p != q and change it only where p == q",
         )

@@ -97,13 +97,16 @@ passes); its first call's compile time is ten times that."""
 
 
 class _Pending:
-    """A result that becomes ready at ``ready_at`` (``time.perf_counter()`` seconds), like a dispatched jax.Array."""
+    """One output of the stand-in step: ready at ``ready_at`` (``time.perf_counter()`` seconds), like a
+    dispatched jax.Array; waiting for it (``block_until_ready``, or a copy to the host through ``__array__``,
+    as ``jax.device_get`` and ``np.asarray`` make) blocks until then."""
 
     def __init__(self, ready_at: float, step: StandInStep):
-        self.ready_at, self.step = ready_at, step
+        self.ready_at, self.step, self.waited = ready_at, step, False
 
     def block_until_ready(self):
         self.step.waited += 1
+        self.waited = True
         delay = self.ready_at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
@@ -111,24 +114,78 @@ class _Pending:
             self.step.late.append(time.perf_counter() - self.ready_at)
         return self
 
+    def copy_to_host_async(self):
+        return None
+
+    def __array__(self, dtype=None, copy=None):
+        self.block_until_ready()
+        return np.zeros((), dtype or np.float32)
+
+
+class _StepOutput:
+    """What the stand-in step returns, like a training step's ``(params, metrics)``: a pytree of two results,
+    the loss ready early in the step and the new params at its end (``jax.tree.leaves`` lists the loss first)."""
+
+    def __init__(self, loss: _Pending, params: _Pending):
+        self.loss, self.params = loss, params
+
+    def block_until_ready(self):
+        self.loss.block_until_ready()
+        self.params.block_until_ready()
+        return self
+
+    def __array__(self, dtype=None, copy=None):
+        self.block_until_ready()
+        return np.zeros(2, dtype or np.float32)
+
+
+def _register_step_output() -> None:
+    import jax
+
+    try:
+        jax.tree_util.register_pytree_node(
+            _StepOutput, lambda o: ((o.loss, o.params), None), lambda _, c: _StepOutput(*c)
+        )
+    except ValueError:  # already registered
+        pass
+
+
+SLOW_CALLS = {4: 8.0, 5: 0.5}
+"""With ``repeats > 1``, the stand-in's 4th call computes for 8 times its usual time and its 5th for half of
+it, like a step that meets a slow and a fast moment: both fall among the timed calls after one or two
+warm-up calls, so the median of the timed calls is the usual time while their mean, minimum and maximum
+are not."""
+
 
 class StandInStep:
     """Behaves like a jitted step for timing purposes: the first call compiles (blocks ``compile_s``); every
-    call returns at once (asynchronous dispatch) a result ready ``work_s`` after the previous one (a queue)."""
+    call returns at once (asynchronous dispatch) a :class:`_StepOutput` whose params are ready the call's
+    compute time after the previous call's (a queue); call ``k`` computes for ``work_s * slow.get(k, 1)``."""
 
-    def __init__(self, work_s: float, compile_s: float):
-        self.work_s, self.compile_s = work_s, compile_s
+    def __init__(self, work_s: float, compile_s: float, slow: Mapping[int, float] | None = None):
+        _register_step_output()
+        self.work_s, self.compile_s, self.slow = work_s, compile_s, dict(slow or {})
         self.calls = 0
         self.waited = 0  # results someone waited for
         self.late: list[float] = []  # seconds each wait woke after its result was ready
         self.busy_until = 0.0
+        self.outputs: list[_StepOutput] = []
 
     def __call__(self, *args):
         self.calls += 1
         if self.calls == 1:
             time.sleep(self.compile_s)
-        self.busy_until = max(self.busy_until, time.perf_counter()) + self.work_s
-        return _Pending(self.busy_until, self)
+        start = max(self.busy_until, time.perf_counter())
+        self.busy_until = start + self.work_s * self.slow.get(self.calls, 1.0)
+        out = _StepOutput(
+            _Pending(start + 0.1 * self.work_s, self), _Pending(self.busy_until, self)
+        )
+        self.outputs.append(out)
+        return out
+
+    def timed_mean(self) -> float:
+        """The mean compute time of the calls after the first (what a mean of the timed calls gives)."""
+        return self.work_s * float(np.mean([self.slow.get(k, 1.0) for k in range(2, 7)]))
 
 
 def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
@@ -143,10 +200,17 @@ def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
             "return one number: the median in seconds",
         )
     seconds = float(seconds)
-    if step.calls > repeats + 5:
+    if step.calls > repeats + 5 or step.calls < repeats:
         fail(
             f"median_time called fn {step.calls} times for repeats={repeats}",
-            "one or two warm-up calls, then `repeats` timed calls",
+            "one or two untimed warm-up calls, then `repeats` timed calls",
+        )
+    part = [o for o in step.outputs if o.loss.waited != o.params.waited]
+    if part:
+        fail(
+            f"median_time waited for one of the 2 results of a call only ({len(part)} of "
+            f"{len(step.outputs)} calls): a step's results are not ready at the same moment",
+            "wait for the whole output, every array in its pytree: jax.block_until_ready(out)",
         )
     unsynced = (
         "a jitted call returns once the work is queued: wait for the result (jax.block_until_ready) "
@@ -166,6 +230,12 @@ def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
         fail(
             f"median_time says {seconds * 1e3:.3f} ms for a step that computes for {work * 1e3:.0f} ms",
             unsynced,
+        )
+    if repeats > 1 and abs(seconds - late - step.timed_mean()) < 0.3 * work:
+        fail(
+            f"median_time says {seconds * 1e3:.0f} ms for a step that usually computes for "
+            f"{work * 1e3:.0f} ms: that is the mean of the timed calls, and one of them was slow",
+            "one slow call moves the mean, not the median: return statistics.median of the timed calls",
         )
     if seconds - late > 2 * work:
         fail(
@@ -187,21 +257,23 @@ def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
 def check_median_time(median_time: Callable) -> bool:
     """Exercise 3: ``median_time(fn, *args, repeats=5)`` returns the median seconds per call of a jitted ``fn``.
 
-    Spec: within 0.75–1.6 × the compute time of one call (the upper bound judged on the answer less the
-    median time the run's waits woke late, which a busy machine adds to a right answer), for ``repeats`` 5
-    and 1, with at most
-    ``repeats + 5`` calls. Judged against a stand-in step (asynchronous dispatch, a queue, a first call
-    that compiles) whose compute time is drawn from ``WORK_RANGE_S`` anew for each of the two runs, so
-    neither a constant nor a time measured once passes.
+    Spec: within 0.75–1.6 × the usual compute time of one call (the upper bound judged on the answer less
+    the median time the run's waits woke late, which a busy machine adds to a right answer), for
+    ``repeats`` 5 and 1, with ``repeats`` to ``repeats + 5`` calls, each waited-for output waited for whole.
+    Judged against a stand-in step (asynchronous dispatch, a queue, a first call that compiles, an output
+    of two results ready at different moments) whose compute time is drawn from ``WORK_RANGE_S`` anew for
+    each of the two runs, so neither a constant nor a time measured once passes; with ``repeats=5`` one
+    timed call is slow and one fast (``SLOW_CALLS``), so the mean, the minimum and the maximum miss.
 
     Raises:
-      ExerciseError: the time of the dispatch only (no synchronisation), the compile included (no warm-up),
-        milliseconds instead of seconds, too many calls, or not a number.
+      ExerciseError: the time of the dispatch only (no synchronisation), a wait for part of the output, the
+        compile included (no warm-up), the mean (or another statistic) for the median, milliseconds instead
+        of seconds, too many or too few calls, or not a number.
     """
     rng = np.random.default_rng()
     for repeats in (5, 1):
         work = float(rng.uniform(*WORK_RANGE_S))
-        step = StandInStep(work, 10 * work)
+        step = StandInStep(work, 10 * work, SLOW_CALLS if repeats > 1 else None)
         seconds = call_answer(
             f"median_time(step, x, repeats={repeats})",
             median_time,
@@ -254,13 +326,25 @@ def _python_loop(loss_fn, params, xs, ys, lr):
     return params, np.stack([np.asarray(v) for v in losses])
 
 
+def _copies(*trees):
+    """Fresh copies of the arrays in ``trees``, so that an answer that donates them leaves ours alive."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(jnp.copy, trees)
+
+
 def _judge_training(train_scan: Callable, steps: int, seed: int, lr: float) -> None:
     """train_scan's values against a Python loop of jitted SGD steps, or an ExerciseError."""
     import jax
 
     params, xs, ys = _problem(steps, seed)
-    out = call_answer(
-        "train_scan(loss_fn, params, xs, ys, lr)", train_scan, _loss_fn, params, xs, ys, lr
+    out = call_answer(  # on copies: an answer may donate its arguments (section 6)
+        "train_scan(loss_fn, params, xs, ys, lr)",
+        train_scan,
+        _loss_fn,
+        *_copies(params, xs, ys),
+        lr,
     )
     if not isinstance(out, tuple | list) or len(out) != 2:
         fail(
@@ -333,9 +417,10 @@ def check_train_scan(train_scan: Callable) -> bool:
 
     Spec: ``xs``: [steps, batch, d_in], ``ys``: [steps, batch, d_out]; one SGD step per leading index; ``losses[i]``
     is step i's loss before its update. Judged against a Python loop of jitted steps (values, at 6 and 24
-    steps), by program size (as many printed jaxpr lines, nested jaxprs included, for 6 steps as for 24: not
-    unrolled), and by compile counts (new data and a new learning rate reuse the program). Then prints the
-    compile time against the same loop unrolled.
+    steps), by program size (about as many lines of compiled HLO for 6 steps as for 24: not unrolled, neither
+    by Python nor by ``scan(unroll=True)``), and by compile counts (new data and a new learning rate reuse
+    the program). The answer gets copies of the arrays (it may donate them). Then prints the compile time
+    against the same loop unrolled.
 
     Raises:
       ExerciseError: wrong values (params not carried, loss after the update, wrong sign), wrong shapes, an
@@ -347,23 +432,26 @@ def check_train_scan(train_scan: Callable) -> bool:
     for steps, seed in ((6, 0), (24, 1)):
         _judge_training(train_scan, steps, seed, lr)
 
-    def program_lines(steps):  # the printed jaxpr, nested jaxprs (jit, scan, while bodies) included
-        jaxpr = jax.make_jaxpr(lambda p, x, y: train_scan(_loss_fn, p, x, y, lr))(
+    def program_lines(steps):  # the compiled program XLA runs (what scan's unroll= changes too)
+        lowered = jax.jit(lambda p, x, y: train_scan(_loss_fn, p, x, y, lr)).lower(
             *_problem(steps, 0)
         )
-        return len(str(jaxpr).splitlines())
+        return len(lowered.compile().as_text().splitlines())
 
     small, large = program_lines(6), program_lines(24)
     if large > 1.5 * small:
         fail(
-            f"the program grows with the steps ({small} jaxpr lines for 6 steps, {large} for 24): the loop is "
-            "unrolled",
-            "a Python loop over the steps is traced once per step; use lax.scan over xs, ys",
+            f"the compiled program grows with the steps ({small} HLO lines for 6 steps, {large} for 24): the "
+            "loop is unrolled",
+            "a Python loop over the steps is traced once per step, and lax.scan(..., unroll=True) is unrolled "
+            "by the compiler: use lax.scan over xs, ys without unrolling",
         )
-    params, xs, ys = _problem(24, 2)  # new data of the same shapes, made before counting
+    data = [
+        _copies(*_problem(24, 2)) for _ in range(2)
+    ]  # new data of the same shapes, made before counting
     with CompileLog() as log:
-        jax.block_until_ready(train_scan(_loss_fn, params, xs, ys, lr))
-        jax.block_until_ready(train_scan(_loss_fn, params, xs, ys, 0.1))
+        jax.block_until_ready(train_scan(_loss_fn, *data[0], lr))
+        jax.block_until_ready(train_scan(_loss_fn, *data[1], 0.1))
     if log.compiled:
         fail(
             f"two more calls (new data, then a new learning rate) compiled {len(log.compiled)} program(s)",

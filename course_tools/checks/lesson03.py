@@ -205,6 +205,28 @@ def _diagnose_norm(out: np.ndarray, X: np.ndarray) -> None:
     )
 
 
+def _judge_norm_gradient(mapped: Callable, X: np.ndarray, rng) -> None:
+    """The input gradient of a random weighting of the outputs, against a batch norm that differentiates
+    through the batch's mean and variance (as training does), or an ExerciseError."""
+    import jax
+    import jax.numpy as jnp
+
+    weights = jnp.asarray(rng.normal(size=X.shape), jnp.float32)
+
+    def reference(Z):
+        return (Z - Z.mean(0)) / jnp.sqrt(Z.var(0) + EPS)
+
+    want = np.asarray(jax.grad(lambda Z: jnp.sum(reference(Z) * weights))(jnp.asarray(X)))
+    got = np.asarray(jax.grad(lambda Z: jnp.sum(mapped(Z) * weights))(jnp.asarray(X)))
+    if not np.allclose(got, want, rtol=1e-3, atol=1e-3 * float(np.max(np.abs(want)))):
+        fail(
+            f"the values are right, but the gradient with respect to the batch is off by up to "
+            f"{float(np.max(np.abs(got - want))):.2g} (largest entry {float(np.max(np.abs(want))):.2g})",
+            "a batch norm in training differentiates through the batch's mean and variance too: do not "
+            "stop_gradient the statistics (every example's output depends on every example)",
+        )
+
+
 @checker
 def check_batch_norm(batch_norm: Callable, devices=None) -> bool:
     """Exercise 3: ``batch_norm(x)`` for ONE example x: f32[features], normalised with the BATCH's statistics.
@@ -214,13 +236,15 @@ def check_batch_norm(batch_norm: Callable, devices=None) -> bool:
     epsilon 1e-5 inside the square root (to 1e-4). Judged on batches of 16 and 5 rows whose features have
     several scales and offsets and one quiet feature (variance about 1e-6, a tenth of the epsilon: there
     a missing or misplaced epsilon changes the result several-fold); ``E[x**2] - E[x]**2`` is as right as
-    the mean of squared deviations. With ``devices``, it also runs unchanged under
-    ``jax.pmap(batch_norm, axis_name="batch")``, one example per device, and must agree with vmap.
+    the mean of squared deviations. The input gradient (of a random weighting of the outputs) must equal
+    the one through the batch's mean and variance, as training differentiates it. With ``devices``, it
+    also runs unchanged under ``jax.pmap(batch_norm, axis_name="batch")``, one example per device, and must
+    agree with vmap.
 
     Raises:
       ExerciseError: statistics of the example's own features, a sum instead of a mean, the variance not
-        centred or unbiased, the epsilon missing, outside the root or another value, an unbound axis
-        name, or different results under pmap.
+        centred or unbiased, the epsilon missing, outside the root or another value, no gradient through
+        the statistics, an unbound axis name, or different results under pmap.
     """
     import jax
     import jax.numpy as jnp
@@ -246,6 +270,7 @@ def check_batch_norm(batch_norm: Callable, devices=None) -> bool:
         expected = (X64 - X64.mean(0)) / np.sqrt(X64.var(0) + EPS)
         if not np.allclose(out, expected, rtol=1e-4, atol=1e-4):
             _diagnose_norm(out, X)
+        _judge_norm_gradient(mapped, X, rng)
     if devices is not None:
         _agrees_under_pmap(batch_norm, devices, rng)
         where = f"; the same function under pmap on {len(devices)} device(s) agrees"
@@ -312,6 +337,18 @@ def _diagnose_clipping(got, params, xs, ys, max_norm, want) -> None:
 
     whole = shrink(np.sqrt(np.sum(mean_w**2) + mean_b**2))
     mistakes = [
+        (
+            (mean_w, mean_b),
+            "no example's gradient was clipped: the result is the mean of the unclipped gradients"
+            + (
+                " (here the batch's mean gradient is shorter than max_norm, so clipping the mean, not "
+                "each example's, gives it too)"
+                if whole == 1.0
+                else ""
+            ),
+            "compute per-example gradients first (vmap of grad), scale each one by "
+            "min(1, max_norm / its norm), then average",
+        ),
         (
             (whole * mean_w, whole * mean_b),
             "the batch's mean gradient is clipped, not each example's",

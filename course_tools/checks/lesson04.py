@@ -322,7 +322,23 @@ def _trace(fn, devices, params, batch, n_micro):
             "split this device's batch into n_micro micro-batches (reshape the leading axis to "
             "[n_micro, b // n_micro]) and differentiate each one",
         )
-    return mapped, [(ops, loop) for p, ops, loop in jaxpr_collectives(jaxpr) if p == "psum"]
+    found = jaxpr_collectives(jaxpr)
+    others = sorted({p for p, _, _ in found if p != "psum"})
+    if others:
+        grad_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+        n = len(devices)
+        gathered = (
+            f": gathering the gradients, each of {n} devices receives (n - 1) x their {grad_bytes:,} "
+            "bytes, where a ring all-reduce receives 2 (n - 1) / n x"
+            if "all_gather" in others
+            else ""
+        )
+        fail(
+            f"the program moves data across devices with {', '.join(others)}, not only with an all-reduce "
+            f"(psum/pmean){gathered}",
+            "average the accumulated gradient with lax.pmean over axis_name, once, after the loop",
+        )
+    return mapped, [(ops, loop) for p, ops, loop in found if p == "psum"]
 
 
 def _judge_grads(out, params, x, y, n: int, n_micro: int) -> None:
@@ -361,8 +377,10 @@ def check_accumulated_grads(fn: Callable, devices: Sequence[Any]) -> bool:
 
     Raises:
       ExerciseError: another loss than the global mean's gradient (naming a missing division, a psum, a
-        local gradient), loss_fn on other batch sizes, a reduction inside the loop or growing with
-        n_micro, forward passes outside a loop, or (XLA:CPU) memory that does not shrink.
+        local gradient), loss_fn on other batch sizes, a collective other than an all-reduce (all_gather,
+        ppermute, ...), a reduction inside the loop or growing with n_micro, forward passes outside a
+        loop, what the loop carries or stacks growing with n_micro, or (XLA:CPU) memory that does not
+        shrink.
     """
     n = len(devices)
     params, x, y = _accumulation_inputs(n)
