@@ -802,6 +802,17 @@ def route_float_slot(*a):
     return _route(float_slot=True)(*a)
 
 
+def route_eight_experts(logits, k, capacity):
+    # WRONG: 8 experts baked in (the notebook's E): every case of the checker has 8.
+    import jax
+    import jax.numpy as jnp
+
+    top_p, expert = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    flat = jax.nn.one_hot(expert.T, 8, dtype=jnp.int32).reshape(-1, 8)
+    place = ((jnp.cumsum(flat, axis=0) - flat) * flat).sum(-1).reshape(k, -1).T
+    return expert, place, place < capacity, top_p / top_p.sum(-1, keepdims=True)
+
+
 def route_k2(*a):
     # WRONG: k = 2 baked in.
     return _route(hard_k=2)(*a)
@@ -862,6 +873,7 @@ DEFECTS = [
     ("11.2", "refuse", predict_lookup, "table of the public _PREDICT_CASES"),
     ("11.2", "refuse", predict_brute_force, "112 checker calls, one case varied at a time"),
     ("11.2", "message", predict_1f1b_stash_p, "hint sends the learner to the tables (the answer)"),
+    ("11.3", "refuse", route_eight_experts, "E = 8 baked in; every case has 8 experts"),
     ("11.3", "message", route_given_bug, "hint gives the fix (exclusive count, place 0)"),
 ]
 
