@@ -1,6 +1,8 @@
 """Exercise checkers of the lab (course_tools.checks.lesson08): each accepts the reference answer and other
 correct forms, rejects typical wrong ones with a specific hint, and prints the hint for an unwritten stub."""
 
+from functools import partial
+
 import jax
 import optax
 import pytest
@@ -271,24 +273,24 @@ def test_fsdp_prediction_rejects_typical_mistakes():
 def test_fsdp_prediction_says_how_many_cases_are_wrong_not_which():
     check = lesson08.check_fsdp_prediction
     with pytest.raises(ExerciseError) as e:  # 2 P / n is right at n = 2 only
-        check(lambda p, r, n: 2 * p / n, state_right)
+        check(lambda p, r, n: 2 * p / n, state_right, seed=0)
     text = str(e.value)
-    assert "wrong in 4 of 5 cases" in text
+    assert "wrong in 6 of 8 cases" in text  # seed 0: right at the shown n = 2 and one drawn n = 2
     # neither the cases nor the true values are named, and the hint does not give the formula away
     for case in (lesson08.fsdp_case(p, n) for p, n in lesson08.FSDP_CASES):
         assert f"{case['sent']:,.0f}" not in text and f"{case['sent']:.0f}" not in text
     assert "devices (param_bytes" not in text and "2(n-1)/n" not in text and "(n-1)/n" not in text
     with pytest.raises(ExerciseError) as e:
         check(sent_right, lambda p, r, n: 2 * p / n)  # right where nothing stays whole
-    assert "of 5 cases" in str(e.value) and "sharded bytes / n" not in str(e.value)
+    assert "of 8 cases" in str(e.value) and "sharded bytes / n" not in str(e.value)
 
 
 def test_fsdp_prediction_refuses_answers_that_only_fit_one_run():
     check = lesson08.check_fsdp_prediction
     measured = ROW["collective_bytes_per_device"]  # the measurement copied in as the prediction
-    rejects(check, lambda p, r, n: measured, state_right, ROW, match="wrong in 4 of 5 cases")
+    rejects(check, lambda p, r, n: measured, state_right, ROW, match="wrong in [4-8] of 8 cases")
     # the replicated leaves matter at 3 devices (70 % of the cpu profile's bytes stay whole)
-    rejects(check, sent_right, lambda p, r, n: 2 * p / n, match="wrong in [1-4] of 5 cases")
+    rejects(check, sent_right, lambda p, r, n: 2 * p / n, match="wrong in [1-7] of 8 cases")
     # a run whose measurement the functions do not fit is named as such, not as a wrong formula
     odd = {**ROW, "collective_bytes_per_device": 1.5 * measured}
     rejects(
@@ -305,3 +307,137 @@ def test_fsdp_prediction_left_unwritten_prints_its_hint(capsys, monkeypatch):
     assert lesson08.check_fsdp_prediction(stub, stub, ROW) is False
     out = capsys.readouterr().out
     assert "not written yet" in out and "hint:" in out
+
+
+def test_fsdp_prediction_refuses_a_table_of_the_shown_cases():
+    # fsdp_case is public and returns the true values of every case the notebook shows; the checker also
+    # draws CNNs and device counts of its own at every call, where a table has no answer
+    table = {}
+    for profile, n in lesson08.FSDP_CASES:
+        c = lesson08.fsdp_case(profile, n)
+        table[(c["param_bytes"], c["replicated_bytes"], n)] = c
+
+    def sent(p, r, n):
+        return table.get((p, r, n), {"sent": 2 * p})["sent"]
+
+    def state(p, r, n):
+        return table.get((p, r, n), {"state": 2 * p})["state"]
+
+    for seed in (0, 1, None):
+        check = partial(lesson08.check_fsdp_prediction, seed=seed)
+        rejects(check, sent, state, ROW, match="wrong in [1-3] of 8")
+
+
+def test_fsdp_prediction_draws_other_cases_at_every_call():
+    assert lesson08.check_fsdp_prediction(sent_right, state_right, ROW, seed=None)
+    assert lesson08.check_fsdp_prediction(sent_per_collective, state_right, seed=3)
+
+
+def zero1_variant(
+    *,
+    replicated="pmean",
+    n_fixed=None,
+    keep_opt_state=False,
+    grad_dtype=None,
+    gather="all_gather",
+    index=None,
+):
+    """The reference body with one mistake: n baked in, the old optimizer state returned, gradients
+    reduced in another dtype, the updated slices summed by a psum instead of all-gathered, or the
+    parameters sliced at another device's offset."""
+    import jax.numpy as jnp
+
+    def body(state, batch, *, apply_fn, optimizer, specs, axis_name):
+        images, labels = batch
+        n = n_fixed or lax.axis_size(axis_name)
+        me = lax.axis_index(axis_name) if index is None else index(lax.axis_index(axis_name), n)
+        params = lax.pcast(state.params, axis_name, to="varying")
+        loss, grads = jax.value_and_grad(
+            lambda p: steps.cross_entropy(apply_fn(p, images), labels)
+        )(params)
+
+        def cut(x, d):
+            size = x.shape[d] // n
+            return lax.dynamic_slice_in_dim(x, me * size, size, axis=d)
+
+        def my_grad(g, spec):
+            d = _dim(spec, axis_name)
+            g = g if grad_dtype is None else g.astype(grad_dtype)
+            if d is None:
+                whole = lax.pmean if replicated == "pmean" else lax.psum
+                return whole(g, axis_name).astype(jnp.float32)
+            return (lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True) / n).astype(
+                jnp.float32
+            )
+
+        def put(p, spec):
+            d = _dim(spec, axis_name)
+            if d is None:
+                return p
+            if gather == "all_gather":
+                return lax.all_gather(p, axis_name, axis=d, tiled=True, to="invarying")
+            full = list(p.shape)
+            full[d] *= n
+            padded = lax.dynamic_update_slice_in_dim(
+                jnp.zeros(full, p.dtype), p, me * p.shape[d], axis=d
+            )
+            return lax.psum(padded, axis_name)
+
+        def mine_of(p, spec):
+            d = _dim(spec, axis_name)
+            return p if d is None else cut(p, d)
+
+        g = jax.tree.map(my_grad, grads, specs, is_leaf=_is_spec)
+        mine = jax.tree.map(mine_of, state.params, specs, is_leaf=_is_spec)
+        updates, opt_state = optimizer.update(g, state.opt_state, mine)
+        new = jax.tree.map(put, optax.apply_updates(mine, updates), specs, is_leaf=_is_spec)
+        if keep_opt_state:
+            opt_state = state.opt_state
+        return steps.TrainState(new, opt_state), {"loss": lax.pmean(loss, axis_name)}
+
+    return body
+
+
+def test_zero1_refuses_what_only_the_parameters_hide(report):
+    # each was accepted by a checker that compared the parameters only, at the run's device count only,
+    # and read the compiled program, where XLA:CPU promotes bfloat16 reductions to float32
+    rejects(
+        lesson08.check_zero1,
+        zero1_variant(keep_opt_state=True),
+        report.devices[:4],
+        match="parameters are right, but the new momentum of .*optimizer state that optimizer.update",
+    )
+    rejects(
+        lesson08.check_zero1,
+        zero1_variant(grad_dtype=jax.numpy.bfloat16),
+        report.devices[:4],
+        match="reduce-scatter in bfloat16.*rounds what it reduces",
+    )
+    rejects(
+        lesson08.check_zero1,
+        zero1_variant(n_fixed=len(report.devices)),
+        report.devices,
+        match=rf"on {len(report.devices) // 2} device\(s\): a shape does not match",
+    )
+
+
+def test_zero1_hints_name_what_the_numbers_show(report):
+    four = report.devices[:4]
+    # the updated slices summed by a psum: the gradients were reduce-scattered, the gather is the all-reduce
+    rejects(
+        lesson08.check_zero1,
+        zero1_variant(gather="psum"),
+        four,
+        match="gradients are reduce-scattered, and the program also all-reduces.*needs no sum",
+    )
+    # slices at the next device's offset: no "n x too large" (the update is not a multiple of the right one)
+    with pytest.raises(ExerciseError) as e:
+        lesson08.check_zero1(zero1_variant(index=lambda i, n: (i + 1) % n), four)
+    assert "too large" not in str(e.value) and "its own block" in str(e.value)
+    # dense2's bias is kept whole at 4 devices: its psum'ed gradient is named, not the reduce-scatter
+    rejects(
+        lesson08.check_zero1,
+        zero1_variant(replicated="psum"),
+        four,
+        match="update of dense2/bias.*dense2/bias is kept whole.*mean of the devices' gradients",
+    )

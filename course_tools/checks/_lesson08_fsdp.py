@@ -11,19 +11,37 @@ import numpy as np
 
 from course_lib import comms, parallel, strategies
 from course_lib.config import PROFILES
+from course_lib.model import CNNConfig
 
 from ._common import call_answer, checker, fail, passed, require
 
 FSDP_CASES = (("cpu", 8), ("cpu", 3), ("tiny", 8), ("tiny", 3), ("cpu", 2))
-"""(profile, devices) at which the FSDP prediction is checked: at 3 devices most of the cpu profile's
-leaves have no dimension divisible by 3 and stay whole; on the tiny model most leaves are small."""
+"""(profile, devices) at which the FSDP prediction is checked, shown in the notebook: at 3 devices most of
+the cpu profile's leaves have no dimension divisible by 3 and stay whole; on the tiny model most leaves are
+small. The checker adds :data:`HIDDEN_CASES` cases of CNNs drawn afresh at every call (not shown)."""
+
+HIDDEN_CASES = 3
+"""Cases on CNNs and device counts drawn at random at every call: a table of the shown cases' answers
+(``fsdp_case`` returns them) does not pass."""
 
 
-def fsdp_case(profile: str, n: int) -> dict:
+def _random_model(rng: np.random.Generator) -> CNNConfig:
+    """A CNN of the lab's architecture with drawn widths (the drawn cases of :func:`check_fsdp_prediction`)."""
+    widths = (4, 6, 8, 12, 16, 24, 32, 48)
+    return CNNConfig(
+        image_size=int(rng.choice((16, 32))),
+        channels=tuple(int(c) for c in rng.choice(widths, 3)),
+        hidden=int(rng.choice((12, 16, 40, 64, 96))),
+        num_classes=int(rng.choice((7, 10, 12))),
+    )
+
+
+def fsdp_case(profile: str | CNNConfig, n: int) -> dict:
     """One FSDP case from shapes alone (float32): ``param_bytes``, ``replicated_bytes`` (the leaves
     :func:`course_lib.parallel.fsdp_specs` keeps whole), and the true ``sent`` (:mod:`course_lib.comms`'s
-    prediction, which the lab checks against compiled programs) and ``state`` (params + momentum) per device."""
-    cfg = PROFILES[profile].model
+    prediction, which the lab checks against compiled programs) and ``state`` (params + momentum) per device.
+    ``profile``: a name of :data:`course_lib.config.PROFILES` or a :class:`course_lib.model.CNNConfig`."""
+    cfg = profile if isinstance(profile, CNNConfig) else PROFILES[profile].model
     shapes = comms.param_shapes(cfg)
     flat = [shape for leaves in shapes.values() for shape in leaves.values()]
     total = sum(int(np.prod(s)) for s in flat)
@@ -33,7 +51,7 @@ def fsdp_case(profile: str, n: int) -> dict:
     )
     sent = comms.total_sent(strategies.predict_comm("fsdp", cfg, 4 * n, n))
     return {
-        "profile": profile,
+        "profile": profile if isinstance(profile, str) else "drawn",
         "n": n,
         "param_bytes": 4 * total,
         "replicated_bytes": 4 * whole,
@@ -43,14 +61,22 @@ def fsdp_case(profile: str, n: int) -> dict:
 
 
 @checker
-def check_fsdp_prediction(sent_fn: Callable, state_fn: Callable, measured_row=None) -> bool:
+def check_fsdp_prediction(
+    sent_fn: Callable, state_fn: Callable, measured_row=None, *, seed: int | None = None
+) -> bool:
     """``sent_fn(param_bytes, replicated_bytes, n)`` and ``state_fn(...)``: E's bytes sent per device per
     step and its parameter + momentum bytes per device, checked within 2 % at every :data:`FSDP_CASES`
-    (the checker's own shapes), then within 5 % against this run's measurement ``runs["fsdp"].row``.
+    (the checker's own shapes) and at :data:`HIDDEN_CASES` CNNs and device counts drawn at random (``seed``:
+    for tests; None draws new ones at every call), then within 5 % against this run's measurement
+    ``runs["fsdp"].row``.
 
     A wrong function is told how many cases it gets wrong, not which, nor the true values: a prediction
     fitted to the failures is not a prediction."""
+    rng = np.random.default_rng(seed)
     cases = [fsdp_case(p, n) for p, n in FSDP_CASES]
+    cases += [
+        fsdp_case(_random_model(rng), int(rng.choice((2, 3, 4, 6, 8)))) for _ in range(HIDDEN_CASES)
+    ]
     sent_wrong, state_wrong = [], []
     for case in cases:
         args = (case["param_bytes"], case["replicated_bytes"], case["n"])

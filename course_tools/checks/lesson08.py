@@ -143,28 +143,17 @@ def _reference(n: int, model_config):
 @checker
 def check_zero1(body: Callable, devices: Sequence[Any], model_config=None) -> bool:
     """``body(state, batch, *, apply_fn, optimizer, specs, axis_name)`` must be a ZeRO-1 step: parameters
-    replicated, optimizer state sharded by ``specs``, the same update as single-device training, gradients
-    reduce-scattered (not all-reduced), updated slices all-gathered."""
+    replicated, optimizer state sharded by ``specs``, the same update and the same new optimizer state as
+    single-device training, gradients reduce-scattered (not all-reduced) in float32, updated slices
+    all-gathered. Run on ``devices`` and on the first half of them (a step written for one device count
+    only is caught); the collectives are read from the compiled program on ``devices``."""
     devices = list(devices)
     n = len(devices)
     model_config = CHECK_MODEL if model_config is None else model_config
-    step, shardings, batch_sharding, graphdef, params, optimizer, specs = _zero1_program(
-        body, devices, model_config
-    )
-    host, ref_states, ref_losses = _reference(n, model_config)
-    batch0 = jax.device_put(host[0], batch_sharding)
-    start = jax.device_put(ref_states[0], shardings)
-    compiled = call_answer(
-        "your zero1_step", lambda: step.lower(start, batch0).compile(), explain=_explain
-    )
-    tol = parity.TOLERANCES["float32"]
-    for k in range(CHECK_STEPS):
-        new, metrics = call_answer(
-            "your zero1_step", compiled, jax.device_put(ref_states[k], shardings),
-            jax.device_put(host[k], batch_sharding), explain=_explain,
-        )  # fmt: skip
-        _judge_step(k, n, new, metrics, ref_states, ref_losses, tol)
-    _judge_layout(new, params, specs, n)
+    compiled, params, specs, new = _run_zero1(body, devices, model_config)
+    if n >= 2:
+        _run_zero1(body, devices[: n // 2], model_config)
+    _judge_dtypes(body, model_config, max(n, 2))
     if n > 1:
         found = [(c.kind, c.size_bytes) for c in comms.collectives(compiled.as_text(), {DATA: n})]
         _judge_collectives(found, params, specs, n)
@@ -174,14 +163,55 @@ def check_zero1(body: Callable, devices: Sequence[Any], model_config=None) -> bo
             _traced_collectives(body, model_config, m), params, parallel.fsdp_specs(params, m), m
         )
     return passed(
-        f"ZeRO-1 on {n} devices: single-device updates at {CHECK_STEPS} steps, momentum sharded "
+        f"ZeRO-1 on {n} devices"
+        + (f" (and on {n // 2})" if n >= 2 else "")
+        + f": single-device updates and momentum at {CHECK_STEPS} steps, momentum sharded "
         f"({parallel.bytes_per_device(new.opt_state):,} of {model.param_bytes(params):,} bytes per device), "
         "gradients reduce-scattered, parameters all-gathered"
         + ("" if n > 1 else f" (collectives traced on a {TRACE_DEVICES}-device axis)")
     )
 
 
-def _judge_step(k, n, new, metrics, ref_states, ref_losses, tol) -> None:
+def _run_zero1(body: Callable, devices: list, model_config):
+    """Compile the body on ``devices``, run :data:`CHECK_STEPS` steps from single-device jit's states and
+    judge each step and the layout; ``(compiled, params, specs, last new state)``."""
+    n = len(devices)
+    step, shardings, batch_sharding, graphdef, params, optimizer, specs = _zero1_program(
+        body, devices, model_config
+    )
+    host, ref_states, ref_losses = _reference(n, model_config)
+    batch0 = jax.device_put(host[0], batch_sharding)
+    start = jax.device_put(ref_states[0], shardings)
+
+    def explain(e):  # the device count in the message: a step may fail at one count only
+        known = _explain(e)
+        return None if known is None else (f"on {n} device(s): {known[0]}", known[1])
+
+    compiled = call_answer(
+        f"your zero1_step on {n} device(s)",
+        lambda: step.lower(start, batch0).compile(),
+        explain=explain,
+    )
+    tol = parity.TOLERANCES["float32"]
+    for k in range(CHECK_STEPS):
+        new, metrics = call_answer(
+            f"your zero1_step on {n} device(s)", compiled, jax.device_put(ref_states[k], shardings),
+            jax.device_put(host[k], batch_sharding), explain=explain,
+        )  # fmt: skip
+        _judge_step(k, n, new, metrics, ref_states, ref_losses, tol, specs)
+    _judge_layout(new, params, specs, n)
+    return compiled, params, specs, new
+
+
+def _leaf_specs(specs) -> dict:
+    """``{"layer/name": spec}`` of the FSDP specs."""
+    return {
+        "/".join(str(getattr(k, "key", k)) for k in path): s
+        for path, s in jax.tree_util.tree_leaves_with_path(specs, is_leaf=_is_spec)
+    }
+
+
+def _judge_step(k, n, new, metrics, ref_states, ref_losses, tol, specs) -> None:
     loss = float(np.asarray(metrics["loss"]).ravel()[0])
     ratio = loss / ref_losses[k]
     if abs(ratio - 1) > tol.one_step_loss:
@@ -192,30 +222,55 @@ def _judge_step(k, n, new, metrics, ref_states, ref_losses, tol) -> None:
     new_params = jax.device_get(new.params)
     before, after = ref_states[k].params, ref_states[k + 1].params
     d, leaf = parity.update_diff(new_params, after, before)
-    if d <= tol.one_step_update:
-        return
-    u = np.concatenate(
-        [np.ravel(a - b) for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(before))]
-    )
-    u_ref = np.concatenate(
-        [np.ravel(a - b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))]
-    )
+    if d > tol.one_step_update:
+        fail(
+            f"step {k}{f' on {n} devices' if n > 1 else ''}: the update of {leaf} differs from "
+            f"single-device jit by {d:.2g} (relative)",
+            _update_hint(new_params, after, before, leaf, n, specs),
+        )
+    new_opt = jax.device_get(new.opt_state)
+    d, leaf = parity.update_diff(new_opt, ref_states[k + 1].opt_state, ref_states[k].opt_state)
+    leaf = leaf.split("trace/")[-1]  # the parameter's path in the optimizer state's tree
+    if d > tol.one_step_update:
+        fail(
+            f"step {k}: the parameters are right, but the new momentum of {leaf} differs from "
+            f"single-device jit's by {d:.2g} (relative)",
+            "the step must return the optimizer state that optimizer.update gave back, for this device's "
+            "slices",
+        )
+
+
+def _update_hint(new_params, after, before, leaf, n, specs) -> str:
+    """What is wrong with an update that differs from single-device jit's: only what the numbers show."""
+
+    def flat(tree, minus):
+        return np.concatenate(
+            [np.ravel(a - b) for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(minus))]
+        )
+
+    u, u_ref = flat(new_params, before), flat(after, before)
     scale = float(np.dot(u, u_ref) / max(float(np.dot(u_ref, u_ref)), 1e-30))
-    if n > 1 and abs(scale - n) < 0.1 * n:
-        hint = (
-            f"the updates are {n}x too large: the gradient must be the MEAN over devices — divide the "
-            "psum_scatter by the axis size, and differentiate the local loss of parameters made varying "
-            "(lax.pcast(params, axis_name, to='varying')) so that no implicit psum adds them first"
+    fits = np.linalg.norm(u - scale * u_ref) <= 0.1 * np.linalg.norm(scale * u_ref)
+    if n > 1 and fits and abs(scale - n) < 0.1 * n:
+        return (
+            f"the updates are {n}x too large: the gradient must be the MEAN over devices, and no implicit "
+            "psum may add the gradients before yours does (differentiate the local loss of parameters made "
+            "varying)"
         )
-    elif n > 1 and abs(scale * n - 1) < 0.1:
-        hint = f"the updates are {n}x too small: divide the summed gradient by the axis size once, not twice"
-    else:
-        hint = (
-            "each device must update its own slice with the mean gradient's slice "
-            "(psum_scatter(g, axis_name, scatter_dimension=d, tiled=True) / n), then all_gather the slices"
+    if n > 1 and fits and abs(scale * n - 1) < 0.1:
+        return (
+            f"the updates are {n}x too small: the summed gradient is divided by the axis size twice"
         )
-    fail(
-        f"step {k}: the update of {leaf} differs from single-device jit by {d:.2g} (relative)", hint
+    spec = _leaf_specs(specs).get(leaf)
+    if spec is not None and DATA not in tuple(spec):
+        return (
+            f"{leaf} is kept whole (its spec is P()): every device updates all of it, with the mean of "
+            "the devices' gradients"
+        )
+    return (
+        f"the update of {leaf} is not single-device training's: each device must update its own block "
+        "(the one lax.axis_index names) with the same block of the mean gradient, of the momentum and of "
+        "the parameters — optimizer.update's weight decay reads the parameters it is given"
     )
 
 
@@ -281,6 +336,44 @@ def _traced_collectives(body: Callable, model_config, n: int) -> list[tuple[str,
     return found
 
 
+def _judge_dtypes(body: Callable, model_config, n: int) -> None:
+    """Every collective of the body's jaxpr (traced on an abstract ``n``-device axis) moves float32: a
+    gradient reduce-scattered in bfloat16 sends half the bytes and rounds the update (XLA:CPU would promote
+    it back to float32 in the compiled program, so the jaxpr is read)."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from course_lib import programs
+
+    abstract = AbstractMesh((n,), (DATA,), axis_types=(AxisType.Auto,))
+    mapped, _, _, params, optimizer, _ = _zero1_mapped(body, model_config, n, abstract)
+    s = model_config.image_size
+    batch = (
+        jax.ShapeDtypeStruct((BATCH_PER_DEVICE * n, s, s, model_config.in_channels), np.float32),
+        jax.ShapeDtypeStruct((BATCH_PER_DEVICE * n,), np.int32),
+    )
+    state = jax.eval_shape(lambda: steps.init_state(params, optimizer))
+    jaxpr = call_answer(
+        f"your zero1_step traced on {n} devices",
+        lambda: jax.make_jaxpr(mapped)(state, batch),
+        explain=_explain,
+    )
+    narrow = sorted(
+        {
+            f"{_JAXPR_KINDS[eqn.primitive.name]} in {v.aval.dtype}"
+            for eqn, _ in programs.jaxpr_equations(jaxpr)
+            if eqn.primitive.name in _JAXPR_KINDS
+            for v in eqn.invars
+            if jax.numpy.issubdtype(v.aval.dtype, jax.numpy.floating) and v.aval.dtype != np.float32
+        }
+    )
+    if narrow:
+        fail(
+            f"the program runs {', '.join(narrow)}: the parameters, gradients and loss are float32",
+            "a collective in a narrower dtype sends fewer bytes but rounds what it reduces: the update is "
+            "no longer single-device training's",
+        )
+
+
 def _judge_collectives(found: list[tuple[str, int]], params, specs, n) -> None:
     """Reduce-scatter + all-gather, no all-reduce of the sharded gradients, the all-gathers gathering the
     sharded parameters only, and no more bytes than one all-reduce of the gradients (what B sends).
@@ -296,6 +389,14 @@ def _judge_collectives(found: list[tuple[str, int]], params, specs, n) -> None:
         if DATA in tuple(s)
     )
     reduced = sum(size for kind, size in found if kind == "all-reduce")
+    scattered = sum(size for kind, size in found if kind == "reduce-scatter")
+    if reduced >= sharded / 2 and abs(scattered - sharded) <= 0.05 * sharded:
+        fail(
+            f"the gradients are reduce-scattered, and the program also all-reduces {reduced:,} bytes: the "
+            "updated parameters are put together by an all-reduce",
+            "an all-reduce sends twice an all-gather's bytes (2(n-1)/n of them, not (n-1)/n): gathering "
+            "the updated slices needs no sum",
+        )
     if reduced >= sharded / 2:
         fail(
             f"the program all-reduces {reduced:,} bytes, the sharded gradients' size is {sharded:,}",
