@@ -60,7 +60,9 @@ def ring_blocks(n_devices: int, ax=None):
     whose block it is, labelled by its block, hatched when the causal mask hides it entirely (work a
     load-balanced layout, e.g. zig-zag, would give to someone else)."""
     held, seen = ring_schedule(n_devices)
-    ax = plt.subplots(figsize=(max(4, 0.7 * n_devices + 1.5), max(1.6, 0.45 * n_devices + 0.8)))[1] if ax is None else ax  # fmt: skip
+    if ax is None:
+        size = (max(4, 0.7 * n_devices + 1.5), max(1.6, 0.45 * n_devices + 0.8))
+        ax = plt.subplots(figsize=size)[1]
     for t in range(n_devices):
         for r in range(n_devices):
             b, s = int(held[t, r]), int(seen[t, r])
