@@ -18,7 +18,7 @@ def test_stubs_print_not_written(report, monkeypatch, capsys):
     not_written(lesson10.check_tp_mlp, stub, report.devices, monkeypatch=monkeypatch, capsys=capsys)
 
 
-@pytest.mark.parametrize("n", [8, 2, 1])
+@pytest.mark.parametrize("n", [8, 1])
 def test_ring_accepts_correct_forms(report, n):
     assert lesson10.check_ring_attention(a.ring_reference, report.devices[:n])
     assert lesson10.check_ring_attention(a.ring_scan, report.devices[:n])
@@ -49,7 +49,6 @@ def test_zero3_accepts_correct_forms(report):
         (a.zero3_upfront, "gathers .* layer leaves|temporaries"),
         (a.zero3_no_checkpoint, "gathers 36 layer leaves.*jax.checkpoint"),
         (a.zero3_gather_outside, "gathers 36 layer leaves.*jax.checkpoint"),
-        (a.zero3_double_grad, "gradients differ.*do not sum"),
     ],
 )
 def test_zero3_rejects(report, answer, match):

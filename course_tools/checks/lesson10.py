@@ -11,6 +11,7 @@ on a 4-device mesh traced without devices; ZeRO-3 is compiled and its gradients,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -175,34 +176,38 @@ _Z_CONFIG = transformer.TransformerConfig(
 )
 
 
-def _z_programs(zero3_blocks, n, devices):
+@functools.cache
+def _z_setup(n):
     cfg = _Z_CONFIG
-    mesh = mesh_of({DATA: n}, list(devices)[:n], axis_type="auto")
-    _, params = transformer.init_model(jax.random.key(3), cfg)
-    blocks = params["blocks"]
-    x = jax.random.normal(jax.random.key(4), (2 * n, cfg.seq_len, cfg.d_model))
+    blocks = _jit(lambda k: transformer.init_model(k, cfg)[1]["blocks"])(jax.random.key(3))
+    x = (
+        np.random.default_rng(4)
+        .standard_normal((2 * n, cfg.seq_len, cfg.d_model))
+        .astype(np.float32)
+    )
+    return blocks, x, cfg
+
+
+def _z_step(blocks_fn, mesh, n, specs):
+    def step(b, x):
+        value, grads = jax.value_and_grad(lambda b: jnp.sum(jnp.sin(blocks_fn(x, b))) / n)(b)
+        return lax.psum(value, DATA), grads
+
+    return _jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P(DATA)), out_specs=(P(), specs)))
+
+
+@functools.cache
+def _dp_compiled(devices: tuple):
+    """Data parallelism's compiled step on ``devices`` (compiled once per device set)."""
+    n = len(devices)
+    blocks, x, _ = _z_setup(n)
+    mesh = mesh_of({DATA: n}, list(devices), axis_type="auto")
+
+    def dense(x, b):
+        return lax.scan(lambda h, p: (transformer.block(h, p), None), x, b)[0]
+
     rep = jax.tree.map(lambda _: P(), blocks)
-    zspec = splits.zero3_specs(blocks, DATA)
-
-    def dp(b, x):
-        def loss(b):
-            y, _ = lax.scan(lambda h, p: (transformer.block(h, p), None), x, b)
-            return jnp.sum(jnp.sin(y)) / n
-
-        value, grads = jax.value_and_grad(loss)(b)
-        return lax.psum(value, DATA), grads
-
-    def z3(b, x):
-        def loss(b):
-            return jnp.sum(jnp.sin(zero3_blocks(x, b, DATA))) / n
-
-        value, grads = jax.value_and_grad(loss)(b)
-        return lax.psum(value, DATA), grads
-
-    common = dict(mesh=mesh, in_specs=(None, P(DATA)))
-    dpf = jax.shard_map(dp, **{**common, "in_specs": (rep, P(DATA))}, out_specs=(P(), rep))
-    zf = jax.shard_map(z3, **{**common, "in_specs": (zspec, P(DATA))}, out_specs=(P(), zspec))
-    return blocks, x, _jit(dpf), _jit(zf), cfg
+    return _z_step(dense, mesh, n, rep).lower(blocks, x).compile()
 
 
 @checker
@@ -215,9 +220,11 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
     from course_lib.splits import loop_sent
 
     n = _ring_size(devices)
-    blocks, x, dpf, zf, cfg = _z_programs(zero3_blocks, n, devices)
-    dpc = dpf.lower(blocks, x).compile()
+    blocks, x, cfg = _z_setup(n)
+    mesh = mesh_of({DATA: n}, list(devices)[:n], axis_type="auto")
+    zf = _z_step(lambda x, b: zero3_blocks(x, b, DATA), mesh, n, splits.zero3_specs(blocks, DATA))
     zc = call_answer(f"zero3_blocks on {n} device(s)", lambda: zf.lower(blocks, x).compile())
+    dpc = _dp_compiled(tuple(list(devices)[:n]))
     (lw, gw), (lz, gz) = dpc(blocks, x), call_answer("the compiled ZeRO-3 step", zc, blocks, x)
     if not np.allclose(lw, lz, rtol=1e-5, atol=1e-5):
         fail(
