@@ -43,6 +43,7 @@ LESSONS = [
     "07_debugging",
     "08_lab",
     "09_multihost",
+    "10_transformers",
     "11_pipeline_experts",
 ]
 

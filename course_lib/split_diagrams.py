@@ -1,0 +1,110 @@
+"""Pictures of the transformer split over devices, drawn from the run's shapes: the heads each device of
+the model axis holds, the ring of key/value blocks of ring attention (which block each device scores at
+each step, and how much of it the causal mask keeps), and ZeRO-3's per-layer gather/free timeline.
+
+A colour per device (:func:`course_lib.diagrams.device_color`). Each function takes an optional ``ax``,
+returns the Figure, never calls ``plt.show()`` and changes no global style. Used by
+``notebooks/10_transformers.ipynb``.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import Rectangle
+
+from .diagrams import device_color
+
+__all__ = ["heads_over_devices", "ring_blocks", "ring_schedule", "zero3_timeline"]
+
+
+def heads_over_devices(n_heads: int, n_devices: int, ax=None):
+    """The attention heads (and their slices of ``wq``/``wk``/``wv``/``wo``) each device holds under
+    tensor parallelism: head ``h`` on device ``h // (n_heads / n_devices)``.
+
+    Raises:
+      ValueError: ``n_heads`` not divisible by ``n_devices``.
+    """
+    if n_devices < 1 or n_heads % n_devices:
+        raise ValueError(f"{n_heads} heads do not split over {n_devices} devices")
+    per = n_heads // n_devices
+    ax = plt.subplots(figsize=(max(5, 0.6 * n_heads), 1.2))[1] if ax is None else ax
+    for h in range(n_heads):
+        ax.add_patch(Rectangle((h, 0), 1, 1, fc=device_color(h // per), ec="white", lw=1.5))
+        ax.text(h + 0.5, 0.5, f"head {h}", ha="center", va="center", fontsize=7, color="white")
+    ax.set_xlim(0, n_heads)
+    ax.set_ylim(0, 1)
+    ax.set_axis_off()
+    handles = [Rectangle((0, 0), 1, 1, fc=device_color(d)) for d in range(n_devices)]
+    ax.legend(handles, [f"device {d}" for d in range(n_devices)], ncol=min(n_devices, 8),
+              fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0), frameon=False)  # fmt: skip
+    ax.set_title(f"{n_heads} heads on {n_devices} device(s): {per} each, one all-reduce per sub-layer",
+                 fontsize=9, loc="left")  # fmt: skip
+    return ax.figure
+
+
+def ring_schedule(n_devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which key/value block device ``r`` holds at step ``t`` of ring attention, ``(r - t) mod n``, and
+    how the causal mask treats it: 2 all visible (an earlier block), 1 the diagonal block (masked by
+    position), 0 masked entirely (a later block, arrived by wrapping round the ring). Both int [n, n],
+    indexed [step, device]."""
+    t = np.arange(n_devices)[:, None]
+    r = np.arange(n_devices)[None, :]
+    held = (r - t) % n_devices
+    seen = np.where(held < r, 2, np.where(held == r, 1, 0))
+    return held, seen
+
+
+def ring_blocks(n_devices: int, ax=None):
+    """The ring of key/value blocks: rows = steps, columns = devices; each cell coloured by the device
+    whose block it is, labelled by its block, hatched when the causal mask hides it entirely (work a
+    load-balanced layout, e.g. zig-zag, would give to someone else)."""
+    held, seen = ring_schedule(n_devices)
+    if ax is None:
+        size = (max(4, 0.7 * n_devices + 1.5), max(1.6, 0.45 * n_devices + 0.8))
+        ax = plt.subplots(figsize=size)[1]
+    for t in range(n_devices):
+        for r in range(n_devices):
+            b, s = int(held[t, r]), int(seen[t, r])
+            ax.add_patch(Rectangle((r, t), 1, 1, fc=device_color(b), ec="white", lw=1.5,
+                                   alpha=1.0 if s else 0.35, hatch="///" if s == 0 else None))  # fmt: skip
+            label = f"KV{b}" + ("" if s == 2 else " ◣" if s == 1 else " ✗")
+            ax.text(r + 0.5, t + 0.5, label, ha="center", va="center", fontsize=7,
+                    color="white" if s else "black")  # fmt: skip
+    ax.set_xlim(0, n_devices)
+    ax.set_ylim(n_devices, 0)
+    ax.set_xticks(
+        np.arange(n_devices) + 0.5, [f"dev {r}\n(Q{r})" for r in range(n_devices)], fontsize=7
+    )
+    ax.set_yticks(np.arange(n_devices) + 0.5, [f"step {t}" for t in range(n_devices)], fontsize=7)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    useful = int((seen > 0).sum())
+    ax.set_title(f"ring attention on {n_devices}: ◣ diagonal (masked by position), ✗ masked entirely "
+                 f"({n_devices * n_devices - useful} of {n_devices * n_devices} cells)", fontsize=8,
+                 loc="left")  # fmt: skip
+    return ax.figure
+
+
+def zero3_timeline(n_layers: int, ax=None):
+    """ZeRO-3's per-layer timeline: forward layer ``i`` gathers its parameters, runs, frees them; the
+    backward gathers them again (``jax.checkpoint``), computes the gradient and reduce-scatters it. At
+    most one gathered layer is alive at a time (XLA may prefetch the next)."""
+    ax = plt.subplots(figsize=(max(6, 0.9 * n_layers * 2), 1.6))[1] if ax is None else ax
+    order = [("F", i) for i in range(n_layers)] + [("B", i) for i in reversed(range(n_layers))]
+    for x, (phase, i) in enumerate(order):
+        c = device_color(i)
+        ax.add_patch(
+            Rectangle((x, 1), 1, 0.8, fc=c, ec="white", lw=1.5, alpha=0.55 if phase == "F" else 1)
+        )
+        ax.text(x + 0.5, 1.4, f"{phase} L{i}", ha="center", va="center", fontsize=7)
+        ax.text(x + 0.5, 0.6, "all-gather", ha="center", va="center", fontsize=6)
+        if phase == "B":
+            ax.text(x + 0.5, 0.25, "reduce-scatter", ha="center", va="center", fontsize=6)
+    ax.set_xlim(0, len(order))
+    ax.set_ylim(0, 2)
+    ax.set_axis_off()
+    ax.set_title(f"ZeRO-3 over {n_layers} layers: each layer gathered before use and freed after; "
+                 "gathered again in the backward, its gradient reduce-scattered", fontsize=8, loc="left")  # fmt: skip
+    return ax.figure

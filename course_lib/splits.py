@@ -1,0 +1,287 @@
+"""The transformer split every way inside ``shard_map``: tensor, sequence and context parallelism, per-layer
+ZeRO-3 and a collective matmul (``notebooks/10_transformers.ipynb``).
+
+Every function here is the body of a ``jax.shard_map`` (it names a mesh axis and calls collectives) and
+works on one layer's parameters as :mod:`course_lib.transformer` lays them out (``wq``/``wk``/``wv``:
+[D, H, Dh], ``wo``: [H, Dh, D], ``w1``: [D, F], ``w2``: [F, D]); the ``*_specs`` functions give the
+``PartitionSpec`` of each stacked leaf (leading layer axis ``L``), so ``transformer.forward(…, block_fn=)``
+runs any of them over the layers.
+
+- **Tensor parallelism** (Megatron): :func:`tp_block` on an axis of ``n`` devices holds ``H/n`` heads and
+  ``F/n`` MLP columns; each sub-layer ends in one ``psum`` (the *g* collective; its transpose, the *f*
+  collective, is the ``psum`` of the input's cotangent in the backward pass).
+- **Sequence parallelism** (Megatron-SP): :func:`sp_block` keeps the residual stream and the LayerNorms
+  split along the sequence; each sub-layer starts with an ``all_gather`` and ends with a ``psum_scatter``
+  (reduce-scatter) instead of the all-reduce: the same bytes, ``1/n`` of the LayerNorm activations.
+- **Context parallelism**: :func:`ring_attention` passes key/value blocks round a ring with ``ppermute``
+  and combines them with an online softmax; :func:`ulysses_attention` swaps sequence for heads with two
+  ``all_to_all``.
+- **ZeRO-3**: :func:`zero3_blocks` gathers one layer's parameters just before it runs, inside a
+  ``jax.checkpoint`` so the backward pass gathers them again; the gradients leave each layer
+  reduce-scattered.
+- **Overlap**: :func:`collective_matmul` computes ``all_gather(x) @ w`` as a ring of ``ppermute`` steps,
+  one block's matmul per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from . import transformer
+
+__all__ = [
+    "tp_specs",
+    "tp_attention",
+    "tp_mlp",
+    "tp_block",
+    "sp_block",
+    "ring_attention",
+    "ulysses_attention",
+    "zero3_specs",
+    "zero3_blocks",
+    "collective_matmul",
+    "block_bytes",
+    "predict_tp_sp",
+]
+
+
+# --- tensor parallelism --------------------------------------------------------------------------------------
+
+
+def tp_specs(axis: str) -> dict:
+    """``PartitionSpec`` of every leaf of ``params["blocks"]`` (leading layer axis) for :func:`tp_block`:
+    heads of ``wq``/``wk``/``wv``/``wo`` and the MLP's hidden columns split over ``axis``; the LayerNorms
+    and ``w2``'s bias replicated."""
+    rep = P()
+    qkv = {"kernel": P(None, None, axis)}  # [L, D, H, Dh]: heads
+    return {
+        "ln1": {"scale": rep, "bias": rep},
+        "ln2": {"scale": rep, "bias": rep},
+        "attn": {
+            "wq": qkv,
+            "wk": qkv,
+            "wv": qkv,
+            "wo": {"kernel": P(None, axis)},
+        },  # wo [L, H, Dh, D]
+        "mlp": {
+            "w1": {
+                "kernel": P(None, None, axis),
+                "bias": P(None, axis),
+            },  # column-parallel [L, D, F]
+            "w2": {"kernel": P(None, axis), "bias": rep},  # row-parallel [L, F, D]
+        },
+    }
+
+
+def tp_attention(x: jax.Array, p: dict, axis: str) -> jax.Array:
+    """Attention on this device's ``H/n`` heads, summed over ``axis``: x [B, S, D] (replicated) → [B, S, D].
+
+    Each device computes its heads' output projected by its rows of ``wo`` (a partial sum of the full
+    output); one ``psum`` (all-reduce of B·S·D) adds them.
+    """
+    return lax.psum(transformer.attention(x, p), axis)
+
+
+def tp_mlp(x: jax.Array, p: dict, axis: str) -> jax.Array:
+    """Megatron MLP: ``w1`` column-parallel (no communication), ``w2`` row-parallel (a partial sum), one
+    ``psum``, then ``w2``'s bias once: x [.., D] replicated → [.., D]."""
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    return lax.psum(h @ p["w2"]["kernel"], axis) + p["w2"]["bias"]
+
+
+def tp_block(x: jax.Array, p: dict, axis: str, eps: float = 1e-5) -> jax.Array:
+    """A block on one layer's tensor-parallel parameters (:func:`tp_specs`): [B, S, D] → [B, S, D], the
+    residual stream replicated over ``axis``; two all-reduces of B·S·D per block forward."""
+    x = x + tp_attention(transformer.layer_norm(x, p["ln1"], eps), p["attn"], axis)
+    return x + tp_mlp(transformer.layer_norm(x, p["ln2"], eps), p["mlp"], axis)
+
+
+def sp_block(x: jax.Array, p: dict, axis: str, eps: float = 1e-5) -> jax.Array:
+    """Megatron-SP block: x [B, S/n, D] split along the sequence over ``axis`` → [B, S/n, D].
+
+    The LayerNorms and residual adds run on the local ``S/n`` tokens; before each sub-layer an
+    ``all_gather`` along the sequence gives the full [B, S, D] input of the tensor-parallel sub-layer
+    (:func:`tp_specs` parameters), and a ``psum_scatter`` (reduce-scatter) along the sequence replaces the
+    all-reduce. Per block: two all-gathers and two reduce-scatters of B·S·D, the bytes of two all-reduces.
+    """
+
+    def gather(h):
+        return lax.all_gather(h, axis, axis=1, tiled=True)
+
+    def scatter(h):
+        return lax.psum_scatter(h, axis, scatter_dimension=1, tiled=True)
+
+    x = x + scatter(
+        transformer.attention(gather(transformer.layer_norm(x, p["ln1"], eps)), p["attn"])
+    )
+    mp = p["mlp"]
+    h = jax.nn.gelu(
+        gather(transformer.layer_norm(x, p["ln2"], eps)) @ mp["w1"]["kernel"] + mp["w1"]["bias"]
+    )
+    return x + scatter(h @ mp["w2"]["kernel"]) + mp["w2"]["bias"]
+
+
+# --- context parallelism -------------------------------------------------------------------------------------
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str) -> jax.Array:
+    """Causal attention with the sequence split over ``axis``: q/k/v [B, S/n, H, Dh] → [B, S/n, H, Dh].
+
+    Device ``r`` holds query block ``r`` and starts with key/value block ``r``. At step ``t`` it holds
+    block ``(r - t) mod n``; it scores its queries against it (the causal mask from the blocks' global
+    positions: a block after ``r`` is masked entirely, the diagonal block by position), folds the scores into
+    an online softmax (running maximum ``m``, normaliser ``denom``, unnormalised output ``o``), and passes
+    the block on to device ``r + 1`` with ``ppermute``: ``n - 1`` sends of K and V, each
+    ``2·B·(S/n)·H·Dh`` elements. Nothing of the full sequence's length is held. Equal to
+    :func:`course_lib.transformer.causal_attention` on the whole sequence (float64: to 1e-10).
+    """
+    n = lax.axis_size(axis)
+    me = lax.axis_index(axis)
+    block = q.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    qi = me * block + jnp.arange(block)[:, None]  # global query positions
+    m = jnp.full(q.shape[:1] + (q.shape[2], block), -jnp.inf, q.dtype)  # [B, H, Sq]
+    denom = jnp.zeros_like(m)
+    o = jnp.zeros(q.shape[:1] + (q.shape[2], block, q.shape[3]), q.dtype)  # [B, H, Sq, Dh]
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    for t in range(n):
+        src = (me - t) % n
+        kj = src * block + jnp.arange(block)[None, :]
+        s = jnp.einsum("bqhk,bthk->bhqt", q, k) * scale
+        s = jnp.where(qi >= kj, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        w = jnp.exp(s - safe[..., None])
+        corr = jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf))
+        denom = denom * corr + w.sum(-1)
+        o = o * corr[..., None] + jnp.einsum("bhqt,bthk->bhqk", w, v)
+        m = m_new
+        if t < n - 1:
+            k, v = lax.ppermute((k, v), axis, ring)
+    out = o / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.transpose(0, 2, 1, 3)
+
+
+def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str) -> jax.Array:
+    """Causal attention with the sequence split over ``axis`` (DeepSpeed-Ulysses): q/k/v [B, S/n, H, Dh] →
+    [B, S/n, H, Dh]. An ``all_to_all`` gives each device the whole sequence for ``H/n`` heads; attention
+    runs there; a second ``all_to_all`` swaps back. Three all-to-alls of ``B·S/n·H·Dh`` in, one out; ``H``
+    must divide by ``n``."""
+
+    def to_heads(x):  # [B, S/n, H, Dh] -> [B, S, H/n, Dh]
+        return lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
+
+    out = transformer.causal_attention(to_heads(q), to_heads(k), to_heads(v))
+    return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
+
+
+# --- ZeRO-3 ---------------------------------------------------------------------------------------------------
+
+
+def zero3_specs(blocks: dict, axis: str) -> dict:
+    """``P(None, axis)`` for every leaf of ``params["blocks"]``: each layer's leaf split along its first
+    axis after the layer axis (D, H or F: every one divides by the devices in the course's configs)."""
+    return jax.tree.map(lambda _: P(None, axis), blocks)
+
+
+def zero3_blocks(
+    x: jax.Array,
+    blocks: dict,
+    axis: str,
+    *,
+    eps: float = 1e-5,
+    policy: Callable | None = jax.checkpoint_policies.nothing_saveable,
+    block_fn: Callable | None = None,
+) -> jax.Array:
+    """Run the blocks ZeRO-3 style: x [B, S, D] (this device's batch) → [B, S, D].
+
+    ``blocks`` are this device's shards (:func:`zero3_specs`: each leaf [L, d/n, …]). A ``lax.scan`` over
+    the layers ``all_gather``s one layer's leaves just before the block runs; the gather and the block are
+    one ``jax.checkpoint`` with ``policy`` (default: save nothing), so the backward pass gathers the layer
+    again instead of keeping it, and the transpose of each all-gather reduce-scatters that layer's gradient.
+    ``policy=None`` drops the checkpoint (the gathered layers are kept for the backward pass).
+    """
+    block_fn = block_fn or (lambda h, p: transformer.block(h, p, eps))
+
+    def layer(h, shard):
+        full = jax.tree.map(lambda a: lax.all_gather(a, axis, axis=0, tiled=True), shard)
+        return block_fn(h, full)
+
+    if policy is not None:
+        layer = jax.checkpoint(layer, policy=policy)
+    x, _ = lax.scan(lambda h, s: (layer(h, s), None), x, blocks)
+    return x
+
+
+# --- overlap ----------------------------------------------------------------------------------------------------
+
+
+def collective_matmul(x: jax.Array, w: jax.Array, axis: str) -> jax.Array:
+    """``all_gather(x, axis) @ w`` without the all-gather: x [M/n, K] (rows split), w [K, N'] → [M, N'].
+
+    ``n`` steps: multiply the block held, pass it to the next device with ``ppermute`` (``n - 1`` sends of
+    one block each: the all-gather's bytes). Each step's matmul does not depend on that step's send, so a
+    GPU scheduler can overlap them.
+    """
+    n = lax.axis_size(axis)
+    me = lax.axis_index(axis)
+    rows = x.shape[0]
+    out = jnp.zeros((n * rows, w.shape[1]), jnp.result_type(x, w))
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    for t in range(n):
+        out = lax.dynamic_update_slice_in_dim(out, x @ w, ((me - t) % n) * rows, axis=0)
+        if t < n - 1:
+            x = lax.ppermute(x, axis, ring)
+    return out
+
+
+# --- predictions -------------------------------------------------------------------------------------------------
+
+
+def block_bytes(blocks: dict) -> int:
+    """Bytes of the stacked block parameters (every layer)."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(blocks))
+
+
+def predict_tp_sp(kind: str, b: int, s: int, d: int, n: int, itemsize: int = 4) -> dict[str, float]:
+    """One block's forward on a model axis of ``n``: bytes each device sends, and the elements of one
+    LayerNorm's input it holds.
+
+    ``"tp"``: two all-reduces of ``B·S·D`` (``2·2(n-1)/n·B·S·D`` elements sent), LayerNorm input ``B·S·D``.
+    ``"sp"``: two all-gathers and two reduce-scatters of ``B·S·D`` (the same bytes), LayerNorm input
+    ``B·S·D/n``.
+
+    Raises:
+      ValueError: another ``kind``.
+    """
+    full = b * s * d
+    if kind not in ("tp", "sp"):
+        raise ValueError(f"kind={kind!r}: 'tp' or 'sp'")
+    sent = 4 * (n - 1) / n * full * itemsize
+    return {"sent": sent, "ln_elements": full if kind == "tp" else full // n}
+
+
+def loop_sent(hlo_text: str, mesh, trips: int) -> dict[str, dict[str, float]]:
+    """Collectives of a compiled program that runs its layers as one ``while`` loop of ``trips``
+    iterations: ``{kind: {"count": …, "sent": bytes per device}}``, an instruction inside a loop body
+    counted ``trips`` times (the HLO lists a loop body once, as ``cost_analysis()`` counts it once).
+
+    Every ``while`` loop of the program must have ``trips`` iterations (a scan over the layers and its
+    transpose); :func:`course_lib.comms.collectives` refuses loops instead.
+    """
+    from .programs import collective_ops, while_bodies
+
+    loops = while_bodies(hlo_text)
+    out: dict[str, dict[str, float]] = {}
+    for op in collective_ops(hlo_text, mesh):
+        times = trips if op.computation in loops else 1
+        row = out.setdefault(op.op, {"count": 0, "sent": 0.0})
+        row["count"] += times
+        row["sent"] += times * op.bytes_sent
+    return out

@@ -1,0 +1,137 @@
+"""The transformer's splits (course_lib.splits) against one device in float64, their collectives and bytes
+read from the compiled program; the pictures of course_lib.split_diagrams drawn from small cases.
+(``splits.zero3_blocks`` is judged in tests/test_checks_lesson10.py, as the ZeRO-3 exercise's reference.)"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from course_lib import split_diagrams as SD
+from course_lib import splits as SP
+from course_lib import transformer as T
+from course_lib.meshes import CONTEXT, MODEL, mesh_of
+from course_lib.programs import collective_ops
+
+matplotlib.use("Agg")
+ONCE = {"xla_backend_optimization_level": 0}
+CFG = T.TransformerConfig(vocab=16, seq_len=8, d_model=16, n_heads=4, d_ff=32, n_layers=2)
+
+
+@functools.cache
+def _init(dtype=jnp.float32):
+    """The model's parameters (biases made non-zero), initialised as one compiled program."""
+
+    def init(key):
+        params = T.init_model(key, CFG)[1]
+        leaves, tree = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        return tree.unflatten(
+            [a + 0.05 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)]
+        )
+
+    return jax.jit(init, compiler_options=ONCE)(jax.random.key(0))
+
+
+def _params():
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), _init())
+
+
+def _mesh(report, axis, n):
+    return mesh_of({axis: n}, report.devices[:n], axis_type="auto")
+
+
+def test_tp_and_sp_equal_one_device_and_send_the_same_bytes(report):
+    n = 4
+    mesh = _mesh(report, MODEL, n)
+    with jax.enable_x64(True):
+        params = _params()
+        tokens = jax.random.randint(jax.random.key(1), (2, CFG.seq_len), 0, CFG.vocab)
+        want = jax.jit(T.forward, compiler_options=ONCE)(params, tokens)
+        specs = {**jax.tree.map(lambda _: P(), params), "blocks": SP.tp_specs(MODEL)}
+
+        def tp(prm, tok):
+            return T.forward(prm, tok, block_fn=lambda x, p: SP.tp_block(x, p, MODEL))
+
+        def sp(prm, tok):
+            s = tok.shape[1] // n
+            x = lax.dynamic_slice_in_dim(T.embed(prm, tok), lax.axis_index(MODEL) * s, s, axis=1)
+            x, _ = lax.scan(lambda h, p: (SP.sp_block(h, p, MODEL), None), x, prm["blocks"])
+            return T.head(prm, x)
+
+        sent = {}
+        for name, fn, out in (("tp", tp, P()), ("sp", sp, P(None, MODEL))):
+            f = jax.shard_map(fn, mesh=mesh, in_specs=(specs, P()), out_specs=out)
+            c = jax.jit(f, compiler_options=ONCE).lower(params, tokens).compile()
+            assert float(jnp.abs(c(params, tokens) - want).max()) < 1e-10
+            sent[name] = SP.loop_sent(c.as_text(), mesh, CFG.n_layers)
+    assert set(sent["tp"]) == {"all-reduce"} and set(sent["sp"]) == {"all-gather", "reduce-scatter"}
+    act = 2 * CFG.seq_len * CFG.d_model * 8
+    total = {k: sum(r["sent"] for r in v.values()) for k, v in sent.items()}
+    assert (
+        total["tp"]
+        == total["sp"]
+        == SP.predict_tp_sp("tp", 2, CFG.seq_len, CFG.d_model, n, 8)["sent"] * CFG.n_layers
+    )
+    assert act > 0
+
+
+@pytest.mark.parametrize("fn", [SP.ring_attention, SP.ulysses_attention])
+def test_context_parallel_attention_equals_causal_attention(report, fn):
+    n = 4
+    mesh = _mesh(report, CONTEXT, n)
+    with jax.enable_x64(True):
+        q, k, v = (
+            jax.random.normal(jax.random.key(i), (2, 16, 4, 8), jnp.float64) for i in range(3)
+        )
+        spec = P(None, CONTEXT)
+        f = jax.shard_map(
+            lambda a, b, c: fn(a, b, c, CONTEXT), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec
+        )
+        c = jax.jit(f, compiler_options=ONCE).lower(q, k, v).compile()
+        assert float(jnp.abs(c(q, k, v) - T.causal_attention(q, k, v)).max()) < 1e-10
+    ops = collective_ops(c.as_text(), mesh)
+    block = 2 * 4 * 4 * 8 * 8
+    sent = sum(o.bytes_sent for o in ops)
+    if fn is SP.ring_attention:
+        assert {o.op for o in ops} == {"collective-permute"} and sent == (n - 1) * 2 * block
+    else:
+        assert {o.op for o in ops} == {"all-to-all"} and sent == 4 * (n - 1) / n * block
+
+
+def test_collective_matmul_equals_all_gather_then_matmul(report):
+    n = 4
+    mesh = _mesh(report, MODEL, n)
+    x = jax.random.normal(jax.random.key(0), (8, 6))
+    w = jax.random.normal(jax.random.key(1), (6, 8))
+    specs = dict(mesh=mesh, in_specs=(P(MODEL), P(None, MODEL)), out_specs=P(None, MODEL))
+    ring = jax.jit(jax.shard_map(lambda a, b: SP.collective_matmul(a, b, MODEL), **specs))
+    np.testing.assert_allclose(ring(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    ops = collective_ops(ring.lower(x, w).compile().as_text(), mesh)
+    assert [o.op for o in ops] == ["collective-permute"] * (n - 1)
+
+
+def test_predict_tp_sp_and_its_errors():
+    tp, sp = SP.predict_tp_sp("tp", 2, 8, 4, 4), SP.predict_tp_sp("sp", 2, 8, 4, 4)
+    assert (
+        tp["sent"] == sp["sent"] == 4 * 3 / 4 * 64 * 4
+        and tp["ln_elements"] == 4 * sp["ln_elements"]
+    )
+    with pytest.raises(ValueError, match="'tp' or 'sp'"):
+        SP.predict_tp_sp("cp", 1, 1, 1, 1)
+
+
+def test_pictures():
+    held, seen = SD.ring_schedule(4)
+    assert held[0].tolist() == [0, 1, 2, 3] and held[1].tolist() == [3, 0, 1, 2]
+    assert (seen == 1).sum() == 4 and (seen == 0).sum() == 6  # diagonals; wrapped blocks masked
+    for fig in (SD.heads_over_devices(8, 4), SD.ring_blocks(4), SD.zero3_timeline(2)):
+        assert fig.axes
+        matplotlib.pyplot.close(fig)
+    with pytest.raises(ValueError, match="do not split"):
+        SD.heads_over_devices(6, 4)
