@@ -16,7 +16,7 @@ stash the F lane keeps its input until the B lane needs it.
 - :func:`circular` — interleaved (circular) GPipe: ``v`` chunks per device (virtual stages), micro-batches
   go round the ring ``v`` times, all forwards then all backwards. Bubble ``(p-1)/(v·m+p-1)``, ``v·m`` chunk
   inputs in flight. (Megatron-LM's *interleaved 1F1B* uses the same virtual stages in a 1F1B order, which
-  keeps the smaller bubble and bounds the stash by about ``p`` per chunk; it is not implemented here.)
+  keeps the smaller bubble and a stash that does not grow with ``m``; it is not implemented here.)
 - :func:`busy` — not a pipeline: every stage works at every tick (no stage waits for its input); the time
   of the useful work, a timing baseline.
 
