@@ -7,6 +7,8 @@ ceil(capacity_factor · k · N / E)`` for ``N`` tokens); places are given in ord
 choice before any second choice, tokens in order within a choice — and a choice that finds its expert full
 is **dropped** (the token gets less, or nothing, from the MLP; the block's residual still carries it).
 
+- :func:`load_balancing_loss` — the auxiliary loss that training adds to balance the experts' load
+  (Switch Transformer): ``E · Σ_i f_i · P_i``, 1 for a balanced router, up to ``E`` for a collapsed one.
 - :func:`moe_dense` — the reference: every token through its ``k`` experts, no capacity.
 - :func:`moe_mlp` — one device: tokens in ``n_groups`` groups routed apart (as ``n_groups`` devices would
   route their own tokens), :func:`dispatch` to ``[E, C, D]`` buffers, the experts, :func:`combine`.
@@ -47,6 +49,7 @@ __all__ = [
     "moe_mlp_ep",
     "dropped_fraction",
     "expert_load",
+    "load_balancing_loss",
     "all_to_all_bytes",
     "expert_specs",
     "init_moe_model",
@@ -243,6 +246,38 @@ def expert_load(x: jax.Array, p: dict, *, k: int = 2) -> jax.Array:
     """Token choices each expert receives from the tokens x [N, D] (before any capacity): int32 [E]."""
     r = route(x @ p["router"]["kernel"], k, x.shape[0] * k)
     return jax.nn.one_hot(r.expert, p["router"]["kernel"].shape[1], dtype=jnp.int32).sum((0, 1))
+
+
+def load_balancing_loss(logits: jax.Array, k: int = 1) -> jax.Array:
+    """The Switch Transformer's auxiliary load-balancing loss, ``E · Σ_i f_i · P_i``: a scalar.
+
+    ``f_i`` is the fraction of the ``k·N`` choices of the top-``k`` routing that go to expert ``i`` (before
+    any capacity; Switch uses ``k = 1``) and ``P_i`` the router probability of expert ``i`` averaged over the
+    tokens. ``f`` is piecewise constant, so the gradient flows through ``P`` only: it lowers the
+    probability of the experts that receive more than their share. The value is 1 when either ``f`` or
+    ``P`` is uniform (``Σ f_i = Σ P_i = 1``), about 1 for a balanced router, and approaches ``E`` when
+    every token goes to one expert with probability 1. Training adds ``α`` times it to the model's loss
+    (Switch: ``α = 0.01``), once per MoE layer.
+
+    Args:
+      logits: float [N, E], the router's logits for N tokens.
+      k: experts per token (1 ≤ k ≤ E).
+
+    Returns:
+      float scalar (the logits' dtype).
+
+    Raises:
+      ValueError: ``k`` outside ``[1, E]``.
+
+    Taught in ``notebooks/11_pipeline_experts.ipynb`` (section 6); ``tests/test_moe.py``.
+    """
+    n_experts = logits.shape[-1]
+    if not 1 <= k <= n_experts:
+        raise ValueError(f"k={k} experts per token; use 1 <= k <= n_experts={n_experts}")
+    probs = jax.nn.softmax(logits, axis=-1)  # [N, E]
+    chosen = lax.top_k(probs, k)[1]  # [N, k]
+    frac = jax.nn.one_hot(chosen, n_experts, dtype=probs.dtype).mean((0, 1))  # f: [E], sums to 1
+    return n_experts * jnp.sum(lax.stop_gradient(frac) * probs.mean(0))
 
 
 def all_to_all_bytes(n_tokens: int, n_experts: int, k: int, capacity_factor: float, d_model: int,

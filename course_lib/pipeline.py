@@ -296,6 +296,9 @@ def train(
         virtual stage's output (sum the losses of all micro-batches to get the step's).
       params: this device's chunks, leaves ``[v, k, …]``.
       head_params: the head's parameters (any pytree; every stage holds them, the last one uses them).
+        Every stage *computes* ``head_fn`` (and its gradient) at every tick of an F (B) lane and masks the
+        result with ``jnp.where``: only the last virtual stage's is used, the rest is waste that grows
+        with the head's size (``notebooks/11_pipeline_experts.ipynb`` measures it).
       xs: ``[m, b, S, D]`` micro-batch inputs (stage 0 reads them); aux: pytree of ``[m, …]`` (e.g. targets).
       sched: any :class:`Schedule` (:func:`~course_lib.schedules.validate` passes for a pipeline).
       axis: the stage axis's name.
@@ -381,8 +384,9 @@ def transformer_loss(
     :func:`course_lib.transformer.init_model` returns them but with ``params["blocks"]`` :func:`chunked` to
     ``sched.n_chunks`` (placed with :func:`stage_spec`); tokens and targets int32 [B, S], ``B`` a multiple
     of ``sched.n_micro`` (per ``data_axis`` shard). The embedding runs on every stage (stage 0's is used),
-    the head on the last stage's outputs. With ``data_axis`` (a mesh axis beside ``axis``) the batch is split
-    over it too and the loss is its mean over the shards (so ``jax.grad`` sums the shards' gradients).
+    and so does the head, on every stage's outputs (the last stage's is used: the rest is waste). With
+    ``data_axis`` (a mesh axis beside ``axis``) the batch is split over it too and the loss is its mean over
+    the shards (so ``jax.grad`` sums the shards' gradients).
     """
     stage_fn = stage_fn or scan_stage(eps=eps, remat=True)
 

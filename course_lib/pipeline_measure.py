@@ -12,6 +12,10 @@ compiles in a fraction of the transformer block's time. The programs:
   outside the loops). Two runs of :func:`course_lib.schedules.busy` tables (``m`` and ``2m`` micro-batches,
   no bubble) give the time per micro-batch ``c`` and the fixed cost ``o``; a schedule's bubble time is
   ``t - o - m·c``. All programs are timed in one run, interleaved, medians of repeats.
+- **time ratios** (:func:`median_ratio`): a schedule's step against the ``busy`` table of the same
+  ``(p, m, v)`` (the same cells, no stage waiting), per round, the median: between 1 and
+  ``1/(1 - bubble)`` (the fixed cost of a call pulls it below the bound). The sturdier of the two time
+  measurements on a busy machine: one quotient of two calls timed side by side, no differences.
 - **memory** (:func:`stash_growth`): ``memory_analysis()`` of the step at ``m`` and ``2m`` micro-batches;
   what grows is the stash (its slots × one activation).
 
@@ -46,6 +50,7 @@ __all__ = [
     "interleaved_times",
     "time_bubble",
     "time_bubbles",
+    "median_ratio",
     "stash_growth",
 ]
 
@@ -238,6 +243,21 @@ def time_bubbles(
     per_round = [time_bubble({k: v[i] for k, v in samples.items()}, n_micro, busy, busy2)
                  for i in range(len(next(iter(samples.values()))))]  # fmt: skip
     return {k: float(np.median([r[k] for r in per_round])) for k in per_round[0]}
+
+
+def median_ratio(samples: dict[str, list[float]], name: str, baseline: str) -> float:
+    """The median over the rounds of :func:`round_robin` of ``samples[name][i] / samples[baseline][i]``
+    (two calls of the same round ran side by side, so a load that changes between rounds cancels).
+
+    Raises:
+      ValueError: the two lists differ in length or are empty.
+    """
+    a, b = samples[name], samples[baseline]
+    if len(a) != len(b) or not a:
+        raise ValueError(
+            f"{name!r} has {len(a)} rounds and {baseline!r} {len(b)}: time them together"
+        )
+    return float(np.median(np.asarray(a, float) / np.asarray(b, float)))
 
 
 def stash_growth(

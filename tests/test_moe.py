@@ -152,3 +152,39 @@ def test_moe_transformer_expert_parallel_loss(report):
             params, tokens, targets
         )
         assert abs(float(ref - got)) < 1e-10 and 2.0 < float(got) < 4.0
+
+
+def test_load_balancing_loss_is_one_when_balanced_and_grows_with_skew():
+    n = 64
+    # uniform probabilities: 1 exactly, whatever top_k picks among the ties
+    assert float(moe.load_balancing_loss(jnp.zeros((n, E)), k=1)) == pytest.approx(1.0, abs=1e-6)
+    assert float(moe.load_balancing_loss(jnp.zeros((n, E)), k=2)) == pytest.approx(1.0, abs=1e-6)
+    # a balanced router: token t prefers expert t mod E (each expert n/E tokens): 1 (f uniform)
+    balanced = 4.0 * jax.nn.one_hot(jnp.arange(n) % E, E)
+    assert float(moe.load_balancing_loss(balanced)) == pytest.approx(1.0, abs=1e-6)
+    # every token to expert 0: f = (1, 0, …), P_0 = e^4/(e^4 + E - 1); E·P_0
+    skewed = 4.0 * jax.nn.one_hot(jnp.zeros(n, jnp.int32), E)
+    p0 = np.exp(4.0) / (np.exp(4.0) + E - 1)
+    assert float(moe.load_balancing_loss(skewed)) == pytest.approx(E * p0, rel=1e-5)
+    assert float(moe.load_balancing_loss(100.0 * jax.nn.one_hot(jnp.zeros(n, jnp.int32), E))) == (
+        pytest.approx(E, rel=1e-5)
+    )
+    # top-2, every token to experts 0 and 1: f = (1/2, 1/2, 0, …)
+    two = 100.0 * (
+        jax.nn.one_hot(jnp.zeros(n, jnp.int32), E) + jax.nn.one_hot(jnp.ones(n, jnp.int32), E)
+    )
+    assert float(moe.load_balancing_loss(two, k=2)) == pytest.approx(E / 2, rel=1e-5)
+
+
+def test_load_balancing_loss_gradient_moves_probability_off_the_busy_expert():
+    logits = jax.random.normal(jax.random.key(3), (32, E)) + 2.0 * jax.nn.one_hot(0, E)
+    g = jax.grad(moe.load_balancing_loss)(logits)
+    assert (
+        float(g[:, 0].sum()) > 0
+    )  # descending lowers expert 0's logits: it takes more than its share
+    # f carries no gradient: the loss equals E·Σ f_i·P_i with f held fixed
+    f = jax.nn.one_hot(jnp.argmax(logits, -1), E).mean(0)
+    fixed = jax.grad(lambda z: E * jnp.sum(f * jax.nn.softmax(z, -1).mean(0)))(logits)
+    np.testing.assert_allclose(g, fixed, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="k=0"):
+        moe.load_balancing_loss(logits, k=0)

@@ -81,3 +81,11 @@ def test_time_bubble_arithmetic_and_interleaved_times():
     }
     got = PM.time_bubbles(rounds, 4)
     assert got["gpipe"] == pytest.approx(1 / 5) and got["c"] == pytest.approx(c)
+
+
+def test_median_ratio_pairs_rounds():
+    # round 2 was slowed for both calls alike: the per-round ratio stays 1.25, the median too
+    samples = {"gpipe": [1.25, 1.25, 12.5, 1.0], "busy": [1.0, 1.0, 10.0, 1.0]}
+    assert PM.median_ratio(samples, "gpipe", "busy") == pytest.approx(1.25)
+    with pytest.raises(ValueError, match="time them together"):
+        PM.median_ratio({"a": [1.0], "b": [1.0, 2.0]}, "a", "b")
