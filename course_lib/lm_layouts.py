@@ -14,7 +14,7 @@ key        mesh (8 devices)              what is split
                                          the residual stream between sub-layers is split over the sequence
 ``fsdp_tp`` fsdp=4 × model=2             TP over model; every parameter also split over fsdp, which splits
                                          the batch too (gathered for use, gradients reduce-scattered)
-``pp_dp``  stage=2 × data=4              lesson 11's GPipe pipeline (:func:`course_lib.pipeline.transformer_grads`)
+``pp_dp``  data=4 × stage=2              lesson 11's GPipe pipeline (:func:`course_lib.pipeline.transformer_grads`)
                                          with the batch over data
 ``dp_cp``  data=4 × context=2            the batch over data, the sequence over context (activations
                                          sequence-sharded; attention gathers the keys and values)
@@ -63,6 +63,10 @@ __all__ = [
     "step_time",
     "rank_layouts",
     "largest_layers",
+    "splits",
+    "by_kind",
+    "plot_step_times",
+    "plot_bytes",
 ]
 
 FSDP = "fsdp"
@@ -112,7 +116,7 @@ LAYOUTS: dict[str, Layout] = {
                seq_axis=MODEL, model_axis=MODEL),
         Layout("fsdp_tp", "fsdp x model (FSDP+TP)", "P", ((FSDP, 4), (MODEL, 2)), (FSDP,),
                model_axis=MODEL, fsdp_axis=FSDP),
-        Layout("pp_dp", "stage x data (PP+DP)", "s", ((STAGE, 2), (DATA, 4)), (DATA,), stage_axis=STAGE),
+        Layout("pp_dp", "stage x data (PP+DP)", "s", ((DATA, 4), (STAGE, 2)), (DATA,), stage_axis=STAGE),
         Layout("dp_cp", "data x context (DP+CP)", "D", ((DATA, 4), (CONTEXT, 2)), (DATA,),
                seq_axis=CONTEXT),
         Layout("3d", "data x fsdp x model (3-D)", "X", ((DATA, 2), (FSDP, 2), (MODEL, 2)), (DATA, FSDP),
@@ -645,7 +649,7 @@ def rank_layouts(config, global_batch: int, profile: costs.DeviceProfile, n_devi
     rows = []
     for key in LAYOUTS:
         sizes = mesh_axes(key, n_devices)
-        if sizes is None or not _divides(key, config, global_batch, sizes):
+        if sizes is None or not splits(key, config, global_batch, sizes):
             continue
         row = step_time(key, config, global_batch, profile, n_devices, precision=precision)
         if memory_limit is None or row["memory_bytes"] <= memory_limit:
@@ -653,7 +657,10 @@ def rank_layouts(config, global_batch: int, profile: costs.DeviceProfile, n_devi
     return sorted(rows, key=lambda r: r["step_s"])
 
 
-def _divides(key, config, global_batch, sizes) -> bool:
+def splits(key: str, config, global_batch: int, sizes: dict[str, int]) -> bool:
+    """True when layout ``key`` on axes ``sizes`` splits the model and the batch evenly: the batch by its
+    batch axes (and the pipeline's ``4 × stages`` micro-batches), heads and MLP width by ``model``, the
+    sequence by its sequence axis, the layers by ``stage``."""
     lay = layout(key)
     n_batch = math.prod(sizes[a] for a in lay.batch_axes)
     m = 4 * sizes[lay.stage_axis] if lay.stage_axis else 1
@@ -729,5 +736,27 @@ def plot_step_times(rows: Sequence[dict], ax=None, title: str = ""):
         bottom += values
     ax.set_ylabel("ms per step (model)")
     ax.set_title(title or "step-time MODEL (not a measurement)")
+    ax.legend(fontsize=7)
+    return ax
+
+
+def plot_bytes(rows: Sequence[dict], ax=None):
+    """Bytes per device per step of each layout, predicted (hollow) beside measured from the compiled program
+    (filled), from the lab's run (``rows``: ``{"layout", "predicted_bytes", "measured_bytes"}``)."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(7, 3))[1]
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["predicted_bytes"] / 1e3 for r in rows], 0.4, label="predicted from shapes",
+           fill=False, edgecolor="C0")  # fmt: skip
+    ax.bar(
+        x + 0.2,
+        [r["measured_bytes"] / 1e3 for r in rows],
+        0.4,
+        label="compiled program",
+        color="C1",
+    )
+    ax.set_xticks(x, [r["layout"] for r in rows])
+    ax.set_ylabel("kB sent per device per step")
     ax.legend(fontsize=7)
     return ax
