@@ -116,7 +116,7 @@ LAYOUTS: dict[str, Layout] = {
                seq_axis=MODEL, model_axis=MODEL),
         Layout("fsdp_tp", "fsdp x model (FSDP+TP)", "P", ((FSDP, 4), (MODEL, 2)), (FSDP,),
                model_axis=MODEL, fsdp_axis=FSDP),
-        Layout("pp_dp", "stage x data (PP+DP)", "s", ((DATA, 4), (STAGE, 2)), (DATA,), stage_axis=STAGE),
+        Layout("pp_dp", "data x stage (DP+PP)", "s", ((DATA, 4), (STAGE, 2)), (DATA,), stage_axis=STAGE),
         Layout("dp_cp", "data x context (DP+CP)", "D", ((DATA, 4), (CONTEXT, 2)), (DATA,),
                seq_axis=CONTEXT),
         Layout("3d", "data x fsdp x model (3-D)", "X", ((DATA, 2), (FSDP, 2), (MODEL, 2)), (DATA, FSDP),
