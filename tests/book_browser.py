@@ -44,6 +44,7 @@ LESSONS = [
     "08_lab",
     "09_multihost",
     "11_pipeline_experts",
+    "12_transformer_lab",
 ]
 
 
