@@ -140,7 +140,7 @@ def layout(key: str) -> Layout:
 def mesh_axes(key: str, n_devices: int) -> dict[str, int] | None:
     """The layout's axis sizes on ``n_devices``: on 8 its :attr:`Layout.sizes`; on fewer, the first axis
     shrinks (``tp_sp`` on 4 devices: data=2 × model=2). None when the other axes do not fit (the lab skips
-    the layout and says so): ``3d`` needs 8 devices, a 2-way axis needs 2.
+    the layout and says so): ``3d`` needs 4 devices (data=1 there), a 2-way axis needs 2.
     """
     sizes = dict(layout(key).sizes)
     first, rest = next(iter(sizes)), math.prod(list(sizes.values())[1:])
