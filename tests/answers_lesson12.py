@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from course_lib import costs, lm_layouts, transformer
+from course_lib import costs, lm_costs, lm_layouts, transformer
 
 # ---- exercise 1: the layout decision ----------------------------------------------------------------------
 
@@ -10,7 +10,7 @@ from course_lib import costs, lm_layouts, transformer
 def _candidates(cfg, global_batch):
     for k in lm_layouts.LAYOUTS:
         sizes = lm_layouts.mesh_axes(k, 8)
-        if sizes is not None and lm_layouts.splits(k, cfg, global_batch, sizes):
+        if sizes is not None and lm_costs.splits(k, cfg, global_batch, sizes):
             p = sizes.get("stage", 1)
             yield k, sizes, p, (4 * p if p > 1 else 1)
 
@@ -18,7 +18,7 @@ def _candidates(cfg, global_batch):
 def _memory(
     k, cfg, global_batch, sizes, m, kinds=("params", "optimizer", "gradients", "activations")
 ):
-    mem = lm_layouts.predict_memory(k, cfg, global_batch, sizes, 2, m)
+    mem = lm_costs.predict_memory(k, cfg, global_batch, sizes, 2, m)
     return sum(mem[kind] for kind in kinds)
 
 
@@ -27,7 +27,7 @@ def _step(k, cfg, global_batch, sizes, p, m, profile, bubble=True, latency=True)
     compute = flops / costs.rate(profile.peak, "bfloat16")
     if bubble and p > 1:
         compute *= (m + p - 1) / m
-    sent = lm_layouts.predict_bytes(k, cfg, global_batch, sizes, itemsize=2, n_micro=m)
+    sent = lm_costs.predict_bytes(k, cfg, global_batch, sizes, itemsize=2, n_micro=m)
     total = sum(t.sent_bytes for t in sent)
     lat = len(sent) * costs.COLLECTIVE_LATENCY_S if latency else 0.0
     return compute + total / profile.link_bytes_per_s + lat, total
@@ -116,7 +116,7 @@ def _mem_at(
     sizes = lm_layouts.mesh_axes(key, 8)
     p = sizes.get("stage", 1)
     m = 4 * p if p > 1 else 1
-    mem = lm_layouts.predict_memory(
+    mem = lm_costs.predict_memory(
         key, dataclasses.replace(cfg, n_layers=n_layers), global_batch, sizes, 2, m
     )
     return sum(mem[k] for k in kinds), p
@@ -206,8 +206,8 @@ def pipeline_bytes_by_parts(n_stages, n_data, n_micro, cfg, global_batch, itemsi
     from course_lib import comms
 
     sizes = {"data": n_data, "stage": n_stages}
-    local = lm_layouts.param_bytes("pp_dp", cfg, sizes, itemsize)
-    rest = lm_layouts.param_bytes(
+    local = lm_costs.param_bytes("pp_dp", cfg, sizes, itemsize)
+    rest = lm_costs.param_bytes(
         "pp_dp", cfg, sizes, itemsize, lambda names, spec: names[0] != "blocks"
     )
     act = global_batch // n_data // n_micro * cfg.seq_len * cfg.d_model * itemsize

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from course_lib import comms, lm_layouts, transformer
+from course_lib import comms, lm_costs, lm_layouts, transformer
 from course_lib.tokens import CopyWalk
 
 CFG = transformer.TINY
@@ -53,9 +53,9 @@ def test_bytes_and_memory_predicted_equal_the_compiled_program(report, key):
     built = lm_layouts.build(key, CFG, report.devices, compiler_options=ONCE)
     compiled = built.lower(*built.place(*_setup())).compile()
     measured = comms.sent_by_axis(comms.collectives(compiled.as_text(), built.sizes))
-    predicted = comms.sent_by_axis(lm_layouts.predict_bytes(key, CFG, 16, built.sizes, itemsize=4))
+    predicted = comms.sent_by_axis(lm_costs.predict_bytes(key, CFG, 16, built.sizes, itemsize=4))
     assert predicted == measured
-    mem, ma = lm_layouts.predict_memory(key, CFG, 16, built.sizes, 4), compiled.memory_analysis()
+    mem, ma = lm_costs.predict_memory(key, CFG, 16, built.sizes, 4), compiled.memory_analysis()
     assert (mem["arguments"], mem["outputs"]) == (
         ma.argument_size_in_bytes,
         ma.output_size_in_bytes,
@@ -69,15 +69,15 @@ def test_build_refuses_a_device_count_that_does_not_fit(report):
 
 def test_the_step_time_model_ranks_fitting_layouts_and_the_memory_model_is_monotone():
     gpu = transformer.GPU
-    rows = lm_layouts.rank_layouts(gpu, 64, lm_layouts.PROFILES["H100"], 8)
+    rows = lm_costs.rank_layouts(gpu, 64, lm_costs.PROFILES["H100"], 8)
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
     assert {r["layout"] for r in rows} == set(lm_layouts.LAYOUTS)
-    tight = lm_layouts.rank_layouts(gpu, 64, lm_layouts.PROFILES["H100"], 8, memory_limit=56e9)
+    tight = lm_costs.rank_layouts(gpu, 64, lm_costs.PROFILES["H100"], 8, memory_limit=56e9)
     assert tight and all(r["memory_bytes"] <= 56e9 for r in tight) and len(tight) < len(rows)
-    small = lm_layouts.largest_layers("fsdp_tp", gpu, 16, 24e9)
-    assert 0 < small <= lm_layouts.largest_layers("fsdp_tp", gpu, 16, 48e9)
-    assert lm_layouts.largest_layers("pp_dp", gpu, 32, 24e9) % 2 == 0
-    assert lm_layouts.largest_layers("dp", gpu, 64, 1e9) == 0
-    assert not lm_layouts.splits(
+    small = lm_costs.largest_layers("fsdp_tp", gpu, 16, 24e9)
+    assert 0 < small <= lm_costs.largest_layers("fsdp_tp", gpu, 16, 48e9)
+    assert lm_costs.largest_layers("pp_dp", gpu, 32, 24e9) % 2 == 0
+    assert lm_costs.largest_layers("dp", gpu, 64, 1e9) == 0
+    assert not lm_costs.splits(
         "tp_sp", dataclasses.replace(CFG, n_heads=1, d_model=33), 16, {"data": 4, "model": 2}
     )

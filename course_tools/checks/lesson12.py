@@ -2,9 +2,9 @@
 model that fits a memory limit under each layout, and the pipeline's bytes per mesh axis.
 
 None of them holds an answer: each compares the learner's function, on hidden cases, with
-:mod:`course_lib.lm_layouts` — the step-time model (:func:`~course_lib.lm_layouts.rank_layouts`, itself
+:mod:`course_lib.lm_layouts` — the step-time model (:func:`~course_lib.lm_costs.rank_layouts`, itself
 built on the byte and memory predictions that the notebook checks against the compiled programs), the memory
-model (:func:`~course_lib.lm_layouts.largest_layers`) and :func:`~course_lib.lm_layouts.predict_bytes`,
+model (:func:`~course_lib.lm_costs.largest_layers`) and :func:`~course_lib.lm_costs.predict_bytes`,
 which equals the compiled pipeline's bytes (asserted in the notebook). Each says how many cases are wrong,
 never which.
 """
@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from course_lib import lm_layouts, transformer
+from course_lib import lm_costs, transformer
 
 from ._common import call_answer, checker, fail, passed
 
@@ -61,14 +61,14 @@ def _triple(got, what):
 def check_layout_decision(choose: Callable) -> bool:
     """``choose(cfg, global_batch, profile, memory_limit) -> (layout, sent_bytes, memory_bytes)``: the layout
     the step-time model ranks first among those that fit, the bytes one device sends per step and the memory
-    it holds (within 1 %), compared with :func:`course_lib.lm_layouts.rank_layouts` on hidden cases."""
+    it holds (within 1 %), compared with :func:`course_lib.lm_costs.rank_layouts` on hidden cases."""
     cases = _decision_cases()
     wrong_layout = wrong_numbers = 0
     for cfg, batch, name, limit in cases:
-        profile = lm_layouts.PROFILES[name]
+        profile = lm_costs.PROFILES[name]
         what = f"choose_layout(cfg, {batch}, PROFILES[{name!r}], {limit:.0e})"
         key, sent, memory = _triple(call_answer(what, choose, cfg, batch, profile, limit), what)
-        rows = lm_layouts.rank_layouts(cfg, batch, profile, 8, memory_limit=limit)
+        rows = lm_costs.rank_layouts(cfg, batch, profile, 8, memory_limit=limit)
         firsts = {r["layout"]: r for r in rows if r["step_s"] <= rows[0]["step_s"] * (1 + _TIE)}
         if key not in firsts:
             wrong_layout += 1
@@ -83,7 +83,7 @@ def check_layout_decision(choose: Callable) -> bool:
             "per layout: compute = 3 x forward FLOPs / 8 devices / the bfloat16 peak, times (m + p - 1)/m for "
             "the pipeline; plus the predicted bytes / link bandwidth and the latency of every collective; "
             "leave out the layouts whose memory (params + optimizer + gradients + activations) exceeds the "
-            "limit and those whose batch or model does not split (lm_layouts.splits)",
+            "limit and those whose batch or model does not split (lm_costs.splits)",
         )
     return passed(f"the layout, its bytes and its memory right in all {len(cases)} cases")
 
@@ -106,7 +106,7 @@ _FIT_CASES = (
 def check_largest_model(largest: Callable) -> bool:
     """``largest(layout, cfg, global_batch, memory_limit) -> n_layers``: the most layers whose predicted memory
     per device fits (a multiple of the stages for the pipeline; 0 when none fits), compared with
-    :func:`course_lib.lm_layouts.largest_layers` on hidden cases."""
+    :func:`course_lib.lm_costs.largest_layers` on hidden cases."""
     wrong = 0
     for key, cfg, batch, limit in _FIT_CASES:
         what = f"largest_model({key!r}, cfg, {batch}, {limit:.0e})"
@@ -115,7 +115,7 @@ def check_largest_model(largest: Callable) -> bool:
             got = int(got)
         except (TypeError, ValueError):
             fail(f"{what} returned {got!r}", "return the number of layers, an int")
-        wrong += got != lm_layouts.largest_layers(key, cfg, batch, limit)
+        wrong += got != lm_costs.largest_layers(key, cfg, batch, limit)
     if wrong:
         fail(
             f"{wrong} of {len(_FIT_CASES)} cases are wrong",
@@ -140,7 +140,7 @@ _BYTES_CASES = (
 @checker
 def check_pipeline_bytes(pipeline_bytes: Callable) -> bool:
     """``pipeline_bytes(n_stages, n_data, n_micro, cfg, global_batch, itemsize) -> {"stage", "data"}``: the
-    bytes one device sends per step of ``pp_dp``, compared with :func:`course_lib.lm_layouts.predict_bytes`
+    bytes one device sends per step of ``pp_dp``, compared with :func:`course_lib.lm_costs.predict_bytes`
     (which the notebook checks against the compiled program) on hidden cases."""
     from course_lib import comms
 
@@ -154,7 +154,7 @@ def check_pipeline_bytes(pipeline_bytes: Callable) -> bool:
                 f"{what} returned {type(got).__name__}",
                 'return a dict {"stage": bytes, "data": bytes}',
             )
-        truth = comms.sent_by_axis(lm_layouts.predict_bytes("pp_dp", cfg, batch, {"data": d, "stage": p},
+        truth = comms.sent_by_axis(lm_costs.predict_bytes("pp_dp", cfg, batch, {"data": d, "stage": p},
                                                             itemsize=itemsize, n_micro=m))  # fmt: skip
         ok = all(math.isclose(float(got.get(a, 0.0)), truth.get(a, 0.0), rel_tol=1e-9, abs_tol=1e-6)
                  for a in ("stage", "data"))  # fmt: skip
