@@ -142,34 +142,33 @@ def predict_bytes(
       difference, collective by collective).
     """
     lay = layout(key)
-    s, d, n_layers = config.seq_len, config.d_model, config.n_layers
-    n_batch = math.prod(sizes[a] for a in lay.batch_axes)
-    b = global_batch // n_batch
-    if lay.seq_axis and lay.seq_axis != lay.model_axis:
-        n_batch_and_seq = n_batch * sizes[lay.seq_axis]
-    else:
-        n_batch_and_seq = n_batch
-    act = b * s * d * itemsize  # a local batch's residual stream, whole sequence
-    out: list = []
+    b = global_batch // math.prod(sizes[a] for a in lay.batch_axes)
+    act = b * config.seq_len * config.d_model * itemsize  # a local batch's residual stream
     if lay.stage_axis:
-        p, n_d = sizes[lay.stage_axis], sizes[DATA]
-        sends = 2 * (n_micro + p - 2)
-        out += (
-            _t("collective-permute", STAGE, p, act // n_micro, "a micro-batch's activation", sends)
-            if p > 1
-            else []
-        )
-        rest = param_bytes(key, config, sizes, itemsize, lambda names, spec: names[0] != "blocks")
-        out += _t("all-reduce", STAGE, p, rest + itemsize, "embedding and head gradients (+ loss)")
-        local = param_bytes(key, config, sizes, itemsize)
-        out += _t("all-reduce", DATA, n_d, local + itemsize, "gradients (+ loss)")
-        return [t for t in out if t.group_size > 1]
+        out = _pipeline_transfers(key, config, sizes, itemsize, n_micro, act)
+    else:
+        out = _gradient_transfers(key, config, sizes, itemsize)
+        out += _activation_transfers(lay, config.n_layers, sizes, act, key, config, itemsize)
+    return [t for t in out if t.group_size > 1]
+
+
+def _pipeline_transfers(key, config, sizes, itemsize, n_micro, act) -> list:
+    p, n_d = sizes[STAGE], sizes[DATA]
+    sends = 2 * (n_micro + p - 2)  # forward and backward: a tick sends when a later tick reads it
+    out = _t("collective-permute", STAGE, p, act // n_micro, "a micro-batch's activation", sends)
+    rest = param_bytes(key, config, sizes, itemsize, lambda names, spec: names[0] != "blocks")
+    out += _t("all-reduce", STAGE, p, rest + itemsize, "embedding and head gradients (+ loss)")
     local = param_bytes(key, config, sizes, itemsize)
-    grad_axes = [
-        a
-        for a in (*lay.batch_axes, lay.seq_axis)
-        if a and a != lay.model_axis and a != lay.fsdp_axis
-    ]
+    out += _t("all-reduce", DATA, n_d, local + itemsize, "gradients (+ loss)")
+    return out if p > 1 else out[sends:]
+
+
+def _gradient_transfers(key, config, sizes, itemsize) -> list:
+    lay = layout(key)
+    local = param_bytes(key, config, sizes, itemsize)
+    skip = (lay.model_axis, lay.fsdp_axis, None)
+    grad_axes = [a for a in (*lay.batch_axes, lay.seq_axis) if a not in skip]
+    out = []
     if lay.fsdp_axis:
         f = sizes[lay.fsdp_axis]
         gathered = local * f  # the parameters as the model axis splits them
@@ -178,29 +177,35 @@ def predict_bytes(
     if grad_axes:
         n_g = math.prod(sizes[a] for a in grad_axes)
         out += _t("all-reduce", ",".join(grad_axes), n_g, local + itemsize, "gradients (+ loss)")
-    if lay.model_axis:
-        m = sizes[lay.model_axis]
-        if lay.seq_axis == lay.model_axis:
-            out += _t(
-                "all-gather", MODEL, m, act, "residual gathered over the sequence", 4 * n_layers
-            )
-            out += _t(
-                "reduce-scatter", MODEL, m, act, "sub-layer output reduce-scattered", 4 * n_layers
-            )
-            repl = param_bytes(
-                key, config, sizes, itemsize, lambda names, spec: MODEL not in tuple(spec)
-            )
-            out += _t("all-reduce", MODEL, m, repl, "gradients of parameters not split over model")
-        else:
-            out += _t(
-                "all-reduce", MODEL, m, act, "sub-layer output / input gradient", 4 * n_layers
-            )
-    if lay.seq_axis and lay.seq_axis != lay.model_axis:
+    return out
+
+
+def _activation_transfers(lay, n_layers, sizes, act, key, config, itemsize) -> list:
+    out = []
+    if lay.model_axis and lay.seq_axis == lay.model_axis:  # TP + SP
+        m = sizes[MODEL]
+        out += _t("all-gather", MODEL, m, act, "residual gathered over the sequence", 4 * n_layers)
+        out += _t(
+            "reduce-scatter", MODEL, m, act, "sub-layer output reduce-scattered", 4 * n_layers
+        )
+        repl = param_bytes(
+            key, config, sizes, itemsize, lambda names, spec: MODEL not in tuple(spec)
+        )
+        out += _t("all-reduce", MODEL, m, repl, "gradients of parameters not split over model")
+    elif lay.model_axis:  # TP
+        out += _t(
+            "all-reduce",
+            MODEL,
+            sizes[MODEL],
+            act,
+            "sub-layer output / input gradient",
+            4 * n_layers,
+        )
+    if lay.seq_axis and lay.seq_axis != lay.model_axis:  # CP
         c = sizes[lay.seq_axis]
         out += _t("all-gather", lay.seq_axis, c, act, "keys and values gathered", 2 * n_layers)
         out += _t("reduce-scatter", lay.seq_axis, c, act, "key and value gradients", 2 * n_layers)
-    del n_batch_and_seq
-    return [t for t in out if t.group_size > 1]
+    return out
 
 
 # ---- memory by kind -----------------------------------------------------------------------------------------
