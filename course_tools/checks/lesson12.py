@@ -66,7 +66,7 @@ def check_layout_decision(choose: Callable) -> bool:
     wrong_layout = wrong_numbers = 0
     for cfg, batch, name, limit in cases:
         profile = lm_costs.PROFILES[name]
-        what = f"choose_layout(cfg, {batch}, PROFILES[{name!r}], {limit:.0e})"
+        what = f"choose_layout(cfg, {batch}, PROFILES[{name!r}], {limit / 1e9:g}e9)"
         key, sent, memory = _triple(call_answer(what, choose, cfg, batch, profile, limit), what)
         rows = lm_costs.rank_layouts(cfg, batch, profile, 8, memory_limit=limit)
         firsts = {r["layout"]: r for r in rows if r["step_s"] <= rows[0]["step_s"] * (1 + _TIE)}
@@ -109,7 +109,7 @@ def check_largest_model(largest: Callable) -> bool:
     :func:`course_lib.lm_costs.largest_layers` on hidden cases."""
     wrong = 0
     for key, cfg, batch, limit in _FIT_CASES:
-        what = f"largest_model({key!r}, cfg, {batch}, {limit:.0e})"
+        what = f"largest_model({key!r}, cfg, {batch}, {limit / 1e9:g}e9)"
         got = call_answer(what, largest, key, cfg, batch, limit)
         try:
             got = int(got)
