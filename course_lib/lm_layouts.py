@@ -6,28 +6,27 @@ over it (``PartitionSpec`` per leaf), how the batch is split, and where the acti
 sharded ``jax.jit`` on an *Auto* mesh: the partitioner inserts the collectives ("computation follows
 data", ``notebooks/05_sharding.ipynb``); :mod:`course_lib.comms` reads them back from the compiled program.
 
-=========  ============================  =====================================================================
-key        mesh (8 devices)              what is split
-=========  ============================  =====================================================================
-``dp``     data=8                        the batch; parameters replicated; gradients all-reduced over data
-``tp_sp``  data=4 × model=2              Megatron TP (heads, MLP width over model) + sequence parallelism:
-                                         the residual stream between sub-layers is split over the sequence
-``fsdp_tp`` fsdp=4 × model=2             TP over model; every parameter also split over fsdp, which splits
-                                         the batch too (gathered for use, gradients reduce-scattered)
-``pp_dp``  data=4 × stage=2              lesson 11's GPipe pipeline (:func:`course_lib.pipeline.transformer_grads`)
-                                         with the batch over data
-``dp_cp``  data=4 × context=2            the batch over data, the sequence over context (activations
-                                         sequence-sharded; attention gathers the keys and values)
-``3d``     data=2 × fsdp=2 × model=2     the three at once
-=========  ============================  =====================================================================
+===========  ============================  ===================================================================
+key          mesh (8 devices)              what is split
+===========  ============================  ===================================================================
+``dp``       data=8                        the batch; parameters replicated; gradients all-reduced over data
+``tp_sp``    data=4 × model=2              Megatron TP (heads, MLP width over model) + sequence parallelism:
+                                           the residual stream between sub-layers is split over the sequence
+``fsdp_tp``  fsdp=4 × model=2              TP over model; every parameter also split over fsdp, which splits
+                                           the batch too (gathered for use)
+``pp_dp``    data=4 × stage=2              lesson 11's GPipe pipeline
+                                           (:func:`course_lib.pipeline.transformer_grads`), batch over data
+``dp_cp``    data=4 × context=2            the batch over data, the sequence over context (activations
+                                           sequence-sharded; attention gathers the keys and values)
+``3d``       data=2 × fsdp=2 × model=2     the three at once
+===========  ============================  ===================================================================
 
 The step is SGD with momentum (one optimizer value per parameter), returning the new parameters, the
 new momentum, the loss and the gradients: ``memory_analysis()`` then shows every kind — arguments =
-parameters + optimizer state + batch, outputs = the same + gradients + loss — and
-:func:`course_lib.lm_costs.predict_memory`
-predicts each from the shapes. :func:`predict_bytes` predicts every collective's bytes per mesh axis;
-:func:`rank_layouts` is the step-time model (a model, not a measurement) that the lab's exercises ask the
-learner to predict. Taught in ``notebooks/12_transformer_lab.ipynb``; tested in ``tests/test_lm_layouts.py``.
+parameters + optimizer state + batch, outputs = the same + gradients + loss. :mod:`course_lib.lm_costs`
+predicts each kind from the shapes, and every collective's bytes per mesh axis, and holds the step-time
+model (a model, not a measurement) that the lab's exercises ask the learner to predict.
+Taught in ``notebooks/12_transformer_lab.ipynb``; tested in ``tests/test_lm_layouts.py``.
 """
 
 from __future__ import annotations
