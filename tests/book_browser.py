@@ -45,6 +45,7 @@ LESSONS = [
     "09_multihost",
     "10_transformers",
     "11_pipeline_experts",
+    "12_transformer_lab",
 ]
 
 

@@ -1,0 +1,83 @@
+"""course_lib.lm_layouts: the transformer lab's layouts — meshes, specs, parity with one device, bytes and
+memory beside the compiled programs, the step-time model (8 simulated CPU devices, conftest.py). Parity
+with one device, float64 and float32, for every layout at every step: asserted in
+notebooks/12_transformer_lab.ipynb at every device count it runs."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from course_lib import comms, lm_costs, lm_layouts, transformer
+from course_lib.tokens import CopyWalk
+
+CFG = transformer.TINY
+ONCE = {"xla_backend_optimization_level": 0}
+
+
+def test_mesh_axes_shrink_the_first_axis_and_skip_what_does_not_fit():
+    assert lm_layouts.mesh_axes("tp_sp", 8) == {"data": 4, "model": 2}
+    assert lm_layouts.mesh_axes("pp_dp", 2) == {"data": 1, "stage": 2}
+    assert lm_layouts.mesh_axes("3d", 8) == {"data": 2, "fsdp": 2, "model": 2}
+    assert lm_layouts.mesh_axes("3d", 4) == {"data": 1, "fsdp": 2, "model": 2}
+    assert lm_layouts.mesh_axes("3d", 2) is None and lm_layouts.mesh_axes("tp_sp", 1) is None
+    assert lm_layouts.mesh_axes("dp", 1) == {"data": 1}
+    with pytest.raises(ValueError, match="unknown layout 'zero'"):
+        lm_layouts.layout("zero")
+
+
+def test_specs_split_heads_and_mlp_over_model_and_the_rest_over_fsdp():
+    params = jax.eval_shape(lambda: transformer.init_model(jax.random.key(0), CFG)[1])
+    specs = lm_layouts.param_specs("3d", params, {"data": 2, "fsdp": 2, "model": 2})
+    assert specs["blocks"]["attn"]["wq"]["kernel"] == jax.P(None, "fsdp", "model", None)
+    assert specs["blocks"]["attn"]["wo"]["kernel"] == jax.P(None, "model", "fsdp", None)
+    assert specs["blocks"]["mlp"]["w2"]["kernel"] == jax.P(None, "model", "fsdp")
+    assert specs["embed"]["embedding"] == jax.P("fsdp", None)
+    dp = lm_layouts.param_specs("dp", params, {"data": 8})
+    assert all(
+        s == jax.P(*([None] * len(s)))
+        for s in jax.tree.leaves(dp, is_leaf=lambda x: isinstance(x, jax.P))
+    )
+
+
+def _setup(dtype=jnp.float32):
+    params = jax.jit(lambda k: transformer.init_model(k, CFG)[1])(jax.random.key(0))
+    params = jax.tree.map(lambda a: a.astype(dtype), params)
+    tokens, targets = CopyWalk(CFG.vocab, CFG.seq_len).batch(jax.random.key(1), 16)
+    return params, lm_layouts.init_momentum(params), tokens, targets
+
+
+@pytest.mark.parametrize("key", ["pp_dp"])  # dp's: in the notebook, every run
+def test_bytes_and_memory_predicted_equal_the_compiled_program(report, key):
+    built = lm_layouts.build(key, CFG, report.devices, compiler_options=ONCE)
+    compiled = built.lower(*built.place(*_setup())).compile()
+    measured = comms.sent_by_axis(comms.collectives(compiled.as_text(), built.sizes))
+    predicted = comms.sent_by_axis(lm_costs.predict_bytes(key, CFG, 16, built.sizes, itemsize=4))
+    assert predicted == measured
+    mem, ma = lm_costs.predict_memory(key, CFG, 16, built.sizes, 4), compiled.memory_analysis()
+    assert (mem["arguments"], mem["outputs"]) == (
+        ma.argument_size_in_bytes,
+        ma.output_size_in_bytes,
+    )
+
+
+def test_build_refuses_a_device_count_that_does_not_fit(report):
+    with pytest.raises(ValueError, match="layout '3d' needs a multiple of 4 devices; 2 given"):
+        lm_layouts.build("3d", CFG, report.devices[:2])
+
+
+def test_the_step_time_model_ranks_fitting_layouts_and_the_memory_model_is_monotone():
+    gpu = transformer.GPU
+    rows = lm_costs.rank_layouts(gpu, 64, lm_costs.PROFILES["H100"], 8)
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    assert {r["layout"] for r in rows} == set(lm_layouts.LAYOUTS)
+    tight = lm_costs.rank_layouts(gpu, 64, lm_costs.PROFILES["H100"], 8, memory_limit=56e9)
+    assert tight and all(r["memory_bytes"] <= 56e9 for r in tight) and len(tight) < len(rows)
+    small = lm_costs.largest_layers("fsdp_tp", gpu, 16, 24e9)
+    assert 0 < small <= lm_costs.largest_layers("fsdp_tp", gpu, 16, 48e9)
+    assert lm_costs.largest_layers("pp_dp", gpu, 32, 24e9) % 2 == 0
+    assert lm_costs.largest_layers("dp", gpu, 64, 1e9) == 0
+    assert not lm_costs.splits(
+        "tp_sp", dataclasses.replace(CFG, n_heads=1, d_model=33), 16, {"data": 4, "model": 2}
+    )
