@@ -157,6 +157,10 @@ def test_dry_run_plans_the_pinned_cuda_build_and_a_new_dated_folder(tmp_path, fa
     folder = ROOT / "data" / "gpu_reference" / f"{today}-h100-80gb-hbm3-x2"
     assert f"results folder   : {folder} (new)" in r.stdout
     assert "2 x NVIDIA H100 80GB HBM3" in r.stdout and "on 2 1 GPU(s)" in r.stdout
+    stems = ("10_transformers", "11_pipeline_experts", "12_transformer_lab")
+    planned = next(line for line in r.stdout.splitlines() if line.startswith("transformer runs"))
+    assert all(f"notebooks/{s}.ipynb" in planned for s in stems) and planned.endswith("on 2 GPU(s)")
+    assert all((ROOT / "notebooks" / f"{s}.ipynb").exists() for s in stems)
     assert not folder.exists() and not mark.exists()
 
 

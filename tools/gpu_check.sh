@@ -18,7 +18,8 @@ The course's GPU check, run once on a GPU host (target: under 5 minutes). In ord
   3. checks that JAX sees the GPUs, prints the device report (course_lib.devices.setup_devices);
   4. runs the tests marked gpu (tests/test_gpu.py: device setup, parity of every strategy with
      single-device jit at the GPU tolerance, bfloat16 and float64 parity);
-  5. runs the lab (notebooks/08_lab.ipynb, profile gpu) on all visible GPUs, then on one;
+  5. runs the lab (notebooks/08_lab.ipynb, profile gpu) on all visible GPUs, then on one, and the
+     transformer notebooks (10_transformers, 11_pipeline_experts, 12_transformer_lab) once on all of them;
   6. writes everything, with the hardware metadata (nvidia-smi, driver, CUDA, jax/jaxlib versions, date,
      git commit), to a new folder data/gpu_reference/<date>-<gpu>-x<count>/.
 Steps 4 and 5 run even when an earlier one fails; the summary (summary.txt) says which passed.
@@ -62,6 +63,7 @@ die() {
 ORIG_ARGS="$*"
 OUT="" SKIP_INSTALL=0 TIMEOUT=300 PY="$ROOT/.venv/bin/python" WHEELHOUSE="" DRY_RUN=0 REHEARSE=0
 LAB_PARAMS=()
+TRANSFORMER_NOTEBOOKS=(10_transformers 11_pipeline_experts 12_transformer_lab)
 NVIDIA_SMI="${GPU_CHECK_NVIDIA_SMI:-nvidia-smi}"
 
 need_value() { # need_value OPTION "$@": exit 2 unless a value follows OPTION
@@ -165,6 +167,8 @@ if [[ $DRY_RUN -eq 1 ]]; then
     echo "install          : $PY -m pip ${PIP_ARGS[*]}"; fi
   echo "tests            : $PY -m pytest -m gpu tests/test_gpu.py -n 0"
   echo "lab runs         : notebooks/08_lab.ipynb, profile $PROFILE, on ${LAB_COUNTS[*]} GPU(s)"
+  planned=("${TRANSFORMER_NOTEBOOKS[@]/#/notebooks/}")
+  echo "transformer runs : ${planned[*]/%/.ipynb}, on ${LAB_COUNTS[0]} GPU(s)"
   echo "limit per step   : $TIMEOUT s"
   exit 0
 fi
@@ -278,6 +282,11 @@ for n in "${LAB_COUNTS[@]}"; do
   for kv in ${LAB_PARAMS[@]+"${LAB_PARAMS[@]}"}; do args+=(-p "${kv%%=*}" "${kv#*=}"); done
   step "lab on $n $PLATFORM(s)" 0 "$PY" -m papermill notebooks/08_lab.ipynb "$dir/08_lab.ipynb" -k python3 \
     --cwd notebooks --log-output --no-progress-bar "${args[@]}"
+done
+
+for nb in "${TRANSFORMER_NOTEBOOKS[@]}"; do # each once on every GPU: its asserts, its printed figures
+  step "$nb on ${LAB_COUNTS[0]} $PLATFORM(s)" 0 "$PY" -m papermill "notebooks/$nb.ipynb" "$OUT/$nb.ipynb" \
+    -k python3 --cwd notebooks --log-output --no-progress-bar -p n_devices "${LAB_COUNTS[0]}" -p platform $PLATFORM
 done
 
 TOTAL=$((SECONDS - T_START))
