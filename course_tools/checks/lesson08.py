@@ -308,12 +308,10 @@ _JAXPR_KINDS = {
 }
 
 
-def _traced_collectives(body: Callable, model_config, n: int) -> list[tuple[str, int]]:
-    """``[(kind, S bytes)]`` of the body's jaxpr traced on an abstract ``n``-device data mesh (no devices
-    needed): ``S`` is the gathered result, the reduce-scattered operand or the all-reduced array."""
+def _abstract_jaxpr(body: Callable, model_config, n: int, what: str):
+    """The jaxpr of the answer's step mapped over an abstract ``n``-device data mesh (no devices needed),
+    traced on abstract state and batch; ``what`` names the answer in an error."""
     from jax.sharding import AbstractMesh, AxisType
-
-    from course_lib import programs
 
     abstract = AbstractMesh((n,), (DATA,), axis_types=(AxisType.Auto,))
     mapped, _, _, params, optimizer, _ = _zero1_mapped(body, model_config, n, abstract)
@@ -323,9 +321,15 @@ def _traced_collectives(body: Callable, model_config, n: int) -> list[tuple[str,
         jax.ShapeDtypeStruct((BATCH_PER_DEVICE * n,), np.int32),
     )
     state = jax.eval_shape(lambda: steps.init_state(params, optimizer))
-    jaxpr = call_answer(
-        "your zero1_step", lambda: jax.make_jaxpr(mapped)(state, batch), explain=_explain
-    )
+    return call_answer(what, lambda: jax.make_jaxpr(mapped)(state, batch), explain=_explain)
+
+
+def _traced_collectives(body: Callable, model_config, n: int) -> list[tuple[str, int]]:
+    """``[(kind, S bytes)]`` of the body's jaxpr traced on an abstract ``n``-device data mesh (no devices
+    needed): ``S`` is the gathered result, the reduce-scattered operand or the all-reduced array."""
+    from course_lib import programs
+
+    jaxpr = _abstract_jaxpr(body, model_config, n, "your zero1_step")
     found = []
     for eqn, times in programs.jaxpr_equations(jaxpr):
         kind = _JAXPR_KINDS.get(eqn.primitive.name)
@@ -340,23 +344,9 @@ def _judge_dtypes(body: Callable, model_config, n: int) -> None:
     """Every collective of the body's jaxpr (traced on an abstract ``n``-device axis) moves float32: a
     gradient reduce-scattered in bfloat16 sends half the bytes and rounds the update (XLA:CPU would promote
     it back to float32 in the compiled program, so the jaxpr is read)."""
-    from jax.sharding import AbstractMesh, AxisType
-
     from course_lib import programs
 
-    abstract = AbstractMesh((n,), (DATA,), axis_types=(AxisType.Auto,))
-    mapped, _, _, params, optimizer, _ = _zero1_mapped(body, model_config, n, abstract)
-    s = model_config.image_size
-    batch = (
-        jax.ShapeDtypeStruct((BATCH_PER_DEVICE * n, s, s, model_config.in_channels), np.float32),
-        jax.ShapeDtypeStruct((BATCH_PER_DEVICE * n,), np.int32),
-    )
-    state = jax.eval_shape(lambda: steps.init_state(params, optimizer))
-    jaxpr = call_answer(
-        f"your zero1_step traced on {n} devices",
-        lambda: jax.make_jaxpr(mapped)(state, batch),
-        explain=_explain,
-    )
+    jaxpr = _abstract_jaxpr(body, model_config, n, f"your zero1_step traced on {n} devices")
     narrow = sorted(
         {
             f"{_JAXPR_KINDS[eqn.primitive.name]} in {v.aval.dtype}"
