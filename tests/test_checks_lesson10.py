@@ -1,6 +1,7 @@
 """Exercise checkers of lesson 10 (course_tools.checks.lesson10): each accepts the reference answer and
-another correct form, rejects typical wrong answers with its own hint, and prints "not written yet" for
-the student stub (8 simulated CPU devices from conftest.py; subsets for other device counts)."""
+another correct form, rejects typical wrong answers with its own hint (answers that call the library's
+own version among them), and prints "not written yet" for the student stub (8 simulated CPU devices from
+conftest.py; subsets for other device counts)."""
 
 import answers_lesson10 as a
 import pytest
@@ -24,31 +25,58 @@ def test_ring_accepts_correct_forms(report, n):
     assert lesson10.check_ring_attention(a.ring_scan, report.devices[:n])
 
 
+def test_ring_accepts_rows_flattened(report):
+    assert lesson10.check_ring_attention(a.ring_flat, report.devices[:4])
+
+
 @pytest.mark.parametrize(
     "answer, match",
     [
+        (a.ring_library, "calls course_lib.splits.ring_attention.*from JAX primitives"),
         (a.ring_per_block, "first device's queries .* are right.*running maximum"),
-        (a.ring_no_wrap_mask, "last device's queries are right.*wrapping round the ring"),
+        (a.ring_no_wrap_mask, "only the diagonal block is masked.*wrapping round the ring"),
         (a.ring_no_mask, "causal mask is missing"),
+        (a.ring_local_mask, "positions within a block.*global positions"),
+        (a.ring_float32, "near causal attention's.*float32.*q.dtype"),
+        (a.ring_transposed, "raised TypeError.*order of each array's axes"),
+        (a.ring_four, "on 2 device.*ppermute sources.*axis_size.*tries 2, 4 and 8"),
         (a.ring_gathered, "calls all_gather.*lax.ppermute"),
-        (a.ring_sends_q, "sends 5760 bytes.*only the key and value"),
+        (a.ring_sends_n, "on 2 devices each device sends 13,440 bytes.*more than.*never used"),
+        (
+            a.ring_sends_q,
+            "on 2 devices each device sends 10,080 bytes.*more than.*only K and V travel",
+        ),
     ],
 )
 def test_ring_rejects(report, answer, match):
     rejects(lesson10.check_ring_attention, answer, report.devices, match=match)
 
 
+def test_ring_four_fails_even_on_one_device(report):
+    """A ring written for 4 devices is refused with one device present: its ring of 4 runs on 1."""
+    rejects(
+        lesson10.check_ring_attention,
+        a.ring_four,
+        report.devices[:1],
+        match="on 1 device.*ppermute sources.*axis_size",
+    )
+
+
 def test_zero3_accepts_correct_forms(report):
     assert lesson10.check_zero3(a.zero3_reference, report.devices)
     assert lesson10.check_zero3(a.zero3_loop, report.devices)
+    assert lesson10.check_zero3(a.zero3_dots, report.devices)
 
 
 @pytest.mark.parametrize(
     "answer, match",
     [
-        (a.zero3_upfront, "gathers .* layer leaves|temporaries"),
-        (a.zero3_no_checkpoint, "gathers 36 layer leaves.*jax.checkpoint"),
-        (a.zero3_gather_outside, "gathers 36 layer leaves.*jax.checkpoint"),
+        (a.zero3_library, "calls course_lib.splits.zero3_blocks"),
+        (a.zero3_upfront, "all_gather returns a leaf of all 3 layers at once"),
+        (a.zero3_no_checkpoint, "does not gather again.*jax.checkpoint"),
+        (a.zero3_gather_outside, "does not gather again.*jax.checkpoint"),
+        (a.zero3_bf16, "near data parallelism's.*rounded.*bf16"),
+        (a.zero3_psum_gather, "all-reduces .* bytes per device.*lax.all_gather"),
     ],
 )
 def test_zero3_rejects(report, answer, match):
@@ -56,18 +84,40 @@ def test_zero3_rejects(report, answer, match):
 
 
 def test_predict_tp_sp():
-    assert lesson10.check_predict_tp_sp(a.predict)
-    assert lesson10.check_predict_tp_sp(a.predict_dict)
-    rejects(lesson10.check_predict_tp_sp, a.predict_sp_half_bytes, match="5 of 12 cases are wrong")
-    rejects(lesson10.check_predict_tp_sp, a.predict_sp_full_ln, match="5 of 12 cases are wrong")
-    rejects(lesson10.check_predict_tp_sp, a.predict_one_allreduce, match="10 of 12 cases are wrong")
+    for seed in (0, 1):
+        assert lesson10.check_predict_tp_sp(a.predict, seed=seed)
+        assert lesson10.check_predict_tp_sp(a.predict_dict, seed=seed)
+    assert lesson10.check_predict_tp_sp(a.predict)  # cases drawn afresh
+    check = lesson10.check_predict_tp_sp
+    rejects(check, a.predict_library, match="calls course_lib.splits.predict_tp_sp")
+    rejects(check, a.predict_memorised, match=r"10 of 12 cases are wrong \(10 bytes")
+    msg = r"5 of 12 cases are wrong \(5 bytes, 0 LayerNorm counts.*bytes: list the collectives"
+    rejects(check, a.predict_sp_half_bytes, match=msg)
+    msg = r"5 of 12 cases are wrong \(0 bytes, 5 LayerNorm counts.*hint: LayerNorm: count"
+    rejects(check, a.predict_sp_full_ln, match=msg)
+    rejects(check, a.predict_one_allreduce, match=r"10 of 12 cases are wrong \(10 bytes, 0")
+
+
+def test_predict_hint_gives_no_formula():
+    with pytest.raises(AssertionError) as e:
+        lesson10.check_predict_tp_sp(a.predict_one_allreduce, seed=0)
+    assert "(n-1)" not in str(e.value) and "2(n" not in str(e.value)
 
 
 def test_tp_mlp(report):
-    assert lesson10.check_tp_mlp(a.tp_mlp, report.devices)
-    assert lesson10.check_tp_mlp(a.tp_mlp_bias_share, report.devices)
-    rejects(lesson10.check_tp_mlp, a.tp_mlp_bias_before, report.devices, match="bias 8 times")
+    for devices in (report.devices, report.devices[:4], report.devices[:1]):
+        assert lesson10.check_tp_mlp(a.tp_mlp, devices)
+        assert lesson10.check_tp_mlp(a.tp_mlp_bias_share, devices)
+    check, devices = lesson10.check_tp_mlp, report.devices
+    rejects(check, a.tp_mlp_library, devices, match="calls course_lib.splits.tp_mlp")
     rejects(
-        lesson10.check_tp_mlp, a.tp_mlp_gelu_after, report.devices, match="differs from the MLP"
+        check,
+        a.tp_mlp_bias_eighth,
+        devices,
+        match="on 3 device.*bias 0.375 times.*once, on any number",
     )
-    rejects(lesson10.check_tp_mlp, a.tp_mlp_no_b1, report.devices, match="differs from the MLP")
+    rejects(check, a.tp_mlp_bias_before, devices, match="bias 8 times.*once")
+    rejects(check, a.tp_mlp_pmean, devices, match="average of the devices' partial sums.*not pmean")
+    rejects(check, a.tp_mlp_float32, devices, match="near the MLP's.*float32")
+    rejects(check, a.tp_mlp_gelu_after, devices, match="differs from the MLP")
+    rejects(check, a.tp_mlp_no_b1, devices, match="differs from the MLP")

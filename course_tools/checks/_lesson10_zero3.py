@@ -1,0 +1,159 @@
+"""ZeRO-3's judge for :func:`course_tools.checks.lesson10.check_zero3`: the blocks' setup, data
+parallelism's step under the same checkpoint policy, and the values, gathers, wire bytes of a compiled
+ZeRO-3 step (``notebooks/10_transformers.ipynb``, exercise 2)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from course_lib import transformer
+from course_lib.meshes import DATA, mesh_of
+from course_lib.programs import collective_ops, jaxpr_equations, while_bodies
+
+from ._common import call_answer, fail
+
+__all__ = ["Z_CONFIG", "dp_compiled", "z_setup", "z_step", "z_upfront", "z_values", "z_wire"]
+
+
+def _jit(fn):
+    cpu = jax.default_backend() == "cpu"
+    return jax.jit(fn, compiler_options={"xla_backend_optimization_level": 0} if cpu else None)
+
+
+def _rounded(got, want, rtol) -> bool:
+    return bool(np.allclose(got, want, rtol=rtol, atol=rtol))
+
+
+Z_CONFIG = transformer.TransformerConfig(
+    vocab=16, seq_len=8, d_model=32, n_heads=4, d_ff=64, n_layers=3
+)
+_NOTHING = jax.checkpoint_policies.nothing_saveable
+
+
+@functools.cache
+def z_setup(n):
+    cfg = Z_CONFIG
+    blocks = _jit(lambda k: transformer.init_model(k, cfg)[1]["blocks"])(jax.random.key(3))
+    x = (
+        np.random.default_rng(4)
+        .standard_normal((2 * n, cfg.seq_len, cfg.d_model))
+        .astype(np.float32)
+    )
+    return blocks, x, cfg
+
+
+def z_step(blocks_fn, mesh, n, specs):
+    def step(b, x):
+        value, grads = jax.value_and_grad(lambda b: jnp.sum(jnp.sin(blocks_fn(x, b))) / n)(b)
+        return lax.psum(value, DATA), grads
+
+    return _jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P(DATA)), out_specs=(P(), specs)))
+
+
+@functools.cache
+def dp_compiled(devices: tuple):
+    """Data parallelism's compiled step on ``devices``, each block under ``jax.checkpoint`` with
+    ``nothing_saveable`` (ZeRO-3's policy): the memory ZeRO-3 is compared with (compiled once)."""
+    n = len(devices)
+    blocks, x, _ = z_setup(n)
+    mesh = mesh_of({DATA: n}, list(devices), axis_type="auto")
+    layer = jax.checkpoint(transformer.block, policy=_NOTHING)
+
+    def dense(x, b):
+        return lax.scan(lambda h, p: (layer(h, p), None), x, b)[0]
+
+    rep = jax.tree.map(lambda _: P(), blocks)
+    return z_step(dense, mesh, n, rep).lower(blocks, x).compile()
+
+
+def z_values(dpc, zc, blocks, x, n):
+    (lw, gw), (lz, gz) = dpc(blocks, x), call_answer("the compiled ZeRO-3 step", zc, blocks, x)
+    worst = max(
+        float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(gw), jax.tree.leaves(gz))
+    )
+    if np.allclose(lw, lz, rtol=1e-5, atol=1e-5) and worst <= 1e-4:
+        return
+    if np.allclose(lw, lz, rtol=2e-2, atol=2e-2) and all(
+        _rounded(a, b, 5e-2) for a, b in zip(jax.tree.leaves(gw), jax.tree.leaves(gz))
+    ):
+        fail(
+            f"on {n} devices the loss ({float(lz):.6f}) and gradients are near data parallelism's "
+            f"({float(lw):.6f}) but not equal: the values are rounded somewhere",
+            "gather and compute in the parameters' dtype (float32): a narrower dtype (a bf16 gather, a "
+            "cast) loses digits",
+        )
+    if not np.allclose(lw, lz, rtol=1e-5, atol=1e-5):
+        fail(
+            f"on {n} device(s) the loss is {float(lz):.6f}; the blocks run in order give {float(lw):.6f}",
+            "gather each layer's shards along their first axis (the one split over the devices) into the "
+            "whole layer, and run transformer.block on it, the layers in order",
+        )
+    fail(
+        f"on {n} device(s) the loss is right but the gradients differ from data parallelism's by "
+        f"{worst:.2e}",
+        "let jax.grad transpose lax.all_gather (it reduce-scatters each layer's gradient); do not sum, "
+        "average or stop the gradients yourself",
+    )
+
+
+def z_upfront(jaxpr, blocks, n):
+    """An all_gather whose result has the size of a whole stacked leaf (every layer at once)."""
+    stacked = {a.size for a in jax.tree.leaves(blocks)}
+    layer = {a.size // a.shape[0] for a in jax.tree.leaves(blocks)}
+    for eqn, _ in jaxpr_equations(jaxpr):
+        if eqn.primitive.name.startswith("all_gather"):
+            sizes = {int(v.aval.size) for v in eqn.outvars}
+            if sizes & (stacked - layer):
+                fail(
+                    f"on {n} devices an all_gather returns a leaf of all {Z_CONFIG.n_layers} layers at "
+                    "once: every layer's parameters are whole on every device before the layers run",
+                    "gather inside the step over the layers, one layer's shards at a time, so a device "
+                    "holds one gathered layer, not all of them",
+                )
+
+
+def z_wire(text, mesh, n, p_bytes, layers):
+    """Trip-weighted bytes per device of each collective kind in the compiled step."""
+    loops = while_bodies(text)
+    out: dict[str, float] = {}
+    for op in collective_ops(text, mesh):
+        out[op.op] = (
+            out.get(op.op, 0.0) + (layers if op.computation in loops else 1) * op.bytes_sent
+        )
+    f = (n - 1) / n
+    if out.get("all-reduce", 0.0) > 64:  # more than the loss's scalar
+        fail(
+            f"on {n} devices the step all-reduces {out['all-reduce']:,.0f} bytes per device: parameters "
+            "or gradients travel whole through a psum",
+            "gather with lax.all_gather (its transpose reduce-scatters the gradient, so each device "
+            "receives only its shard's sum); a psum sends every device the whole sum",
+        )
+    if not np.isclose(out.get("reduce-scatter", 0.0), f * p_bytes, rtol=1e-3):
+        fail(
+            f"on {n} devices the gradients leave the layers as {out.get('reduce-scatter', 0.0):,.0f} "
+            f"bytes of reduce-scatters per device; the float32 gradient of the block parameters "
+            f"({p_bytes:,} bytes) reduce-scattered is {f * p_bytes:,.0f}",
+            "gather the float32 shards with lax.all_gather(…, tiled=True) and let jax.grad transpose it",
+        )
+    gathered = out.get("all-gather", 0.0)
+    if gathered < 1.5 * f * p_bytes:
+        fail(
+            f"on {n} devices the step all-gathers {gathered:,.0f} bytes per device, the parameters "
+            f"({f * p_bytes:,.0f} bytes gathered) about once: the backward pass does not gather again, "
+            "it keeps the gathered layers from the forward",
+            "put the gather and the block together in one jax.checkpoint'ed function (policy: save "
+            "nothing), so the backward pass gathers each layer again",
+        )
+    if gathered > 2.01 * f * p_bytes:
+        fail(
+            f"on {n} devices the step all-gathers {gathered:,.0f} bytes per device, more than the "
+            f"parameters twice ({2 * f * p_bytes:,.0f}: once forward, once backward)",
+            "gather each layer once in the forward and once in its backward, nothing more",
+        )
+    return out
