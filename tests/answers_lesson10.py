@@ -192,11 +192,6 @@ def zero3_library(x, blocks, axis):
     return splits.zero3_blocks(x, blocks, axis)
 
 
-def zero3_dots(x, blocks, axis):
-    """Another correct form: the matmul results saved (still gathered again in the backward)."""
-    return zero3_reference(x, blocks, axis, policy=jax.checkpoint_policies.dots_saveable)
-
-
 def zero3_bf16(x, blocks, axis):
     """Gathers the shards in bfloat16."""
     return zero3_reference(x, blocks, axis, cast=jnp.bfloat16)

@@ -65,7 +65,6 @@ def test_ring_four_fails_even_on_one_device(report):
 def test_zero3_accepts_correct_forms(report):
     assert lesson10.check_zero3(a.zero3_reference, report.devices)
     assert lesson10.check_zero3(a.zero3_loop, report.devices)
-    assert lesson10.check_zero3(a.zero3_dots, report.devices)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +104,7 @@ def test_predict_hint_gives_no_formula():
 
 
 def test_tp_mlp(report):
-    for devices in (report.devices, report.devices[:4], report.devices[:1]):
+    for devices in (report.devices, report.devices[:1]):
         assert lesson10.check_tp_mlp(a.tp_mlp, devices)
         assert lesson10.check_tp_mlp(a.tp_mlp_bias_share, devices)
     check, devices = lesson10.check_tp_mlp, report.devices
