@@ -263,7 +263,7 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
                 "the last step is never used, and only K and V travel (not the queries or outputs)",
             )
     return passed(
-        f"ring attention equals causal attention in float64 on {ran} device(s); on rings of "
+        f"ring attention equals causal attention in float64 on {' and '.join(map(str, ran))} device(s); on rings of "
         f"{', '.join(map(str, _RINGS))} it sends n - 1 K/V blocks and holds no array of the full sequence"
     )
 
