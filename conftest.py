@@ -2,11 +2,15 @@
 
 Notebooks executed by nbmake inherit ``COURSE_BUILD_DIR`` (their kernels start from this process's
 environment), so the lab's ``results_dir="auto"`` writes there, never into the reader's ``build/``.
+The summary ends with the CPU time the tests took, by file (:func:`cpu_table`).
 """
 
 import os
+import resource
 import shutil
 import tempfile
+
+import pytest
 
 _CACHE_VARIABLES = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAX_ENABLE_COMPILATION_CACHE")
 
@@ -44,7 +48,64 @@ def _owns_build_dir(config) -> bool:
     )  # the controller, not an xdist worker
 
 
+# --- where the suite's time goes: CPU seconds per test, whatever the load ----------------------------------
+# On a shared machine wall times say little; CPU time (this process and every child it waited for: the
+# notebooks' kernels, their multi-process workers, the checkers' subprocesses) does not grow with the load.
+# Each test's CPU, setup to teardown, travels in its report (pytest-xdist sends it to the controller), and the
+# summary adds them up: the suite is CPU-bound, so on 2 idle cores its wall time is about the total / 2.
+CPU_KEY = "cpu_s"
+_CPU_START = pytest.StashKey[float]()
+_CPU_BY_FILE: dict[str, float] = {}
+
+
+def _cpu_now() -> float:
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_START] = _cpu_now()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    if call.when == "teardown" and _CPU_START in item.stash:
+        item.user_properties.append((CPU_KEY, round(_cpu_now() - item.stash[_CPU_START], 2)))
+    yield
+
+
+def pytest_runtest_logreport(report):
+    for key, value in report.user_properties if report.when == "teardown" else ():
+        if key == CPU_KEY:
+            where = report.nodeid.split("::")[0]
+            if "::test_notebook_runs[" in report.nodeid:  # the matrix's runs, by device count
+                where += f" runs at n={report.nodeid.rsplit('-n', 1)[1].rstrip(']')}"
+            _CPU_BY_FILE[where] = _CPU_BY_FILE.get(where, 0.0) + float(value)
+
+
+def cpu_table(by_file: dict[str, float], top: int = 15) -> list[str]:
+    """The summary's lines: the total CPU seconds, the 2-core estimate, the ``top`` files by CPU."""
+    total = sum(by_file.values())
+    lines = [
+        f"CPU time of the tests: {total:,.0f} s (on 2 idle cores at least {total / 2:,.0f} s of wall time, "
+        "plus the workers' start-up)"
+    ]
+    ranked = sorted(by_file.items(), key=lambda kv: -kv[1])
+    lines += [f"  {s:8,.1f} s  {f}" for f, s in ranked[:top]]
+    if len(ranked) > top:
+        rest = sum(s for _, s in ranked[top:])
+        lines.append(f"  {rest:8,.1f} s  the other {len(ranked) - top} files")
+    return lines
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _CPU_BY_FILE and not hasattr(config, "workerinput"):
+        for line in cpu_table(_CPU_BY_FILE):
+            terminalreporter.write_line(line)
     if _owns_build_dir(config) and exitstatus != 0:
         terminalreporter.write_line(
             f"the session's build folder is kept for a look: {os.environ['COURSE_BUILD_DIR']}"
