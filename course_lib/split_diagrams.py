@@ -57,8 +57,8 @@ def ring_schedule(n_devices: int) -> tuple[np.ndarray, np.ndarray]:
 
 def ring_blocks(n_devices: int, ax=None):
     """The ring of key/value blocks: rows = steps, columns = devices; each cell coloured by the device
-    whose block it is, labelled by its block, hatched when the causal mask hides it entirely (work a
-    load-balanced layout, e.g. zig-zag, would give to someone else)."""
+    whose block it is, labelled by its block, hatched when the causal mask hides it entirely (under SPMD
+    still computed, then discarded: ``n(n-1)/2`` of the ``n²`` cells)."""
     held, seen = ring_schedule(n_devices)
     if ax is None:
         size = (max(4, 0.7 * n_devices + 1.5), max(1.6, 0.45 * n_devices + 0.8))

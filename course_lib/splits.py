@@ -8,8 +8,9 @@ works on one layer's parameters as :mod:`course_lib.transformer` lays them out (
 runs any of them over the layers.
 
 - **Tensor parallelism** (Megatron): :func:`tp_block` on an axis of ``n`` devices holds ``H/n`` heads and
-  ``F/n`` MLP columns; each sub-layer ends in one ``psum`` (the *g* collective; its transpose, the *f*
-  collective, is the ``psum`` of the input's cotangent in the backward pass).
+  ``F/n`` MLP columns; each sub-layer starts with :func:`megatron_f` (identity forward, one ``psum`` of
+  the input's cotangent backward) and ends in one ``psum`` (the *g* collective; its transpose moves
+  nothing): one all-reduce per sub-layer forward and one backward, as in Megatron.
 - **Sequence parallelism** (Megatron-SP): :func:`sp_block` keeps the residual stream and the LayerNorms
   split along the sequence; each sub-layer starts with an ``all_gather`` and ends with a ``psum_scatter``
   (reduce-scatter) instead of the all-reduce: the same bytes, ``1/n`` of the LayerNorm activations.
@@ -37,6 +38,7 @@ from . import transformer
 
 __all__ = [
     "tp_specs",
+    "megatron_f",
     "tp_attention",
     "tp_mlp",
     "tp_block",
@@ -79,6 +81,17 @@ def tp_specs(axis: str) -> dict:
     }
 
 
+def megatron_f(x: jax.Array, axis: str) -> jax.Array:
+    """Megatron's *f*: a replicated x (any shape) marked device-varying over ``axis`` — identity in the
+    forward pass, one ``psum`` of the cotangent in the backward pass (its transpose).
+
+    Without it, ``shard_map`` (``check_vma=True``) inserts the same ``pvary`` at **each** use of ``x`` by
+    device-varying work: attention uses its input three times (``wq``, ``wk``, ``wv``), so the backward
+    pass would sum three cotangents over ``axis`` instead of one (``notebooks/10_transformers.ipynb``).
+    """
+    return lax.pcast(x, axis, to="varying")
+
+
 def tp_attention(x: jax.Array, p: dict, axis: str) -> jax.Array:
     """Attention on this device's ``H/n`` heads, summed over ``axis``: x [B, S, D] (replicated) → [B, S, D].
 
@@ -97,9 +110,11 @@ def tp_mlp(x: jax.Array, p: dict, axis: str) -> jax.Array:
 
 def tp_block(x: jax.Array, p: dict, axis: str, eps: float = 1e-5) -> jax.Array:
     """A block on one layer's tensor-parallel parameters (:func:`tp_specs`): [B, S, D] → [B, S, D], the
-    residual stream replicated over ``axis``; two all-reduces of B·S·D per block forward."""
-    x = x + tp_attention(transformer.layer_norm(x, p["ln1"], eps), p["attn"], axis)
-    return x + tp_mlp(transformer.layer_norm(x, p["ln2"], eps), p["mlp"], axis)
+    residual stream replicated over ``axis``; each sub-layer's input passes :func:`megatron_f` once, so a
+    block sends two all-reduces of B·S·D forward (*g*) and two backward (*f*)."""
+    h = megatron_f(transformer.layer_norm(x, p["ln1"], eps), axis)
+    x = x + tp_attention(h, p["attn"], axis)
+    return x + tp_mlp(megatron_f(transformer.layer_norm(x, p["ln2"], eps), axis), p["mlp"], axis)
 
 
 def sp_block(x: jax.Array, p: dict, axis: str, eps: float = 1e-5) -> jax.Array:

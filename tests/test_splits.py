@@ -16,7 +16,7 @@ from course_lib import split_diagrams as SD
 from course_lib import splits as SP
 from course_lib import transformer as T
 from course_lib.meshes import CONTEXT, MODEL, mesh_of
-from course_lib.programs import collective_ops
+from course_lib.programs import collective_ops, jaxpr_equations
 
 matplotlib.use("Agg")
 ONCE = {"xla_backend_optimization_level": 0}
@@ -79,6 +79,37 @@ def test_tp_and_sp_equal_one_device_and_send_the_same_bytes(report):
         == SP.predict_tp_sp("tp", 2, CFG.seq_len, CFG.d_model, n, 8)["sent"] * CFG.n_layers
     )
     assert act > 0
+
+
+def test_tp_block_backward_is_megatrons_f(report):
+    """One backward psum per sub-layer (Megatron's f), not one per use of the input; the gradient equals
+    one device's in float64."""
+    n = 4
+    mesh = _mesh(report, MODEL, n)
+    with jax.enable_x64(True):
+        params = _params()
+        tokens = jax.random.randint(jax.random.key(1), (2, CFG.seq_len), 0, CFG.vocab)
+        specs = {**jax.tree.map(lambda _: P(), params), "blocks": SP.tp_specs(MODEL)}
+        fwd = jax.shard_map(
+            lambda prm, tok: T.forward(prm, tok, block_fn=lambda x, p: SP.tp_block(x, p, MODEL)),
+            mesh=mesh,
+            in_specs=(specs, P()),
+            out_specs=P(),
+        )
+        grad = jax.grad(lambda prm: jnp.sum(fwd(prm, tokens) ** 2))
+        psums = sum(
+            t
+            for e, t in jaxpr_equations(jax.make_jaxpr(grad)(params))
+            if e.primitive.name == "psum_invariant"
+        )
+        want = jax.grad(lambda prm: jnp.sum(T.forward(prm, tokens) ** 2))(params)
+        got = jax.jit(grad, compiler_options=ONCE)(params)
+        worst = max(
+            float(jnp.abs(a - b).max() / jnp.abs(b).max())
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+        )
+    assert psums == 4 * CFG.n_layers  # 2 forward (g) + 2 backward (f) per layer
+    assert worst < 1e-10
 
 
 @pytest.mark.parametrize("fn", [SP.ring_attention, SP.ulysses_attention])
