@@ -190,9 +190,9 @@ def check_layout_decision(choose: Callable, *, seed: int | None = None) -> bool:
                 "layout",
                 "another layout first",
                 "rank every layout that splits (lm_costs.splits) and whose memory is at most the limit by "
-                "compute (3 x forward FLOPs / 8 devices at the profile's bfloat16 peak, x (m + p - 1)/m for "
-                "the pipeline) + predicted bytes / the profile's link bandwidth + the latency of every "
-                "collective",
+                "compute (3 x forward FLOPs of the global batch / 8 devices at the profile's bfloat16 peak, "
+                "x (m + p - 1)/m for the pipeline, m = 4 x stages) + predicted bytes / the profile's link "
+                "bandwidth + the latency of every collective",
             ),
             (
                 "bytes",
