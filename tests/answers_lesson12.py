@@ -7,12 +7,12 @@ from course_lib import costs, lm_costs, lm_layouts, transformer
 # ---- exercise 1: the layout decision ----------------------------------------------------------------------
 
 
-def _candidates(cfg, global_batch):
+def _candidates(cfg, global_batch, any_split=False, n_micro=None):
     for k in lm_layouts.LAYOUTS:
         sizes = lm_layouts.mesh_axes(k, 8)
-        if sizes is not None and lm_costs.splits(k, cfg, global_batch, sizes):
+        if sizes is not None and (any_split or lm_costs.splits(k, cfg, global_batch, sizes)):
             p = sizes.get("stage", 1)
-            yield k, sizes, p, (4 * p if p > 1 else 1)
+            yield k, sizes, p, ((n_micro or 4 * p) if p > 1 else 1)
 
 
 def _memory(
@@ -22,14 +22,15 @@ def _memory(
     return sum(mem[kind] for kind in kinds)
 
 
-def _step(k, cfg, global_batch, sizes, p, m, profile, bubble=True, latency=True):
+def _step(k, cfg, global_batch, sizes, p, m, profile, bubble=True, latency=True, per_axis=False):
     flops = 3 * transformer.flops_per_token(cfg) * global_batch * cfg.seq_len / 8
     compute = flops / costs.rate(profile.peak, "bfloat16")
     if bubble and p > 1:
         compute *= (m + p - 1) / m
     sent = lm_costs.predict_bytes(k, cfg, global_batch, sizes, itemsize=2, n_micro=m)
     total = sum(t.sent_bytes for t in sent)
-    lat = len(sent) * costs.COLLECTIVE_LATENCY_S if latency else 0.0
+    n = len({t.axis for t in sent}) if per_axis else len(sent)
+    lat = n * costs.COLLECTIVE_LATENCY_S if latency else 0.0
     return compute + total / profile.link_bytes_per_s + lat, total
 
 
@@ -64,34 +65,30 @@ def choose_layout_sorted(cfg, global_batch, profile, memory_limit):
 
 
 def _variant(**kw):
+    kinds = kw.get("kinds", ("params", "optimizer", "gradients", "activations"))
+
     def choose(cfg, global_batch, profile, memory_limit):
+        profile = kw.get("profile", profile)
         best = None
-        for k, sizes, p, m in _candidates(cfg, global_batch):
-            memory = _memory(
-                k,
-                cfg,
-                global_batch,
-                sizes,
-                m,
-                kw.get("kinds", ("params", "optimizer", "gradients", "activations")),
-            )
-            if kw.get("memory_filter", True) and memory > memory_limit:
+        for k, sizes, p, m in _candidates(
+            cfg, global_batch, kw.get("any_split", False), kw.get("n_micro")
+        ):
+            memory = _memory(k, cfg, global_batch, sizes, m, kinds)
+            too_big = memory >= memory_limit if kw.get("strict") else memory > memory_limit
+            if kw.get("memory_filter", True) and too_big:
                 continue
             step, total = _step(
-                k,
-                cfg,
-                global_batch,
-                sizes,
-                p,
-                m,
-                profile,
-                kw.get("bubble", True),
-                kw.get("latency", True),
-            )
+                k, cfg, global_batch, sizes, p, m, profile, kw.get("bubble", True),
+                kw.get("latency", True), kw.get("latency_per_axis", False),
+            )  # fmt: skip
             if kw.get("comm_only"):
-                step = total
+                step = memory if kw.get("rank_memory") else total
             if best is None or step < best[0]:
                 best = (step, k, total, memory)
+        if best is None:  # nothing fits by this answer's count: the layout that holds least
+            return _variant(kinds=kinds, comm_only=True, memory_filter=False, rank_memory=True)(
+                cfg, global_batch, profile, memory_limit
+            )
         return best[1], best[2], best[3]
 
     return choose
@@ -105,6 +102,25 @@ choose_fewest_bytes = _variant(comm_only=True)
 """Wrong: the layout that sends the least, whatever its compute."""
 choose_no_activations = _variant(kinds=("params", "optimizer", "gradients"))
 """Wrong: memory without the activations."""
+choose_with_batch = _variant(kinds=("params", "optimizer", "gradients", "batch", "activations"))
+"""Wrong: memory with the batch too (the exercise counts four kinds)."""
+choose_strict_limit = _variant(strict=True)
+"""Wrong: a layout whose memory equals the limit left out (``<`` for "at most")."""
+choose_latency_per_axis = _variant(latency_per_axis=True)
+"""Wrong: one latency per mesh axis, not per collective."""
+choose_two_micro = _variant(n_micro=2)
+"""Wrong: the pipeline with predict_bytes' default 2 micro-batches, not 4 x stages."""
+choose_any_split = _variant(any_split=True)
+"""Wrong: every layout ranked, whether its batch and model split or not."""
+choose_h100_always = _variant(profile=lm_costs.PROFILES["H100"])
+"""Wrong: the lab's H100 whatever the profile given (right for the H200 too: the model gives them the same
+peak and link)."""
+
+
+def choose_by_lookup(cfg, global_batch, profile, memory_limit):
+    """Wrong: reads the model's ranking instead of building it."""
+    row = lm_costs.rank_layouts(cfg, global_batch, profile, 8, memory_limit=memory_limit)[0]
+    return row["layout"], row["sent_bytes"], row["memory_bytes"]
 
 
 # ---- exercise 2: the largest model that fits ---------------------------------------------------------------
@@ -167,6 +183,33 @@ def largest_off_by_one(layout_key, cfg, global_batch, memory_limit):
     return largest_model_search(layout_key, cfg, global_batch, memory_limit) + lm_layouts.mesh_axes(
         layout_key, 8
     ).get("stage", 1)
+
+
+def largest_by_lookup(layout_key, cfg, global_batch, memory_limit):
+    """Wrong: reads the memory model's answer instead of counting."""
+    return lm_costs.largest_layers(layout_key, cfg, global_batch, memory_limit)
+
+
+def largest_gpu_always(layout_key, cfg, global_batch, memory_limit):
+    """Wrong: the GPU configuration's width whatever ``cfg`` is (right for the notebook's own calls)."""
+    return largest_model(layout_key, transformer.GPU, global_batch, memory_limit)
+
+
+def largest_below_limit(layout_key, cfg, global_batch, memory_limit):
+    """Wrong: ``<`` for "at most": a count whose memory equals the limit left out."""
+    p = lm_layouts.mesh_axes(layout_key, 8).get("stage", 1)
+    n = 0
+    while _mem_at(layout_key, cfg, global_batch, n + p)[0] < memory_limit:
+        n += p
+    return n
+
+
+def largest_by_line(layout_key, cfg, global_batch, memory_limit):
+    """Wrong: a line through 1 and 2 layers whatever the stages, and no floor at 0 (negative when not even
+    the embeddings fit)."""
+    at_one, _ = _mem_at(layout_key, cfg, global_batch, 1)
+    at_two, _ = _mem_at(layout_key, cfg, global_batch, 2)
+    return 1 + int((memory_limit - at_one) // (at_two - at_one))
 
 
 # ---- exercise 3: the pipeline's bytes -----------------------------------------------------------------------
@@ -236,3 +279,34 @@ def pipeline_every_device_sends(*args):
 def pipeline_half_ring(*args):
     """Wrong: the all-reduce sends (n-1)/n, forgetting its all-gather half."""
     return _pipeline(*args, ring=False)
+
+
+def pipeline_by_lookup(n_stages, n_data, n_micro, cfg, global_batch, itemsize):
+    """Wrong: reads lm_costs.predict_bytes instead of counting the transfers."""
+    from course_lib import comms
+
+    sizes = {"data": n_data, "stage": n_stages}
+    got = comms.sent_by_axis(
+        lm_costs.predict_bytes(
+            "pp_dp", cfg, global_batch, sizes, itemsize=itemsize, n_micro=n_micro
+        )
+    )
+    return {"stage": got.get("stage", 0.0), "data": got.get("data", 0.0)}
+
+
+def pipeline_no_loss(*args):
+    """Wrong: the loss is not all-reduced with the gradients."""
+    got = _pipeline(*args)
+    n_stages, n_data, itemsize = args[0], args[1], args[5]
+    ring = lambda n: 2 * (n - 1) / n  # noqa: E731
+    return {
+        "stage": got["stage"] - ring(n_stages) * itemsize,
+        "data": got["data"] - ring(n_data) * itemsize,
+    }
+
+
+def pipeline_whole_batch(n_stages, n_data, n_micro, cfg, global_batch, itemsize):
+    """Wrong: a micro-batch of the global batch, forgetting that the data axis splits it first."""
+    return _pipeline(n_stages, 1, n_micro, cfg, global_batch, itemsize) | {
+        "data": _pipeline(n_stages, n_data, n_micro, cfg, global_batch, itemsize)["data"]
+    }

@@ -1,12 +1,18 @@
 """Exercise checkers of lesson 12 (course_tools.checks.lesson12): each accepts the reference answer and
-another correct form, rejects typical wrong answers with its own hint, and prints "not written yet" for
-the student stub. Every checker is analytic (no compile): the whole file runs in a few seconds."""
+other correct forms, rejects typical wrong answers with its own hint (a lookup of the function the checker
+compares with among them), and prints "not written yet" for the student stub. Every checker is analytic (no
+compile) and draws its cases afresh; the tests fix the seed. The whole file runs in well under a minute."""
+
+from functools import partial
 
 import answers_lesson12 as a
+import numpy as np
 import pytest
 from checking import not_written, rejects, stub
 
 from course_tools.checks import lesson12
+
+SEEDS = (0, 1)
 
 
 def test_stubs_print_not_written(monkeypatch, capsys):
@@ -15,45 +21,114 @@ def test_stubs_print_not_written(monkeypatch, capsys):
     not_written(lesson12.check_pipeline_bytes, stub, monkeypatch=monkeypatch, capsys=capsys)
 
 
-def test_layout_decision_accepts_correct_forms():
-    assert lesson12.check_layout_decision(a.choose_layout)
-    assert lesson12.check_layout_decision(a.choose_layout_sorted)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_layout_decision_accepts_correct_forms(seed):
+    assert lesson12.check_layout_decision(a.choose_layout, seed=seed)
+    assert lesson12.check_layout_decision(a.choose_layout_sorted, seed=seed)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(
-    "answer",
-    [a.choose_no_memory_limit, a.choose_no_bubble, a.choose_fewest_bytes, a.choose_no_activations],
+    "answer, part",
+    [
+        (a.choose_no_memory_limit, "layout"),
+        (a.choose_no_bubble, "layout"),
+        (a.choose_fewest_bytes, "layout"),
+        (a.choose_no_activations, "memory"),
+        (a.choose_with_batch, "memory"),
+        (a.choose_strict_limit, "layout"),
+        (a.choose_latency_per_axis, "layout"),
+        (a.choose_two_micro, "layout"),
+        (a.choose_any_split, "layout"),
+        (a.choose_h100_always, "layout"),
+    ],
 )
-def test_layout_decision_rejects(answer):
-    rejects(lesson12.check_layout_decision, answer, match=r"\d of 8 cases are wrong.*hint")
+def test_layout_decision_rejects(answer, part, seed):
+    rejects(
+        partial(lesson12.check_layout_decision, seed=seed),
+        answer,
+        match=rf"\d+ of 9 cases are wrong.*hint: .*{part}: ",
+    )
+
+
+def test_layout_decision_refuses_a_lookup():
+    rejects(
+        lesson12.check_layout_decision,
+        a.choose_by_lookup,
+        match="calls lm_costs.rank_layouts.*hint: build the step time from its pieces",
+    )
 
 
 def test_layout_decision_says_how_many_not_which():
     with pytest.raises(AssertionError) as e:
-        lesson12.check_layout_decision(a.choose_no_memory_limit)
+        lesson12.check_layout_decision(a.choose_no_memory_limit, seed=0)
     message = str(e.value)
-    assert "of 8 cases are wrong" in message and "H200" not in message and "cfg" not in message
+    assert "of 9 cases are wrong" in message and "H200" not in message and "cfg" not in message
+
+
+def test_cases_are_drawn_afresh():
+    assert lesson12._decision_cases(np.random.default_rng(0)) != lesson12._decision_cases(
+        np.random.default_rng(1)
+    )
+    assert lesson12._fit_cases(np.random.default_rng(0)) != lesson12._fit_cases(
+        np.random.default_rng(1)
+    )
+    assert lesson12._bytes_cases(np.random.default_rng(0)) != lesson12._bytes_cases(
+        np.random.default_rng(1)
+    )
 
 
 def test_layout_decision_rejects_a_malformed_answer():
     rejects(lesson12.check_layout_decision, lambda *args: "dp", match="return \\(layout_key")
 
 
-def test_largest_model():
-    assert lesson12.check_largest_model(a.largest_model)
-    assert lesson12.check_largest_model(a.largest_model_search)
-    for wrong in (a.largest_no_optimizer, a.largest_any_count, a.largest_off_by_one):
-        rejects(lesson12.check_largest_model, wrong, match=r"\d+ of 10 cases are wrong")
-
-
-def test_pipeline_bytes():
-    assert lesson12.check_pipeline_bytes(a.pipeline_bytes)
-    assert lesson12.check_pipeline_bytes(a.pipeline_bytes_by_parts)
-    for wrong in (
-        a.pipeline_every_tick,
-        a.pipeline_forward_only,
-        a.pipeline_every_device_sends,
-        a.pipeline_half_ring,
+@pytest.mark.parametrize("seed", SEEDS)
+def test_largest_model(seed):
+    assert lesson12.check_largest_model(a.largest_model, seed=seed)
+    assert lesson12.check_largest_model(a.largest_model_search, seed=seed)
+    if seed:  # the wrong answers search a layer at a time: once is enough
+        return
+    for wrong, side in (
+        (a.largest_no_optimizer, "too many"),
+        (a.largest_any_count, "too many"),
+        (a.largest_off_by_one, "too many"),
+        (a.largest_gpu_always, "too"),
+        (a.largest_below_limit, "too few"),
+        (a.largest_by_line, "too"),
     ):
-        rejects(lesson12.check_pipeline_bytes, wrong, match=r"\d of 6 cases are wrong")
+        rejects(
+            partial(lesson12.check_largest_model, seed=seed),
+            wrong,
+            match=rf"\d+ of 13 cases are wrong.*hint: {side}",
+        )
+
+
+def test_largest_model_refuses_a_lookup():
+    rejects(
+        lesson12.check_largest_model,
+        a.largest_by_lookup,
+        match="calls lm_costs.largest_layers.*predict_memory",
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_pipeline_bytes(seed):
+    assert lesson12.check_pipeline_bytes(a.pipeline_bytes, seed=seed)
+    assert lesson12.check_pipeline_bytes(a.pipeline_bytes_by_parts, seed=seed)
+    for wrong, axis in (
+        (a.pipeline_every_tick, "stage"),
+        (a.pipeline_forward_only, "stage"),
+        (a.pipeline_every_device_sends, "stage"),
+        (a.pipeline_half_ring, "stage"),
+        (a.pipeline_no_loss, "data"),
+        (a.pipeline_whole_batch, "stage"),
+    ):
+        rejects(
+            partial(lesson12.check_pipeline_bytes, seed=seed),
+            wrong,
+            match=rf"\d of 8 cases are wrong.*hint: .*{axis}: ",
+        )
     rejects(lesson12.check_pipeline_bytes, lambda *args: 3.0, match="return a dict")
+    rejects(
+        lesson12.check_pipeline_bytes, a.pipeline_by_lookup, match="calls lm_costs.predict_bytes"
+    )
