@@ -130,16 +130,17 @@ def predict_bytes(
 
     Returns:
       :class:`course_lib.comms.Transfer` per collective (:func:`course_lib.comms.sent_by_axis` sums them by
-      axis). The model: DP all-reduces the gradients of the parameters each device holds, and the loss;
-      FSDP all-gathers the parameters once and reduce-scatters the gradients; TP all-reduces each
-      sub-layer's output forward and its input's gradient backward (4 per layer), TP+SP replaces each of
-      those by an all-gather and a reduce-scatter of the sequence-split residual (8 per layer), and the
-      gradients of the parameters that are not split over ``model`` are all-reduced over it; CP all-gathers
-      the keys and values forward and reduce-scatters their gradients backward; PP (GPipe) sends one
-      micro-batch activation per tick that a later tick reads, forward and backward, and all-reduces the
-      embedding's and the head's gradients over the stages. For ``dp`` and ``pp_dp`` the compiled program
-      sends exactly this; for the others the partitioner picks its own algorithm (the lab shows the
-      difference, collective by collective).
+      axis). The model (the algorithm :func:`course_lib.lm_steps.grads_fn` writes in ``shard_map``): each
+      gradient is all-reduced over the data axes (batch, sequence) its spec does not split it over, in one
+      collective over all of them (axis ``"data,model"`` names the group of both), and the loss over all
+      of them; FSDP all-gathers the parameters once and reduce-scatters the gradients; TP all-reduces
+      each sub-layer's output forward and its input's gradient backward (4 per layer), TP+SP replaces each
+      of those by an all-gather and a reduce-scatter of the sequence-split residual (8 per layer); CP
+      all-gathers the keys and values forward and reduce-scatters their gradients backward; PP (GPipe)
+      sends one micro-batch activation per tick that a later tick reads, forward and backward, and
+      all-reduces the embedding's and the head's gradients over the stages. On XLA:CPU every layout's
+      compiled program sends exactly these bytes per mesh axis (the lab asserts it); the same step under
+      the partitioner (``lm_layouts.build(..., partitioner=True)``) sends other collectives.
     """
     lay = layout(key)
     b = global_batch // math.prod(sizes[a] for a in lay.batch_axes)
@@ -164,19 +165,35 @@ def _pipeline_transfers(key, config, sizes, itemsize, n_micro, act) -> list:
 
 
 def _gradient_transfers(key, config, sizes, itemsize) -> list:
+    """FSDP's gather and reduce-scatter per parameter, then each gradient all-reduced over the data axes its
+    spec does not split it over (:func:`course_lib.lm_steps.grads_fn`), and the loss over all of them."""
     lay = layout(key)
-    local = param_bytes(key, config, sizes, itemsize)
-    skip = (lay.model_axis, lay.fsdp_axis, None)
-    grad_axes = [a for a in (*lay.batch_axes, lay.seq_axis) if a not in skip]
+    data_axes = tuple(
+        a for a in lay.axes if (a in lay.batch_axes or a == lay.seq_axis) and sizes[a] > 1
+    )
+    abstract = _abstract_params(config, key)
+    specs = param_specs(key, abstract, sizes)
+    gathered, reduced = 0, {}
+    for leaf, spec in zip(
+        jax.tree.leaves(abstract), jax.tree.leaves(specs, is_leaf=_is_spec), strict=True
+    ):
+        split = {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
+        local = local_bytes(leaf.shape, spec, sizes, itemsize)
+        if lay.fsdp_axis in split:
+            gathered += local * sizes[lay.fsdp_axis]
+        group = ",".join(a for a in data_axes if a not in split)
+        reduced[group] = reduced.get(group, 0) + local
     out = []
-    if lay.fsdp_axis:
+    if gathered:
         f = sizes[lay.fsdp_axis]
-        gathered = local * f  # the parameters as the model axis splits them
         out += _t("all-gather", lay.fsdp_axis, f, gathered, "parameters gathered")
         out += _t("reduce-scatter", lay.fsdp_axis, f, gathered, "gradients reduce-scattered")
-    if grad_axes:
-        n_g = math.prod(sizes[a] for a in grad_axes)
-        out += _t("all-reduce", ",".join(grad_axes), n_g, local + itemsize, "gradients (+ loss)")
+    for group, size in reduced.items():
+        if group:
+            n_g = math.prod(sizes[a] for a in group.split(","))
+            out += _t("all-reduce", group, n_g, size, "gradients")
+    n_l = math.prod(sizes[a] for a in data_axes)
+    out += _t("all-reduce", ",".join(data_axes), n_l, itemsize, "loss")
     return out
 
 
@@ -188,10 +205,6 @@ def _activation_transfers(lay, n_layers, sizes, act, key, config, itemsize) -> l
         out += _t(
             "reduce-scatter", MODEL, m, act, "sub-layer output reduce-scattered", 4 * n_layers
         )
-        repl = param_bytes(
-            key, config, sizes, itemsize, lambda names, spec: MODEL not in tuple(spec)
-        )
-        out += _t("all-reduce", MODEL, m, repl, "gradients of parameters not split over model")
     elif lay.model_axis:  # TP
         out += _t(
             "all-reduce",

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import pipeline, schedules, transformer
+from . import lm_steps, pipeline, schedules, transformer
 from .meshes import CONTEXT, DATA, MODEL, STAGE, mesh_of
 
 __all__ = [
@@ -297,6 +297,7 @@ def build(
     *,
     n_micro: int = 2,
     compiler_options: dict | None = None,
+    partitioner: bool = False,
 ) -> Built:
     """Layout ``key``'s step on ``devices`` (their number fixes the mesh, :func:`mesh_axes`).
 
@@ -307,6 +308,11 @@ def build(
       devices: the devices of the mesh.
       n_micro: micro-batches per data shard of the pipeline (``pp_dp``; GPipe).
       compiler_options: passed to ``jax.jit``.
+      partitioner: False (the lab's layouts): the step written by hand in ``shard_map``
+        (:func:`course_lib.lm_steps.grads_fn`), every collective in the code. True: the same step body under
+        sharded ``jax.jit`` on the Auto mesh, the residual stream's layout pinned by
+        ``with_sharding_constraint``: the partitioner picks the collectives (the lab's contrast). Not for
+        ``pp_dp`` (always lesson 11's pipeline).
 
     Raises:
       ValueError: an unknown layout, or a device count it does not fit.
@@ -340,6 +346,14 @@ def build(
             loss, grads = grads_fn(params, tokens, targets)
             return (*_update(params, velocity, grads), loss, grads)
 
+    elif not partitioner:
+        to_layout = from_layout = lambda prm: prm  # noqa: E731
+        grads_of = None  # built below, once the specs are known
+
+        def step(params, velocity, tokens, targets):
+            loss, grads = grads_of(params, tokens, targets)
+            return (*_update(params, velocity, grads), loss, grads)
+
     else:
         to_layout = from_layout = lambda prm: prm  # noqa: E731
         batch = lay.batch_axes[0] if len(lay.batch_axes) == 1 else lay.batch_axes
@@ -357,6 +371,8 @@ def build(
             return (*_update(params, velocity, grads), loss, grads)
 
     specs = param_specs(key, jax.eval_shape(to_layout, abstract), sizes)
+    if not lay.stage_axis and not partitioner:
+        grads_of = lm_steps.grads_fn(lay, mesh, specs, config)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     repl = NamedSharding(mesh, P())
     jitted = jax.jit(
