@@ -2,9 +2,12 @@
 
 Each :class:`Layout` names a mesh (axis name → size, for a device count), how the parameters are split
 over it (``PartitionSpec`` per leaf), how the batch is split, and where the activations are constrained
-(``jax.lax.with_sharding_constraint``). Except the pipeline, every layout is the same step body under
-sharded ``jax.jit`` on an *Auto* mesh: the partitioner inserts the collectives ("computation follows
-data", ``notebooks/05_sharding.ipynb``); :mod:`course_lib.comms` reads them back from the compiled program.
+(``jax.lax.with_sharding_constraint``). Except the pipeline (lesson 11's), every layout's step is written by
+hand in ``jax.shard_map`` (:mod:`course_lib.lm_steps`): every collective is in the code, and
+:func:`course_lib.lm_costs.predict_bytes` predicts each axis's bytes exactly. ``build(..., partitioner=True)``
+gives the same step body under sharded ``jax.jit`` on an *Auto* mesh instead, where the partitioner inserts the
+collectives (the lab's contrast); :mod:`course_lib.comms` reads them back from the compiled program. The
+layouts are also entries of :data:`course_lib.strategies.REGISTRY` (``strategies.build_layout``).
 
 ===========  ============================  ===================================================================
 key          mesh (8 devices)              what is split
@@ -59,7 +62,9 @@ __all__ = [
 ]
 
 FSDP = "fsdp"
-"""Name of the fully-sharded data-parallel axis: it splits the batch, and every parameter (ZeRO-3-like)."""
+"""Name of the fully-sharded data-parallel axis: it splits the batch, and every parameter; the step gathers
+each parameter once and keeps it through the backward pass (PyTorch's ``SHARD_GRAD_OP``, ZeRO-2-like: it saves
+memory at rest, not at the peak; :mod:`course_lib.lm_steps`)."""
 
 LEARNING_RATE = 0.1
 MOMENTUM = 0.9
