@@ -33,6 +33,7 @@ __all__ = [
     "transfer_of",
     "predict_bytes",
     "activation_bytes",
+    "gathered_bytes",
     "predict_memory",
     "H200",
     "PROFILES",
@@ -230,7 +231,10 @@ def activation_bytes(key: str, config, global_batch: int, sizes: dict[str, int],
     residual stream and the two LayerNorm outputs (split over the sequence axis, if any), q, k, v, the
     attention output and the MLP's two hidden values (split over the model axis), the scores and weights
     ``[b, H, S, S]`` (heads over model, queries over the sequence axis); the logits once. A pipeline stage
-    holds its layers' values for all its micro-batches (GPipe)."""
+    holds its layers' values for all its micro-batches (GPipe). Under FSDP the gathered parameters too: the
+    step gathers each one once and keeps it through the backward pass (``SHARD_GRAD_OP``,
+    :mod:`course_lib.lm_steps`), so a device holds every parameter as the model axis splits it, beside its
+    shard (:func:`gathered_bytes`)."""
     lay = layout(key)
     b = global_batch // math.prod(sizes[a] for a in lay.batch_axes)
     t = sizes[lay.model_axis] if lay.model_axis else 1
@@ -245,7 +249,22 @@ def activation_bytes(key: str, config, global_batch: int, sizes: dict[str, int],
             b * (s // t) * 3 * d + b * s * (4 * d // t + 2 * f // t) + 2 * b * (h // t) * s * s
         )
     logits = b * (s // c) * config.vocab
-    return int((layers * per_layer + logits) * itemsize)
+    return int((layers * per_layer + logits) * itemsize) + gathered_bytes(
+        key, config, sizes, itemsize
+    )
+
+
+def gathered_bytes(key: str, config, sizes: dict[str, int], itemsize: int = 4) -> int:
+    """Bytes of the parameters one device holds whole over the fsdp axis during the step (gathered once and
+    kept through the backward pass: ``SHARD_GRAD_OP``); 0 for a layout without one."""
+    lay = layout(key)
+    if not lay.fsdp_axis:
+        return 0
+    f = sizes[lay.fsdp_axis]
+    split = param_bytes(
+        key, config, sizes, itemsize, lambda names, spec: lay.fsdp_axis in tuple(spec)
+    )
+    return split * f
 
 
 def predict_memory(key: str, config, global_batch: int, sizes: dict[str, int], itemsize: int = 4,

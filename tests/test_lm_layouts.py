@@ -97,3 +97,16 @@ def test_the_step_time_model_ranks_fitting_layouts_and_the_memory_model_is_monot
     assert not lm_costs.splits(
         "tp_sp", dataclasses.replace(CFG, n_heads=1, d_model=33), 16, {"data": 4, "model": 2}
     )
+
+
+def test_fsdp_keeps_the_parameters_it_gathers_in_the_memory_model():
+    # the step gathers every fsdp-split parameter once and keeps it through the backward pass
+    sizes = lm_layouts.mesh_axes("fsdp_tp", 8)
+    assert lm_costs.gathered_bytes("dp", CFG, {"data": 8}) == 0
+    whole = lm_costs.gathered_bytes("fsdp_tp", CFG, sizes)
+    gathers = lm_costs.predict_bytes("fsdp_tp", CFG, 16, sizes)
+    assert whole == sum(
+        t.size_bytes for t in gathers if t.kind == "all-gather" and t.axis == "fsdp"
+    )
+    mem = lm_costs.predict_memory("fsdp_tp", CFG, 16, sizes)
+    assert mem["activations"] == lm_costs.activation_bytes("fsdp_tp", CFG, 16, sizes) > whole
