@@ -21,11 +21,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from . import comms, costs, transformer
 from .lm_layouts import LAYOUTS, _path, layout, local_bytes, mesh_axes, param_specs
+from .lm_plots import plot_bytes, plot_step_times
 from .meshes import DATA, MODEL, STAGE
 
 __all__ = [
@@ -98,8 +98,7 @@ def _is_spec(x) -> bool:
 
 
 def _t(kind, axis, n, size, what, times=1):
-    one = transfer_of(kind, axis, n, size, what)
-    return [one] * times
+    return [transfer_of(kind, axis, n, size, what)] * times
 
 
 def transfer_of(kind: str, axis: str, n: int, size_bytes: float, what: str):
@@ -243,8 +242,8 @@ def activation_bytes(key: str, config, global_batch: int, sizes: dict[str, int],
     layers = config.n_layers // (sizes[lay.stage_axis] if lay.stage_axis else 1)
     per_layer = b * (s // c) * (3 * d + 4 * d // t + 2 * f // t) + 2 * b * (h // t) * (s // c) * s
     if (
-        lay.seq_axis == lay.model_axis and lay.model_axis
-    ):  # SP: the residual is split, the rest is whole-sequence
+        lay.model_axis and lay.seq_axis == lay.model_axis
+    ):  # SP: residual split, the rest whole-sequence
         per_layer = (
             b * (s // t) * 3 * d + b * s * (4 * d // t + 2 * f // t) + 2 * b * (h // t) * s * s
         )
@@ -418,46 +417,3 @@ def by_kind(predicted: Sequence, measured: Sequence) -> list[dict]:
             row[f"{source}_n"] += 1
             row[f"{source}_bytes"] += t.sent_bytes
     return sorted(rows.values(), key=lambda r: (r["axis"], r["kind"]))
-
-
-def plot_step_times(rows: Sequence[dict], ax=None, title: str = ""):
-    """Stacked bars of a step-time model (:func:`step_time` rows): compute, then each mesh axis's
-    communication; labelled as a model. Returns the axes."""
-    import matplotlib.pyplot as plt
-
-    ax = ax or plt.subplots(figsize=(7, 3))[1]
-    axes = sorted({a for r in rows for a in r["comm_s"]})
-    names = [r["layout"] for r in rows]
-    bottom = np.zeros(len(rows))
-    parts = [("compute", [r["compute_s"] for r in rows])]
-    parts += [(f"comm: {a}", [r["comm_s"].get(a, 0.0) for r in rows]) for a in axes]
-    for label, values in parts:
-        values = np.asarray(values) * 1e3
-        ax.bar(names, values, bottom=bottom, label=label)
-        bottom += values
-    ax.set_ylabel("ms per step (model)")
-    ax.set_title(title or "step-time MODEL (not a measurement)")
-    ax.legend(fontsize=7)
-    return ax
-
-
-def plot_bytes(rows: Sequence[dict], ax=None):
-    """Bytes per device per step of each layout, predicted (hollow) beside measured from the compiled program
-    (filled), from the lab's run (``rows``: ``{"layout", "predicted_bytes", "measured_bytes"}``)."""
-    import matplotlib.pyplot as plt
-
-    ax = ax or plt.subplots(figsize=(7, 3))[1]
-    x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["predicted_bytes"] / 1e3 for r in rows], 0.4, label="predicted from shapes",
-           fill=False, edgecolor="C0")  # fmt: skip
-    ax.bar(
-        x + 0.2,
-        [r["measured_bytes"] / 1e3 for r in rows],
-        0.4,
-        label="compiled program",
-        color="C1",
-    )
-    ax.set_xticks(x, [r["layout"] for r in rows])
-    ax.set_ylabel("kB sent per device per step")
-    ax.legend(fontsize=7)
-    return ax

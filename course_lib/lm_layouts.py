@@ -295,6 +295,25 @@ def _batch_spec(lay: Layout) -> P:
     return P(first, lay.seq_axis)
 
 
+def _partitioner_grads(lay: Layout, mesh, config) -> Callable:
+    """The step body's loss and gradients for sharded ``jit`` on the Auto ``mesh``: the residual stream's layout
+    pinned by ``with_sharding_constraint``, the partitioner choosing the collectives."""
+    batch = lay.batch_axes[0] if len(lay.batch_axes) == 1 else lay.batch_axes
+    residual = NamedSharding(mesh, P(batch, lay.seq_axis, None))
+    # sequence parallelism: a sub-layer's input is gathered over the sequence (model axis), its output
+    # reduce-scattered back; context parallelism keeps the sequence split and gathers keys/values
+    mid = NamedSharding(mesh, P(batch, None, None)) if lay.seq_axis == lay.model_axis else None
+
+    def grads_of(params, tokens, targets):
+        return jax.value_and_grad(_loss)(
+            params, tokens, targets, n_layers=config.n_layers, eps=config.ln_eps,
+            constrain=lambda x: jax.lax.with_sharding_constraint(x, residual),
+            mid=None if mid is None else (lambda h: jax.lax.with_sharding_constraint(h, mid)),
+        )  # fmt: skip
+
+    return grads_of
+
+
 def build(
     key: str,
     config: transformer.TransformerConfig,
@@ -331,53 +350,29 @@ def build(
             f"{len(devices)} given"
         )
     mesh = mesh_of(sizes, devices, axis_type="auto")
-    eps, n_layers = config.ln_eps, config.n_layers
     batch_sharding = NamedSharding(mesh, _batch_spec(lay))
     abstract = jax.eval_shape(lambda: transformer.init_model(jax.random.key(0), config)[1])
     if lay.stage_axis:
         to_layout = lambda prm: {**prm, "blocks": pipeline.chunked(prm["blocks"], 1)}  # noqa: E731
         from_layout = lambda prm: {**prm, "blocks": pipeline.unchunked(prm["blocks"])}  # noqa: E731
-        p = sizes[lay.stage_axis]
-        grads_fn = pipeline.transformer_grads(
-            mesh,
-            schedules.gpipe(p, n_micro),
-            axis=lay.stage_axis,
-            data_axis=DATA,
-            eps=eps,
-            unroll=True,
+        schedule = schedules.gpipe(sizes[lay.stage_axis], n_micro)
+        grads_of = pipeline.transformer_grads(
+            mesh, schedule, axis=lay.stage_axis, data_axis=DATA, eps=config.ln_eps, unroll=True
         )
-
-        def step(params, velocity, tokens, targets):
-            loss, grads = grads_fn(params, tokens, targets)
-            return (*_update(params, velocity, grads), loss, grads)
-
-    elif not partitioner:
-        to_layout = from_layout = lambda prm: prm  # noqa: E731
-        grads_of = None  # built below, once the specs are known
-
-        def step(params, velocity, tokens, targets):
-            loss, grads = grads_of(params, tokens, targets)
-            return (*_update(params, velocity, grads), loss, grads)
-
     else:
         to_layout = from_layout = lambda prm: prm  # noqa: E731
-        batch = lay.batch_axes[0] if len(lay.batch_axes) == 1 else lay.batch_axes
-        residual = NamedSharding(mesh, P(batch, lay.seq_axis, None))
-        # sequence parallelism: a sub-layer's input is gathered over the sequence (model axis), its output
-        # reduce-scattered back; context parallelism keeps the sequence split and gathers keys/values
-        mid = NamedSharding(mesh, P(batch, None, None)) if lay.seq_axis == lay.model_axis else None
-
-        def step(params, velocity, tokens, targets):
-            loss, grads = jax.value_and_grad(_loss)(
-                params, tokens, targets, n_layers=n_layers, eps=eps,
-                constrain=lambda x: jax.lax.with_sharding_constraint(x, residual),
-                mid=None if mid is None else (lambda h: jax.lax.with_sharding_constraint(h, mid)),
-            )  # fmt: skip
-            return (*_update(params, velocity, grads), loss, grads)
-
     specs = param_specs(key, jax.eval_shape(to_layout, abstract), sizes)
-    if not lay.stage_axis and not partitioner:
-        grads_of = lm_steps.grads_fn(lay, mesh, specs, config)
+    if not lay.stage_axis:
+        grads_of = (
+            _partitioner_grads(lay, mesh, config)
+            if partitioner
+            else lm_steps.grads_fn(lay, mesh, specs, config)
+        )
+
+    def step(params, velocity, tokens, targets):
+        loss, grads = grads_of(params, tokens, targets)
+        return (*_update(params, velocity, grads), loss, grads)
+
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     repl = NamedSharding(mesh, P())
     jitted = jax.jit(
