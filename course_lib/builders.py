@@ -278,3 +278,49 @@ def build_fsdp_jit(info, graphdef, params, optimizer, devices, mesh_shape, *, pr
         mesh_axes=dict(mesh.shape),
         param_specs=specs,
     )
+
+
+# ---- the transformer lab's layouts (notebooks/12_transformer_lab.ipynb) ------------------------------------
+# A layout builder ``(info, config, devices, *, n_micro, compiler_options) -> lm_layouts.Built`` lays the
+# transformer's step (SGD with momentum) out on the layout's mesh (:func:`course_lib.lm_layouts.build`).
+
+
+def _layout(info, config, devices, n_micro, compiler_options):
+    from . import lm_layouts  # the transformer's modules load only when a layout is built
+
+    return lm_layouts.build(
+        info.key, config, devices, n_micro=n_micro, compiler_options=compiler_options
+    )
+
+
+def build_lm_dp(info, config, devices, *, n_micro=2, compiler_options=None):
+    """DP: the batch over ``data``, parameters replicated, gradients all-reduced over ``data``."""
+    return _layout(info, config, devices, n_micro, compiler_options)
+
+
+def build_lm_tp_sp(info, config, devices, *, n_micro=2, compiler_options=None):
+    """TP+SP: ``data × model``; Megatron's heads/MLP split over ``model``, the residual stream split over
+    the sequence between sub-layers."""
+    return _layout(info, config, devices, n_micro, compiler_options)
+
+
+def build_lm_fsdp_tp(info, config, devices, *, n_micro=2, compiler_options=None):
+    """FSDP+TP: ``fsdp × model``; TP over ``model``, every parameter also split over ``fsdp`` (which splits
+    the batch)."""
+    return _layout(info, config, devices, n_micro, compiler_options)
+
+
+def build_lm_pp_dp(info, config, devices, *, n_micro=2, compiler_options=None):
+    """PP+DP: ``data × stage``; lesson 11's GPipe pipeline over ``stage``, ``n_micro`` micro-batches per data
+    shard."""
+    return _layout(info, config, devices, n_micro, compiler_options)
+
+
+def build_lm_dp_cp(info, config, devices, *, n_micro=2, compiler_options=None):
+    """DP+CP: ``data × context``; the sequence over ``context``, keys and values gathered for attention."""
+    return _layout(info, config, devices, n_micro, compiler_options)
+
+
+def build_lm_3d(info, config, devices, *, n_micro=2, compiler_options=None):
+    """3-D: ``data × fsdp × model``, the three at once."""
+    return _layout(info, config, devices, n_micro, compiler_options)

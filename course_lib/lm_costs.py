@@ -21,11 +21,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from . import comms, costs, transformer
 from .lm_layouts import LAYOUTS, _path, layout, local_bytes, mesh_axes, param_specs
+from .lm_plots import plot_bytes, plot_step_times
 from .meshes import DATA, MODEL, STAGE
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "transfer_of",
     "predict_bytes",
     "activation_bytes",
+    "gathered_bytes",
     "predict_memory",
     "H200",
     "PROFILES",
@@ -97,8 +98,7 @@ def _is_spec(x) -> bool:
 
 
 def _t(kind, axis, n, size, what, times=1):
-    one = transfer_of(kind, axis, n, size, what)
-    return [one] * times
+    return [transfer_of(kind, axis, n, size, what)] * times
 
 
 def transfer_of(kind: str, axis: str, n: int, size_bytes: float, what: str):
@@ -130,16 +130,17 @@ def predict_bytes(
 
     Returns:
       :class:`course_lib.comms.Transfer` per collective (:func:`course_lib.comms.sent_by_axis` sums them by
-      axis). The model: DP all-reduces the gradients of the parameters each device holds, and the loss;
-      FSDP all-gathers the parameters once and reduce-scatters the gradients; TP all-reduces each
-      sub-layer's output forward and its input's gradient backward (4 per layer), TP+SP replaces each of
-      those by an all-gather and a reduce-scatter of the sequence-split residual (8 per layer), and the
-      gradients of the parameters that are not split over ``model`` are all-reduced over it; CP all-gathers
-      the keys and values forward and reduce-scatters their gradients backward; PP (GPipe) sends one
-      micro-batch activation per tick that a later tick reads, forward and backward, and all-reduces the
-      embedding's and the head's gradients over the stages. For ``dp`` and ``pp_dp`` the compiled program
-      sends exactly this; for the others the partitioner picks its own algorithm (the lab shows the
-      difference, collective by collective).
+      axis). The model (the algorithm :func:`course_lib.lm_steps.grads_fn` writes in ``shard_map``): each
+      gradient is all-reduced over the data axes (batch, sequence) its spec does not split it over, in one
+      collective over all of them (axis ``"data,model"`` names the group of both), and the loss over all
+      of them; FSDP all-gathers the parameters once and reduce-scatters the gradients; TP all-reduces
+      each sub-layer's output forward and its input's gradient backward (4 per layer), TP+SP replaces each
+      of those by an all-gather and a reduce-scatter of the sequence-split residual (8 per layer); CP
+      all-gathers the keys and values forward and reduce-scatters their gradients backward; PP (GPipe)
+      sends one micro-batch activation per tick that a later tick reads, forward and backward, and
+      all-reduces the embedding's and the head's gradients over the stages. On XLA:CPU every layout's
+      compiled program sends exactly these bytes per mesh axis (the lab asserts it); the same step under
+      the partitioner (``lm_layouts.build(..., partitioner=True)``) sends other collectives.
     """
     lay = layout(key)
     b = global_batch // math.prod(sizes[a] for a in lay.batch_axes)
@@ -164,19 +165,35 @@ def _pipeline_transfers(key, config, sizes, itemsize, n_micro, act) -> list:
 
 
 def _gradient_transfers(key, config, sizes, itemsize) -> list:
+    """FSDP's gather and reduce-scatter per parameter, then each gradient all-reduced over the data axes its
+    spec does not split it over (:func:`course_lib.lm_steps.grads_fn`), and the loss over all of them."""
     lay = layout(key)
-    local = param_bytes(key, config, sizes, itemsize)
-    skip = (lay.model_axis, lay.fsdp_axis, None)
-    grad_axes = [a for a in (*lay.batch_axes, lay.seq_axis) if a not in skip]
+    data_axes = tuple(
+        a for a in lay.axes if (a in lay.batch_axes or a == lay.seq_axis) and sizes[a] > 1
+    )
+    abstract = _abstract_params(config, key)
+    specs = param_specs(key, abstract, sizes)
+    gathered, reduced = 0, {}
+    for leaf, spec in zip(
+        jax.tree.leaves(abstract), jax.tree.leaves(specs, is_leaf=_is_spec), strict=True
+    ):
+        split = {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
+        local = local_bytes(leaf.shape, spec, sizes, itemsize)
+        if lay.fsdp_axis in split:
+            gathered += local * sizes[lay.fsdp_axis]
+        group = ",".join(a for a in data_axes if a not in split)
+        reduced[group] = reduced.get(group, 0) + local
     out = []
-    if lay.fsdp_axis:
+    if gathered:
         f = sizes[lay.fsdp_axis]
-        gathered = local * f  # the parameters as the model axis splits them
         out += _t("all-gather", lay.fsdp_axis, f, gathered, "parameters gathered")
         out += _t("reduce-scatter", lay.fsdp_axis, f, gathered, "gradients reduce-scattered")
-    if grad_axes:
-        n_g = math.prod(sizes[a] for a in grad_axes)
-        out += _t("all-reduce", ",".join(grad_axes), n_g, local + itemsize, "gradients (+ loss)")
+    for group, size in reduced.items():
+        if group:
+            n_g = math.prod(sizes[a] for a in group.split(","))
+            out += _t("all-reduce", group, n_g, size, "gradients")
+    n_l = math.prod(sizes[a] for a in data_axes)
+    out += _t("all-reduce", ",".join(data_axes), n_l, itemsize, "loss")
     return out
 
 
@@ -188,10 +205,6 @@ def _activation_transfers(lay, n_layers, sizes, act, key, config, itemsize) -> l
         out += _t(
             "reduce-scatter", MODEL, m, act, "sub-layer output reduce-scattered", 4 * n_layers
         )
-        repl = param_bytes(
-            key, config, sizes, itemsize, lambda names, spec: MODEL not in tuple(spec)
-        )
-        out += _t("all-reduce", MODEL, m, repl, "gradients of parameters not split over model")
     elif lay.model_axis:  # TP
         out += _t(
             "all-reduce",
@@ -217,7 +230,10 @@ def activation_bytes(key: str, config, global_batch: int, sizes: dict[str, int],
     residual stream and the two LayerNorm outputs (split over the sequence axis, if any), q, k, v, the
     attention output and the MLP's two hidden values (split over the model axis), the scores and weights
     ``[b, H, S, S]`` (heads over model, queries over the sequence axis); the logits once. A pipeline stage
-    holds its layers' values for all its micro-batches (GPipe)."""
+    holds its layers' values for all its micro-batches (GPipe). Under FSDP the gathered parameters too: the
+    step gathers each one once and keeps it through the backward pass (``SHARD_GRAD_OP``,
+    :mod:`course_lib.lm_steps`), so a device holds every parameter as the model axis splits it, beside its
+    shard (:func:`gathered_bytes`)."""
     lay = layout(key)
     b = global_batch // math.prod(sizes[a] for a in lay.batch_axes)
     t = sizes[lay.model_axis] if lay.model_axis else 1
@@ -226,13 +242,28 @@ def activation_bytes(key: str, config, global_batch: int, sizes: dict[str, int],
     layers = config.n_layers // (sizes[lay.stage_axis] if lay.stage_axis else 1)
     per_layer = b * (s // c) * (3 * d + 4 * d // t + 2 * f // t) + 2 * b * (h // t) * (s // c) * s
     if (
-        lay.seq_axis == lay.model_axis and lay.model_axis
-    ):  # SP: the residual is split, the rest is whole-sequence
+        lay.model_axis and lay.seq_axis == lay.model_axis
+    ):  # SP: residual split, the rest whole-sequence
         per_layer = (
             b * (s // t) * 3 * d + b * s * (4 * d // t + 2 * f // t) + 2 * b * (h // t) * s * s
         )
     logits = b * (s // c) * config.vocab
-    return int((layers * per_layer + logits) * itemsize)
+    return int((layers * per_layer + logits) * itemsize) + gathered_bytes(
+        key, config, sizes, itemsize
+    )
+
+
+def gathered_bytes(key: str, config, sizes: dict[str, int], itemsize: int = 4) -> int:
+    """Bytes of the parameters one device holds whole over the fsdp axis during the step (gathered once and
+    kept through the backward pass: ``SHARD_GRAD_OP``); 0 for a layout without one."""
+    lay = layout(key)
+    if not lay.fsdp_axis:
+        return 0
+    f = sizes[lay.fsdp_axis]
+    split = param_bytes(
+        key, config, sizes, itemsize, lambda names, spec: lay.fsdp_axis in tuple(spec)
+    )
+    return split * f
 
 
 def predict_memory(key: str, config, global_batch: int, sizes: dict[str, int], itemsize: int = 4,
@@ -386,46 +417,3 @@ def by_kind(predicted: Sequence, measured: Sequence) -> list[dict]:
             row[f"{source}_n"] += 1
             row[f"{source}_bytes"] += t.sent_bytes
     return sorted(rows.values(), key=lambda r: (r["axis"], r["kind"]))
-
-
-def plot_step_times(rows: Sequence[dict], ax=None, title: str = ""):
-    """Stacked bars of a step-time model (:func:`step_time` rows): compute, then each mesh axis's
-    communication; labelled as a model. Returns the axes."""
-    import matplotlib.pyplot as plt
-
-    ax = ax or plt.subplots(figsize=(7, 3))[1]
-    axes = sorted({a for r in rows for a in r["comm_s"]})
-    names = [r["layout"] for r in rows]
-    bottom = np.zeros(len(rows))
-    parts = [("compute", [r["compute_s"] for r in rows])]
-    parts += [(f"comm: {a}", [r["comm_s"].get(a, 0.0) for r in rows]) for a in axes]
-    for label, values in parts:
-        values = np.asarray(values) * 1e3
-        ax.bar(names, values, bottom=bottom, label=label)
-        bottom += values
-    ax.set_ylabel("ms per step (model)")
-    ax.set_title(title or "step-time MODEL (not a measurement)")
-    ax.legend(fontsize=7)
-    return ax
-
-
-def plot_bytes(rows: Sequence[dict], ax=None):
-    """Bytes per device per step of each layout, predicted (hollow) beside measured from the compiled program
-    (filled), from the lab's run (``rows``: ``{"layout", "predicted_bytes", "measured_bytes"}``)."""
-    import matplotlib.pyplot as plt
-
-    ax = ax or plt.subplots(figsize=(7, 3))[1]
-    x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["predicted_bytes"] / 1e3 for r in rows], 0.4, label="predicted from shapes",
-           fill=False, edgecolor="C0")  # fmt: skip
-    ax.bar(
-        x + 0.2,
-        [r["measured_bytes"] / 1e3 for r in rows],
-        0.4,
-        label="compiled program",
-        color="C1",
-    )
-    ax.set_xticks(x, [r["layout"] for r in rows])
-    ax.set_ylabel("kB sent per device per step")
-    ax.legend(fontsize=7)
-    return ax

@@ -2,9 +2,12 @@
 
 Each :class:`Layout` names a mesh (axis name → size, for a device count), how the parameters are split
 over it (``PartitionSpec`` per leaf), how the batch is split, and where the activations are constrained
-(``jax.lax.with_sharding_constraint``). Except the pipeline, every layout is the same step body under
-sharded ``jax.jit`` on an *Auto* mesh: the partitioner inserts the collectives ("computation follows
-data", ``notebooks/05_sharding.ipynb``); :mod:`course_lib.comms` reads them back from the compiled program.
+(``jax.lax.with_sharding_constraint``). Except the pipeline (lesson 11's), every layout's step is written by
+hand in ``jax.shard_map`` (:mod:`course_lib.lm_steps`): every collective is in the code, and
+:func:`course_lib.lm_costs.predict_bytes` predicts each axis's bytes exactly. ``build(..., partitioner=True)``
+gives the same step body under sharded ``jax.jit`` on an *Auto* mesh instead, where the partitioner inserts the
+collectives (the lab's contrast); :mod:`course_lib.comms` reads them back from the compiled program. The
+layouts are also entries of :data:`course_lib.strategies.REGISTRY` (``strategies.build_layout``).
 
 ===========  ============================  ===================================================================
 key          mesh (8 devices)              what is split
@@ -41,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import pipeline, schedules, transformer
+from . import lm_steps, pipeline, schedules, transformer
 from .meshes import CONTEXT, DATA, MODEL, STAGE, mesh_of
 
 __all__ = [
@@ -59,7 +62,9 @@ __all__ = [
 ]
 
 FSDP = "fsdp"
-"""Name of the fully-sharded data-parallel axis: it splits the batch, and every parameter (ZeRO-3-like)."""
+"""Name of the fully-sharded data-parallel axis: it splits the batch, and every parameter; the step gathers
+each parameter once and keeps it through the backward pass (PyTorch's ``SHARD_GRAD_OP``, ZeRO-2-like: it saves
+memory at rest, not at the peak; :mod:`course_lib.lm_steps`)."""
 
 LEARNING_RATE = 0.1
 MOMENTUM = 0.9
@@ -290,6 +295,25 @@ def _batch_spec(lay: Layout) -> P:
     return P(first, lay.seq_axis)
 
 
+def _partitioner_grads(lay: Layout, mesh, config) -> Callable:
+    """The step body's loss and gradients for sharded ``jit`` on the Auto ``mesh``: the residual stream's layout
+    pinned by ``with_sharding_constraint``, the partitioner choosing the collectives."""
+    batch = lay.batch_axes[0] if len(lay.batch_axes) == 1 else lay.batch_axes
+    residual = NamedSharding(mesh, P(batch, lay.seq_axis, None))
+    # sequence parallelism: a sub-layer's input is gathered over the sequence (model axis), its output
+    # reduce-scattered back; context parallelism keeps the sequence split and gathers keys/values
+    mid = NamedSharding(mesh, P(batch, None, None)) if lay.seq_axis == lay.model_axis else None
+
+    def grads_of(params, tokens, targets):
+        return jax.value_and_grad(_loss)(
+            params, tokens, targets, n_layers=config.n_layers, eps=config.ln_eps,
+            constrain=lambda x: jax.lax.with_sharding_constraint(x, residual),
+            mid=None if mid is None else (lambda h: jax.lax.with_sharding_constraint(h, mid)),
+        )  # fmt: skip
+
+    return grads_of
+
+
 def build(
     key: str,
     config: transformer.TransformerConfig,
@@ -297,6 +321,7 @@ def build(
     *,
     n_micro: int = 2,
     compiler_options: dict | None = None,
+    partitioner: bool = False,
 ) -> Built:
     """Layout ``key``'s step on ``devices`` (their number fixes the mesh, :func:`mesh_axes`).
 
@@ -307,6 +332,11 @@ def build(
       devices: the devices of the mesh.
       n_micro: micro-batches per data shard of the pipeline (``pp_dp``; GPipe).
       compiler_options: passed to ``jax.jit``.
+      partitioner: False (the lab's layouts): the step written by hand in ``shard_map``
+        (:func:`course_lib.lm_steps.grads_fn`), every collective in the code. True: the same step body under
+        sharded ``jax.jit`` on the Auto mesh, the residual stream's layout pinned by
+        ``with_sharding_constraint``: the partitioner picks the collectives (the lab's contrast). Not for
+        ``pp_dp`` (always lesson 11's pipeline).
 
     Raises:
       ValueError: an unknown layout, or a device count it does not fit.
@@ -320,43 +350,29 @@ def build(
             f"{len(devices)} given"
         )
     mesh = mesh_of(sizes, devices, axis_type="auto")
-    eps, n_layers = config.ln_eps, config.n_layers
     batch_sharding = NamedSharding(mesh, _batch_spec(lay))
     abstract = jax.eval_shape(lambda: transformer.init_model(jax.random.key(0), config)[1])
     if lay.stage_axis:
         to_layout = lambda prm: {**prm, "blocks": pipeline.chunked(prm["blocks"], 1)}  # noqa: E731
         from_layout = lambda prm: {**prm, "blocks": pipeline.unchunked(prm["blocks"])}  # noqa: E731
-        p = sizes[lay.stage_axis]
-        grads_fn = pipeline.transformer_grads(
-            mesh,
-            schedules.gpipe(p, n_micro),
-            axis=lay.stage_axis,
-            data_axis=DATA,
-            eps=eps,
-            unroll=True,
+        schedule = schedules.gpipe(sizes[lay.stage_axis], n_micro)
+        grads_of = pipeline.transformer_grads(
+            mesh, schedule, axis=lay.stage_axis, data_axis=DATA, eps=config.ln_eps, unroll=True
         )
-
-        def step(params, velocity, tokens, targets):
-            loss, grads = grads_fn(params, tokens, targets)
-            return (*_update(params, velocity, grads), loss, grads)
-
     else:
         to_layout = from_layout = lambda prm: prm  # noqa: E731
-        batch = lay.batch_axes[0] if len(lay.batch_axes) == 1 else lay.batch_axes
-        residual = NamedSharding(mesh, P(batch, lay.seq_axis, None))
-        # sequence parallelism: a sub-layer's input is gathered over the sequence (model axis), its output
-        # reduce-scattered back; context parallelism keeps the sequence split and gathers keys/values
-        mid = NamedSharding(mesh, P(batch, None, None)) if lay.seq_axis == lay.model_axis else None
-
-        def step(params, velocity, tokens, targets):
-            loss, grads = jax.value_and_grad(_loss)(
-                params, tokens, targets, n_layers=n_layers, eps=eps,
-                constrain=lambda x: jax.lax.with_sharding_constraint(x, residual),
-                mid=None if mid is None else (lambda h: jax.lax.with_sharding_constraint(h, mid)),
-            )  # fmt: skip
-            return (*_update(params, velocity, grads), loss, grads)
-
     specs = param_specs(key, jax.eval_shape(to_layout, abstract), sizes)
+    if not lay.stage_axis:
+        grads_of = (
+            _partitioner_grads(lay, mesh, config)
+            if partitioner
+            else lm_steps.grads_fn(lay, mesh, specs, config)
+        )
+
+    def step(params, velocity, tokens, targets):
+        loss, grads = grads_of(params, tokens, targets)
+        return (*_update(params, velocity, grads), loss, grads)
+
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     repl = NamedSharding(mesh, P())
     jitted = jax.jit(

@@ -20,6 +20,10 @@ C2   ``shard_map_pairs``   C with lesson 06's pairs layout (``notebooks/06_shard
 C′   ``shard_map_article`` C with the source article's split: only conv1 over ``model``
 E′   ``fsdp_jit``          E's layout as sharded ``jit``: the unchanged step on FSDP-placed state (Auto mesh);
                            the partitioner chooses the collectives
+T1…  ``dp`` … ``3d``       the transformer lab's six layouts (:mod:`course_lib.lm_layouts`,
+                           ``notebooks/12_transformer_lab.ipynb``): data × model (TP+SP), fsdp × model,
+                           data × stage (PP), data × context (CP), data × fsdp × model; built by
+                           :func:`build_layout`, bytes predicted by :func:`course_lib.lm_costs.predict_bytes`
 ===  ====================  ===========================================================================
 
 Every strategy starts from the same parameters and consumes the same global batches, so their losses
@@ -38,6 +42,7 @@ mesh_shape, *, precision) -> Strategy`` and add one :class:`StrategyInfo` entry 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,14 +63,23 @@ __all__ = [
     "LABELS",
     "Strategy",
     "StrategyInfo",
+    "CNN_KEYS",
+    "LAYOUT_KEYS",
     "build",
+    "build_layout",
     "info",
     "predict_comm",
 ]
 
-MESH_KINDS = ("single", "data", "data_model")
+MESH_KINDS = ("single", "data", "data_model", "layout")
 """``single``: one device; ``data``: the batch split over every device; ``data_model``: a 2-D mesh whose
-``data`` axis splits the batch and whose ``model`` axis splits the layers."""
+``data`` axis splits the batch and whose ``model`` axis splits the layers; ``layout``: a transformer layout's
+mesh, named by :data:`course_lib.lm_layouts.LAYOUTS` under the same key (``data × model``, ``fsdp × model``,
+``data × stage``, ``data × context``, ``data × fsdp × model``)."""
+
+MODELS = ("cnn", "transformer")
+"""``cnn``: the lab's CNN (``notebooks/08_lab.ipynb``), built by :func:`build`; ``transformer``: the
+transformer lab's layouts (``notebooks/12_transformer_lab.ipynb``), built by :func:`build_layout`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +104,9 @@ class StrategyInfo:
       lab: in the lab's default line-up (:data:`STRATEGIES`).
       multihost: run by the multi-process lesson (:data:`course_lib.distributed.MULTIHOST_STRATEGIES`).
       scaling: in the lab's scaling sweep (:func:`course_lib.lab.scaling_sweep`).
+      model: one of :data:`MODELS`: which lab's model the strategy trains (and so its builder's signature:
+        a ``transformer`` builder is ``(info, config, devices, *, n_micro, compiler_options) ->
+        course_lib.lm_layouts.Built``).
       reduces_partial_sums: the compiler inserts the gradient all-reduce (sharded ``jit``), on the partial
         sums of the backward pass, in the dtype they are computed in: under ``bfloat16`` the partitioner asks
         for bfloat16 all-reduces, which XLA:CPU promotes to float32 and XLA:GPU keeps
@@ -111,11 +128,19 @@ class StrategyInfo:
     multihost: bool = False
     scaling: bool = False
     reduces_partial_sums: bool = False
+    model: str = "cnn"
 
     def __post_init__(self):
         if self.mesh_kind not in MESH_KINDS:
             raise ValueError(
                 f"mesh_kind={self.mesh_kind!r} of strategy {self.key!r} must be one of {MESH_KINDS}"
+            )
+        if self.model not in MODELS or (self.model == "transformer") != (
+            self.mesh_kind == "layout"
+        ):
+            raise ValueError(
+                f"model={self.model!r} of strategy {self.key!r} must be one of {MODELS}; a transformer "
+                "strategy has mesh_kind 'layout', a CNN strategy one of the others"
             )
 
     def data_shards(self, n_devices: int, mesh_shape: tuple[int, int] | None = None) -> int:
@@ -124,11 +149,27 @@ class StrategyInfo:
             return 1
         if self.mesh_kind == "data":
             return n_devices
+        if self.mesh_kind == "layout":
+            from . import lm_layouts
+
+            sizes = lm_layouts.mesh_axes(self.key, n_devices)
+            if sizes is None:
+                raise ValueError(f"layout {self.key!r} does not fit {n_devices} devices")
+            return math.prod(sizes[a] for a in lm_layouts.layout(self.key).batch_axes)
         return (mesh_shape or choose_mesh_shape(n_devices))[0]
 
 
 def _tp_layout(specs_fn):
     return lambda params, n_devices, mesh_shape: specs_fn(params, MODEL)
+
+
+def _lm(key: str, letter: str, builder) -> StrategyInfo:
+    from .lm_layouts import LAYOUTS  # label and marker: the layout's own
+
+    lay = LAYOUTS[key]
+    return StrategyInfo(
+        key, letter, f"{letter}: {lay.label}", lay.marker, "layout", builder, model="transformer"
+    )
 
 
 REGISTRY: dict[str, StrategyInfo] = {
@@ -170,10 +211,22 @@ REGISTRY: dict[str, StrategyInfo] = {
             "fsdp_jit", "E'", "E': E's layout as sharded jit", "X", "data", builders.build_fsdp_jit,
             layout=lambda params, n, shape: parallel.fsdp_specs(params, n), reduces_partial_sums=True,
         ),
+        # the transformer lab's layouts (notebooks/12_transformer_lab.ipynb): meshes that combine axes
+        _lm("dp", "T1", builders.build_lm_dp),
+        _lm("tp_sp", "T2", builders.build_lm_tp_sp),
+        _lm("fsdp_tp", "T3", builders.build_lm_fsdp_tp),
+        _lm("pp_dp", "T4", builders.build_lm_pp_dp),
+        _lm("dp_cp", "T5", builders.build_lm_dp_cp),
+        _lm("3d", "T6", builders.build_lm_3d),
     )
 }  # fmt: skip
 """Every strategy, in the lab's order; the one place a strategy is described."""
 
+CNN_KEYS = tuple(k for k, info in REGISTRY.items() if info.model == "cnn")
+"""The CNN lab's strategies (``notebooks/08_lab.ipynb``), in order."""
+LAYOUT_KEYS = tuple(k for k, info in REGISTRY.items() if info.model == "transformer")
+"""The transformer lab's layouts (``notebooks/12_transformer_lab.ipynb``), in order: the keys of
+:data:`course_lib.lm_layouts.LAYOUTS`."""
 STRATEGIES = tuple(k for k, info in REGISTRY.items() if info.lab)
 """Strategy keys of the lab's line-up, in order (A, B, C, D, E); the notebook adds the variants."""
 LABELS = {k: info.label for k, info in REGISTRY.items()}
@@ -218,7 +271,7 @@ def build(
     Raises:
       ValueError: unknown key or precision, no devices, or a model axis that does not divide a split layer.
     """
-    entry = info(key)
+    entry = _of_model(key, "cnn")
     devices = list(devices)
     if not devices:
         raise ValueError("no devices given; pass report.devices from setup_devices()")
@@ -226,6 +279,47 @@ def build(
     return entry.builder(
         entry, graphdef, params, optimizer, devices, mesh_shape, precision=precision
     )
+
+
+def _of_model(key: str, model: str) -> StrategyInfo:
+    entry = info(key)
+    if entry.model != model:
+        other = "build_layout" if entry.model == "transformer" else "build"
+        raise ValueError(
+            f"strategy {key!r} trains the {entry.model}, not the {model}: build it with strategies.{other}"
+        )
+    return entry
+
+
+def build_layout(
+    key: str,
+    config: Any,
+    devices: Sequence[Any],
+    *,
+    n_micro: int = 2,
+    compiler_options: dict | None = None,
+):
+    """Build transformer layout ``key`` on ``devices`` with the builder its :data:`REGISTRY` entry names.
+
+    Args:
+      key: a key of :data:`LAYOUT_KEYS` (``"dp"``, ``"tp_sp"``, ``"fsdp_tp"``, ``"pp_dp"``, ``"dp_cp"``,
+        ``"3d"``).
+      config: the transformer's shape (:class:`course_lib.transformer.TransformerConfig`).
+      devices: the devices of the mesh; their number fixes its axes (:func:`course_lib.lm_layouts.mesh_axes`).
+      n_micro: the pipeline's micro-batches per data shard (``pp_dp``).
+      compiler_options: passed to ``jax.jit``.
+
+    Returns:
+      :class:`course_lib.lm_layouts.Built`: the jitted step, mesh and shardings.
+
+    Raises:
+      ValueError: an unknown key, a CNN strategy, no devices, or a device count the layout does not fit.
+    """
+    entry = _of_model(key, "transformer")
+    devices = list(devices)
+    if not devices:
+        raise ValueError("no devices given; pass report.devices from setup_devices()")
+    return entry.builder(entry, config, devices, n_micro=n_micro, compiler_options=compiler_options)
 
 
 def predict_comm(
@@ -242,7 +336,9 @@ def predict_comm(
 
     Args:
       key: a key of :data:`REGISTRY`.
-      model_config: the CNN's shape (:class:`course_lib.model.CNNConfig`).
+      model_config: the CNN's shape (:class:`course_lib.model.CNNConfig`), or for a transformer layout the
+        transformer's (:class:`course_lib.transformer.TransformerConfig`; then the bytes are
+        :func:`course_lib.lm_costs.predict_bytes`').
       global_batch: images per step over all devices.
       n_devices: devices the strategy runs on.
       mesh_shape: ``(n_data, n_model)`` for the ``data_model`` strategies; default :func:`choose_mesh_shape`.
@@ -260,6 +356,16 @@ def predict_comm(
       ValueError: a strategy without a communication model (its collectives are the compiler's choice).
     """
     entry = info(key)
+    if entry.model == "transformer":
+        from . import lm_costs, lm_layouts
+
+        itemsize = (
+            8
+            if precision == "float64"
+            else (2 if precision == "bfloat16" and platform != "cpu" else 4)
+        )
+        sizes = lm_layouts.mesh_axes(key, n_devices)
+        return lm_costs.predict_bytes(key, model_config, global_batch, sizes, itemsize=itemsize)
     if entry.mesh_kind == "single":
         return []
     if entry.comm_model is None:

@@ -12,6 +12,18 @@ Files in a results folder (the contract the lab, notebooks/08_lab.ipynb, writes 
 - ``loss_curves.csv`` — ``strategy, step, loss``.
 - ``scaling.csv`` — the scaling sweep, the same columns as ``lab_results.csv``.
 - PNG plots beside them.
+
+The transformer lab (``notebooks/12_transformer_lab.ipynb``) writes, through the same :func:`write_csv`, to its
+own fresh folder (``build/lab12[-k]``; :func:`write_lm_results`):
+
+- ``lm_results.csv`` — one row per layout: mesh, parity errors (float64, float32), bytes sent per device
+  predicted and measured, compile and CPU step time (:data:`LM_RESULT_COLUMNS`).
+- ``lm_bytes.csv`` — per layout, mesh axis and collective kind: how many and the bytes, predicted and
+  measured (:data:`LM_BYTES_COLUMNS`).
+- ``lm_memory.csv`` — per layout, memory by kind predicted and ``memory_analysis()`` measured
+  (:data:`LM_MEMORY_COLUMNS`).
+- ``lm_step_model.csv`` — the step-time MODEL for 8 GPUs (``is_model`` is True in every row: no GPU ran it;
+  :data:`LM_MODEL_COLUMNS`).
 """
 
 from __future__ import annotations
@@ -63,6 +75,36 @@ RESULT_COLUMNS = (
 )
 """Columns every ``lab_results.csv`` has (the contract); rows may carry more."""
 
+LM_FILES = {
+    "results": "lm_results.csv",
+    "bytes": "lm_bytes.csv",
+    "memory": "lm_memory.csv",
+    "model": "lm_step_model.csv",
+}
+"""The transformer lab's results files, by table."""
+LM_RESULT_COLUMNS = (
+    "layout", "n_devices", "mesh", "parity_f64", "parity_f32", "predicted_bytes", "measured_bytes",
+    "collectives", "compile_s", "cpu_step_s", "final_loss", "platform", "jax_version",
+)  # fmt: skip
+LM_BYTES_COLUMNS = (
+    "layout", "n_devices", "axis", "kind", "predicted_n", "predicted_bytes", "measured_n",
+    "measured_bytes",
+)  # fmt: skip
+LM_MEMORY_COLUMNS = (
+    "layout", "n_devices", "params", "optimizer", "gradients", "batch", "activations_est",
+    "arguments_predicted", "argument_size", "outputs_predicted", "output_size", "temp_size",
+)  # fmt: skip
+LM_MODEL_COLUMNS = (
+    "layout", "profile", "step_s", "compute_s", "comm_s", "sent_bytes", "memory_bytes", "is_model",
+)  # fmt: skip
+LM_COLUMNS = {
+    "results": LM_RESULT_COLUMNS,
+    "bytes": LM_BYTES_COLUMNS,
+    "memory": LM_MEMORY_COLUMNS,
+    "model": LM_MODEL_COLUMNS,
+}
+"""Columns each of the transformer lab's files has (the contract); rows may carry more."""
+
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 """The repository's ``data/`` folder: reference runs and the source article's reported figures."""
 
@@ -95,11 +137,13 @@ def prepare_results_dir(
     writes_mb: float = WRITES_MB["lab"],
     what: str = "results folder",
     fix: str = RESULTS_FIX,
+    name: str = "lab",
 ) -> Path:
     """The folder this run writes to, checked writable and with room; an earlier run's results are never
     silently replaced.
 
-    ``results_dir`` goes through :func:`resolve_results_dir` first (``"auto"``, relative paths).
+    ``results_dir`` goes through :func:`resolve_results_dir` first (``"auto"``: ``build/<name>``, relative
+    paths).
 
     If ``results_dir`` does not exist or is empty, it is used (created). If it holds anything (an earlier
     run, or files of the reader's): with ``overwrite=True`` it is used and the results files written
@@ -117,7 +161,7 @@ def prepare_results_dir(
     """
     if results_dir is None or str(results_dir).strip() == "":
         raise ValueError("results_dir is empty; give a folder such as 'build/lab', or 'auto'")
-    path = resolve_results_dir(results_dir)
+    path = resolve_results_dir(results_dir, name)
     if path.exists() and not path.is_dir():
         raise ValueError(f"results_dir={str(path)!r} is a file, not a folder; give a folder path")
     try:
@@ -163,6 +207,32 @@ def write_csv(
     except OSError as e:  # a full disk, a folder made read-only since: one sentence
         raise WriteFailed(e.errno, write_error(e, path, RESULTS_FIX)) from None
     return path
+
+
+def write_lm_results(out_dir: str | os.PathLike, tables: dict) -> list[Path]:
+    """Write the transformer lab's tables (``{"results": …, "bytes": …, "memory": …, "model": …}``, rows
+    or DataFrames) to their files in ``out_dir`` (:data:`LM_FILES`); return the paths.
+
+    Raises:
+      ValueError: a table missing or unknown (named), no rows, or a required column missing
+        (:data:`LM_COLUMNS`); a ``model`` table whose ``is_model`` is not True in every row.
+    """
+    if set(tables) != set(LM_FILES):
+        raise ValueError(
+            f"the transformer lab writes the tables {sorted(LM_FILES)}; got {sorted(tables)}"
+        )
+    model = (
+        pd.DataFrame(list(tables["model"]))
+        if not isinstance(tables["model"], pd.DataFrame)
+        else tables["model"]
+    )
+    if "is_model" in model and not model["is_model"].eq(True).all():
+        raise ValueError(
+            "every row of the step-time table is a model (is_model=True): no GPU measured it"
+        )
+    return [
+        write_csv(tables[k], Path(out_dir) / LM_FILES[k], required=LM_COLUMNS[k]) for k in LM_FILES
+    ]
 
 
 def curves_rows(curves: dict[str, Sequence[float]]) -> list[dict]:

@@ -143,6 +143,19 @@ def _lab_params(n: int, platform: str, profile: str, run_dir: Path, **more) -> d
     return {**params, "overwrite": True, **more}
 
 
+LAB12 = "12_transformer_lab.ipynb"
+
+
+def _lab12_params(n: int, platform: str, results_dir: Path) -> dict:
+    """The transformer lab's papermill parameters for a run into its own folder."""
+    return {
+        "n_devices": n,
+        "platform": platform,
+        "results_dir": str(results_dir),
+        "overwrite": True,
+    }
+
+
 def course_notebooks() -> list[Path]:
     """The course's notebooks in order (``NN_name.ipynb``)."""
     return sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
@@ -202,6 +215,8 @@ def _course_params(nb: Path, n: int, platform: str, out: Path, lab_params: dict 
     params = {"n_devices": n, "platform": platform}
     if nb.name == "08_lab.ipynb":
         params.update(results_dir=str(out / "lab"), overwrite=False, **(lab_params or {}))
+    if nb.name == LAB12:
+        params.update(results_dir=str(out / "lab12"), overwrite=False)
     return params
 
 
@@ -239,6 +254,9 @@ def run_scaling(
 
     Writes ``study.csv`` (per strategy and count: samples/s, step time, bytes per device, efficiency) and
     ``study.png``, with the committed reference study from ``data/`` beside it when profile and platform match.
+    The transformer lab (``12_transformer_lab.ipynb``) runs at each count too, after the CNN lab, into
+    ``n<k>/lab12``; its ``lm_results.csv`` rows (per layout and count: parity, bytes predicted and measured,
+    CPU step time) are gathered in ``lm_study.csv`` (layouts that do not fit a count are absent there).
 
     Raises:
       ValueError: an invalid count, platform or profile; :class:`course_tools.study.IncomparableRuns` when
@@ -246,8 +264,9 @@ def run_scaling(
     """
     ns = sorted({coerce(N_DEVICES, c) for c in counts})
     platform, profile = coerce(PLATFORM, platform), coerce(LAB_PARAMS["profile"], profile)
-    lab = NOTEBOOKS / "08_lab.ipynb"
+    lab, lab12 = NOTEBOOKS / "08_lab.ipynb", NOTEBOOKS / LAB12
     check_parameters(lab, _lab_params(ns[0], platform, profile, Path(), scaling=False))
+    check_parameters(lab12, _lab12_params(ns[0], platform, Path()))
     check_kernel()
     _draw_with_agg()
     from . import study
@@ -261,6 +280,8 @@ def run_scaling(
         print(f"lab at n_devices={n} ...", flush=True)
         try:
             execute(lab, run_dir / "08_lab.ipynb", params, progress)
+            print(f"transformer lab at n_devices={n} ...", flush=True)
+            execute(lab12, run_dir / LAB12, _lab12_params(n, platform, run_dir / "lab12"), progress)
         except (NotebookFailed, RunInterrupted) as e:
             finish_run(out, _status(e))
             done = ", ".join(str(d) for d in run_dirs) or "none"
@@ -270,6 +291,12 @@ def run_scaling(
     rows = study.aggregate(run_dirs)
     table = study.efficiency(rows)
     results.write_csv(table, out / "study.csv")
+    import pandas as pd
+
+    lm_rows = [
+        pd.read_csv(d / "lab12" / results.LM_FILES["results"]).assign(run=d.name) for d in run_dirs
+    ]
+    results.write_csv(pd.concat(lm_rows, ignore_index=True), out / "lm_study.csv")
     simulated = bool(rows["platform"].eq("cpu").all())
     ref = _reference_study(rows)
     from course_lib import plots

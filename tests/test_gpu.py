@@ -100,7 +100,7 @@ def _run_check(name: str, tmp_path_factory) -> dict:
 def _strategy_keys() -> list[str]:
     from course_lib import strategies
 
-    return [k for k in strategies.REGISTRY if k != "jit"]
+    return [k for k in strategies.CNN_KEYS if k != "jit"]
 
 
 def test_device_setup_uses_the_real_gpus(tmp_path_factory):
@@ -224,7 +224,7 @@ def _parity_check(name: str) -> dict:
             states.append(jax.device_get(new))
             losses.append(float(np.asarray(m["loss"]).ravel()[0]))
         rows = {}
-        for key in strategies.REGISTRY:
+        for key in strategies.CNN_KEYS:
             if key == "jit":
                 continue
             try:

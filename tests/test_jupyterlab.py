@@ -184,5 +184,5 @@ def test_lab_runs_in_jupyterlab(server):
         assert (results_dir / name).exists(), name
     rows = (results_dir / "lab_results.csv").read_text().splitlines()
     # every strategy of the registry on one device but the article's split (article_variant = False)
-    expected = set(strategies.REGISTRY) - {"shard_map_article"}
+    expected = set(strategies.CNN_KEYS) - {"shard_map_article"}
     assert rows[0].startswith("strategy,") and {r.split(",")[0] for r in rows[1:]} == expected, rows

@@ -27,7 +27,7 @@ TINY = config.resolve_profile("tiny", "cpu")
 def test_float64_every_strategy_equals_a_at_every_step(report):
     ref = lab.run_strategy("jit", report.devices, TINY, precision="float64", progress=False)
     assert isinstance(ref.losses[0], float) and jax.tree.leaves(ref.params)[0].dtype == np.float64
-    for key in strategies.REGISTRY:
+    for key in strategies.CNN_KEYS:
         if key == "jit":
             continue
         run = lab.run_strategy(key, report.devices, TINY, precision="float64", progress=False)

@@ -68,3 +68,35 @@ def test_a_folder_with_the_readers_files_is_not_written_into(tmp_path):
     assert (
         results.prepare_results_dir(tmp_path / "empty") == tmp_path / "empty"
     )  # an interrupted run left nothing
+
+
+def _lm_tables(**change):
+    one = lambda cols: [dict.fromkeys(cols, 1)]  # noqa: E731
+    tables = {k: one(cols) for k, cols in results.LM_COLUMNS.items()}
+    tables["model"][0]["is_model"] = True
+    return {**tables, **change}
+
+
+def test_the_transformer_lab_writes_its_tables_to_a_fresh_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("COURSE_BUILD_DIR", str(tmp_path))
+    first = results.prepare_results_dir("auto", name="lab12")
+    assert first == tmp_path / "lab12"
+    paths = results.write_lm_results(first, _lm_tables())
+    assert [p.name for p in paths] == list(results.LM_FILES.values())
+    for p, cols in zip(paths, results.LM_COLUMNS.values(), strict=True):
+        assert tuple(pd.read_csv(p).columns) == cols
+    assert (
+        results.prepare_results_dir("auto", name="lab12") == tmp_path / "lab12-2"
+    )  # never over it
+
+
+def test_the_transformer_lab_tables_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="lack the columns \\['parity_f64'\\]"):
+        bad = [{c: 1 for c in results.LM_RESULT_COLUMNS if c != "parity_f64"}]
+        results.write_lm_results(tmp_path, _lm_tables(results=bad))
+    with pytest.raises(ValueError, match="is a model \\(is_model=True\\)"):
+        results.write_lm_results(
+            tmp_path, _lm_tables(model=[dict.fromkeys(results.LM_MODEL_COLUMNS, False)])
+        )
+    with pytest.raises(ValueError, match="writes the tables"):
+        results.write_lm_results(tmp_path, {"results": []})

@@ -56,13 +56,20 @@ def test_scaling_runs_the_lab_once_per_count_and_draws_the_study(tmp_path, monke
         parameters="n_devices = 8\nplatform = 'auto'\nprofile = 'auto'\nresults_dir = 'auto'\n"
         "overwrite = False\nscaling = True",
     )
+    _fake_lab12(tmp_path)
     monkeypatch.setattr(run, "NOTEBOOKS", tmp_path / "notebooks")
     out = run.run_scaling(
         ["1", "8"], platform="cpu", profile="tiny", build=str(tmp_path), progress=False
     )
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["n1", "n8"]
+    lm = pd.read_csv(
+        out / "lm_study.csv"
+    )  # the transformer lab ran at each count too, into n<k>/lab12
+    assert lm["n_devices"].tolist() == [1, 8] and lm["run"].tolist() == ["n1", "n8"]
     table = pd.read_csv(out / "study.csv")
-    assert set(table["strategy"]) == set(strategies.REGISTRY) - {"jit"}  # every parallel strategy
+    assert set(table["strategy"]) == set(strategies.CNN_KEYS) - {
+        "jit"
+    }  # every parallel CNN strategy
     assert sorted(table["n_devices"].unique()) == [1, 8]
     one = table[table.n_devices == 1]
     assert one["efficiency"].tolist() == pytest.approx(
@@ -285,8 +292,19 @@ def test_ctrl_c_while_the_kernel_starts(two_notebooks):
     assert faults.leftovers(job.tag) == []
 
 
+def _fake_lab12(tmp_path):
+    """A stand-in for notebooks/12_transformer_lab.ipynb: writes one lm_results.csv row."""
+    faults.make_notebook(
+        tmp_path / "notebooks" / "12_transformer_lab.ipynb",
+        "import pathlib\npathlib.Path(results_dir).mkdir(parents=True, exist_ok=True)\n"
+        "pathlib.Path(results_dir, 'lm_results.csv').write_text(f'layout,n_devices\\ndp,{n_devices}\\n')",
+        parameters="n_devices = 8\nplatform = 'auto'\nresults_dir = 'auto'\noverwrite = False",
+    )
+
+
 def test_an_interrupted_scaling_study_keeps_the_completed_runs(tmp_path):
     flag = tmp_path / "started"
+    _fake_lab12(tmp_path)
     faults.make_notebook(
         tmp_path / "notebooks" / "08_lab.ipynb",
         "import pathlib\npathlib.Path(results_dir, 'lab_results.csv').write_text('strategy\\njit\\n')",

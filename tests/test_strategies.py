@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from course_lib import data, model, parallel, steps, strategies
+from course_lib import data, lm_costs, lm_layouts, model, parallel, steps, strategies, transformer
 
 STEPS = 4
 BATCH = 16
@@ -147,7 +147,12 @@ def test_the_registry_is_the_one_description_of_a_strategy(report):
         "shard_map_pairs",
         "shard_map_article",
         "fsdp_jit",
+        *lm_layouts.LAYOUTS,
     ]
+    assert strategies.CNN_KEYS == tuple(strategies.REGISTRY)[:8]
+    assert strategies.LAYOUT_KEYS == tuple(
+        lm_layouts.LAYOUTS
+    )  # the transformer lab's, in its order
     assert strategies.STRATEGIES == ("jit", "pmap", "shard_map", "sharded_jit", "fsdp")
     assert strategies.LABELS["shard_map_article"] == "C': shard_map, article's split"
     assert distributed.MULTIHOST_STRATEGIES == ("shard_map", "sharded_jit")
@@ -162,6 +167,30 @@ def test_the_registry_is_the_one_description_of_a_strategy(report):
     assert s.global_batch_divisor == 2 and s.label == strategies.REGISTRY["shard_map"].label
     with pytest.raises(ValueError, match="unknown strategy 'ddp'; choose one of \\['jit', 'pmap'"):
         strategies.data_shards("ddp", 8)
+
+
+def test_the_registry_builds_the_transformer_layouts_and_keeps_them_apart_from_the_cnn(report):
+    for key in strategies.LAYOUT_KEYS:
+        entry = strategies.info(key)
+        assert entry.model == "transformer" and entry.mesh_kind == "layout" and not entry.scaling
+        assert (
+            entry.marker == lm_layouts.LAYOUTS[key].marker
+            and lm_layouts.LAYOUTS[key].label in entry.label
+        )
+    assert strategies.data_shards("3d", 8) == 4 and strategies.data_shards("tp_sp", 4) == 2
+    built = strategies.build_layout("fsdp_tp", transformer.TINY, report.devices)
+    assert built.key == "fsdp_tp" and built.sizes == {"fsdp": 4, "model": 2}
+    sizes = lm_layouts.mesh_axes("dp_cp", 8)
+    assert strategies.predict_comm("dp_cp", transformer.TINY, 16, 8) == lm_costs.predict_bytes(
+        "dp_cp", transformer.TINY, 16, sizes
+    )
+    g, p = model.init_model(jax.random.key(0), model.TINY)
+    with pytest.raises(ValueError, match="strategy 'dp' trains the transformer, not the cnn"):
+        strategies.build("dp", g, p, steps.make_optimizer(), report.devices)
+    with pytest.raises(ValueError, match="strategy 'pmap' trains the cnn, not the transformer"):
+        strategies.build_layout("pmap", transformer.TINY, report.devices)
+    with pytest.raises(ValueError, match="does not fit 2 devices"):
+        strategies.data_shards("3d", 2)
 
 
 def test_the_registry_names_which_strategies_reduce_partial_sums_and_what_e_is():
