@@ -49,6 +49,10 @@ def _ring(q, k, v, axis, *, per_block=False, mask_wrapped=True, mask=True, send_
             w = jnp.where(jnp.isnan(w), 0.0, w)
             o = o + jnp.einsum("bhqt,bthk->bhqk", w, v)
             denom = jnp.ones_like(denom)
+        elif how.get("no_max"):  # exp of the raw scores: no running maximum subtracted
+            w = jnp.exp(s)
+            denom = denom + w.sum(-1)
+            o = o + jnp.einsum("bhqt,bthk->bhqk", w, v)
         else:
             m_new = jnp.maximum(m, s.max(-1))
             safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -120,6 +124,10 @@ def ring_flat(q, k, v, axis):
         if t < n - 1:
             k, v = lax.ppermute((k, v), axis, [(i, (i + 1) % n) for i in range(n)])
     return (o / denom[..., None]).reshape(b, h, blk, dh).transpose(0, 2, 1, 3)
+
+
+def ring_no_max(q, k, v, axis):
+    return _ring(q, k, v, axis, no_max=True)
 
 
 def ring_sends_n(q, k, v, axis):
