@@ -35,7 +35,7 @@ def gpipe_scan(stage_fn, stage_params, xs, axis_name):
 
     def tick(arrived, x_new):
         y = stage_fn(jnp.where(s == 0, x_new, arrived), stage_params)
-        return lax.ppermute(y, axis_name, [(i, (i + 1) % p) for i in range(p)]), y
+        return lax.ppermute(y, axis_name, [(i, i + 1) for i in range(p - 1)]), y
 
     start = lax.pcast(jnp.zeros_like(xs[0]), axis_name, to="varying")
     _, outs = lax.scan(tick, start, feed)
@@ -131,6 +131,52 @@ def gpipe_backwards(stage_fn, stage_params, xs, axis_name):
             ys = ys.at[t - p + 1].set(y)
         arrived = lax.ppermute(y, axis_name, [(j + 1, j) for j in range(p - 1)])
     return ys
+
+
+def _gpipe_sending(stage_fn, stage_params, xs, axis_name, pairs, feed=lambda t, m: min(t, m - 1)):
+    """The reference's loop with other ppermute pairs (``pairs(p)``) or another feed of micro-batches."""
+    p = lax.axis_size(axis_name)
+    s = lax.axis_index(axis_name)
+    m = xs.shape[0]
+    arrived, ys = jnp.zeros_like(xs[0]), jnp.zeros_like(xs)
+    for t in range(m + p - 1):
+        y = stage_fn(jnp.where(s == 0, xs[feed(t, m)], arrived), stage_params)
+        if t >= p - 1:
+            ys = ys.at[t - (p - 1)].set(jnp.where(s == p - 1, y, ys[t - (p - 1)]))
+        arrived = lax.ppermute(y, axis_name, pairs(p))
+    return ys
+
+
+def gpipe_ring(stage_fn, stage_params, xs, axis_name):
+    """Wrong (right values): a ring, the last stage also sends its output to stage 0, which ignores it."""
+    ring = lambda p: [(i, (i + 1) % p) for i in range(p)]  # noqa: E731
+    return _gpipe_sending(stage_fn, stage_params, xs, axis_name, ring)
+
+
+def gpipe_backward_ring(stage_fn, stage_params, xs, axis_name):
+    """Wrong: a ring the other way, each stage sends to the previous one (and stage 0 to the last)."""
+    back = lambda p: [(i, (i - 1) % p) for i in range(p)]  # noqa: E731
+    return _gpipe_sending(stage_fn, stage_params, xs, axis_name, back)
+
+
+def gpipe_short_chain(stage_fn, stage_params, xs, axis_name):
+    """Wrong: the pairs stop one stage short, the next-to-last stage never sends to the last."""
+    short = lambda p: [(i, i + 1) for i in range(p - 2)]  # noqa: E731
+    return _gpipe_sending(stage_fn, stage_params, xs, axis_name, short)
+
+
+def gpipe_feed_reversed(stage_fn, stage_params, xs, axis_name):
+    """Wrong: stage 0 starts the micro-batches last first, and the outputs are written by tick."""
+    forward = lambda p: [(i, i + 1) for i in range(p - 1)]  # noqa: E731
+    feed = lambda t, m: max(m - 1 - t, 0)  # noqa: E731
+    return _gpipe_sending(stage_fn, stage_params, xs, axis_name, forward, feed)
+
+
+def gpipe_feed_skips(stage_fn, stage_params, xs, axis_name):
+    """Wrong: stage 0 starts micro-batch t + 1 at tick t (micro-batch 0 never runs)."""
+    forward = lambda p: [(i, i + 1) for i in range(p - 1)]  # noqa: E731
+    feed = lambda t, m: min(t + 1, m - 1)  # noqa: E731
+    return _gpipe_sending(stage_fn, stage_params, xs, axis_name, forward, feed)
 
 
 def gpipe_broadcast(stage_fn, stage_params, xs, axis_name):
@@ -322,3 +368,26 @@ def route_eight_experts(logits, k, capacity):
     flat = jax.nn.one_hot(expert.T, 8, dtype=jnp.int32).reshape(-1, 8)
     slot = ((jnp.cumsum(flat, axis=0) - flat) * flat).sum(-1).reshape(k, -1).T
     return expert, slot, slot < capacity, gate / gate.sum(-1, keepdims=True)
+
+
+def route_per_choice(logits, k, capacity):
+    """Wrong: a slot counter of its own for each choice (an expert's second choices start again at 0)."""
+    n, e = logits.shape
+    gate, expert = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    chosen = jax.nn.one_hot(expert, e, dtype=jnp.int32)  # [N, k, E]
+    slot = ((jnp.cumsum(chosen, axis=0) - chosen) * chosen).sum(
+        -1
+    )  # counted down the tokens, per choice
+    return expert, slot, slot < capacity, gate / gate.sum(-1, keepdims=True)
+
+
+def route_keep_all(logits, k, capacity):
+    """Wrong: nothing is dropped (keep is all true)."""
+    r = moe.route(logits, k, capacity)
+    return r._replace(keep=jnp.ones_like(r.keep))
+
+
+def route_from_one_le(logits, k, capacity):
+    """Wrong: places from 1, kept up to the capacity (the same choices kept, each a row too far)."""
+    r = moe.route(logits, k, capacity)
+    return r._replace(slot=r.slot + 1)

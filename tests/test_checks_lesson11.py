@@ -28,15 +28,33 @@ def test_gpipe_accepts_correct_forms(report, n):
     "answer, match",
     [
         (a.gpipe_no_send, "returns its own layers applied to the inputs.*lax.ppermute"),
-        (a.gpipe_reversed, r"wrong rows.*keep micro-batch i's output in row i"),
-        (a.gpipe_late_read, r"wrong rows.*finishes micro-batch i at tick i \+ p - 1"),
+        (a.gpipe_reversed, r"wrong rows.*\[7, 6, 5, 4, 3, 2, 1, 0\] \(the order reversed\).*row i"),
+        (
+            a.gpipe_late_read,
+            r"wrong rows.*\(row i holds micro-batch i \+ 1\).*finishes micro-batch i at tick i \+ p - 1",
+        ),
+        (a.gpipe_feed_reversed, r"wrong rows.*\(the order reversed\).*enters stage 0 at tick i"),
+        (
+            a.gpipe_feed_skips,
+            r"wrong rows.*\[1, 2, 3, 4, 5, 6, 7, 7\] \(micro-batch 7 in more than one row, 0 in none\).*"
+            "starts micro-batch t at tick t",
+        ),
+        (
+            a.gpipe_ring,
+            r"last stage back to stage 0 \(the pair \(3, 0\)\): a ring.*without \(3, 0\)",
+        ),
+        (
+            a.gpipe_backward_ring,
+            r"sends to the previous stage: pairs \[\(0, 3\), \(1, 0\), \(2, 1\), \(3, 2\)\].*s -> s \+ 1",
+        ),
+        (a.gpipe_short_chain, r"no ppermute sends 2 -> 3.*every stage but the last sends"),
         (
             a.gpipe_sequential,
             "applies its layers 32 times: each micro-batch crosses every stage.*11 ticks",
         ),
         (a.gpipe_twice, "applies its layers 22 times; GPipe needs m \\+ p - 1 = 11"),
         (a.gpipe_send_buffer, "sends 99 activations' worth.*not a buffer"),
-        (a.gpipe_backwards, "differ from applying the stages in order.*s -> s \\+ 1"),
+        (a.gpipe_backwards, r"sends to the previous stage: pairs \[\(1, 0\), \(2, 1\), \(3, 2\)\]"),
         (
             a.gpipe_broadcast,
             "also runs an all-reduce \\(psum\\).*traffic the pipeline does not need",
@@ -59,6 +77,9 @@ def test_gpipe_on_one_device_still_catches_what_needs_stages(report):
     rejects(lesson11.check_gpipe, a.gpipe_no_send, one, match="never calls lax.ppermute")
     rejects(lesson11.check_gpipe, a.gpipe_sequential, one, match="crosses every stage")
     rejects(lesson11.check_gpipe, a.gpipe_reversed, one, match="wrong rows")
+    # the pairs are read from the 4-stage program: a ring or a send backwards is caught on one device
+    rejects(lesson11.check_gpipe, a.gpipe_ring, one, match="back to stage 0")
+    rejects(lesson11.check_gpipe, a.gpipe_backward_ring, one, match="to the previous stage")
 
 
 def test_predict_pipeline():
@@ -124,14 +145,26 @@ def test_router():
     [
         (
             a.route_given,
-            "first token place 1, so a full expert keeps capacity - 1.*a row that no token fills",
+            "first choice place 1, so a full expert keeps capacity - 1.*row 0 is never filled",
         ),
-        (a.route_token_major, "places the choices in another order.*every token's first choice"),
+        (a.route_from_one_le, r"first choice place 1 \(.*0 … capacity-1$"),
+        (
+            a.route_token_major,
+            "token by token.*every token's first choice before any second choice",
+        ),
+        (
+            a.route_per_choice,
+            "k=2.*for each choice on its own.*after all of its first choices",
+        ),
+        (a.route_keep_all, r"keeps \d+ choice\(s\) the rule drops and drops 0 it keeps"),
         (a.route_raw_gates, "gates that do not sum to 1.*renormalise"),
         (a.route_keep_le, "keeps a choice whose place equals the capacity"),
         (a.route_softmax_tokens, "chooses other experts"),
         (lambda lg, k, c: (1, 2), "returned tuple"),
-        (a.route_eight_experts, r"logits \[48, 12\].*another order"),
+        (
+            a.route_eight_experts,
+            r"logits \[48, 12\].*expert\(s\) \[8, 9, 10, 11\] places.*E = 12 experts",
+        ),
     ],
 )
 def test_router_rejects(answer, match):

@@ -84,14 +84,33 @@ def _diagnose_values(got, want, xs, stage, w_last, p, m):
     found = [(i, j) for i, j in enumerate(rows) if j is not None]
     if len(found) >= max(1, m - 1) and any(i != j for i, j in found):
         shift = {j - i for i, j in found}
-        hint = (
-            "the last stage finishes micro-batch i at tick i + p - 1: write its output to row i then"
-            if len(shift) == 1
-            else "keep micro-batch i's output in row i"
-        )
+        present = [j for _, j in found]
+        twice = sorted({j for j in present if present.count(j) > 1})
+        if twice:
+            nowhere = sorted(set(range(m)) - set(present))
+            what, hint = (
+                f"micro-batch {', '.join(map(str, twice))} in more than one row"
+                + (f", {', '.join(map(str, nowhere))} in none" if nowhere else ""),
+                "stage 0 starts micro-batch t at tick t (xs[t]), each micro-batch once, and the last "
+                "stage writes micro-batch i's output to row i",
+            )
+        elif rows == list(range(m))[::-1]:
+            what, hint = (
+                "the order reversed",
+                "micro-batch i enters stage 0 at tick i and leaves the last stage at tick i + p - 1: "
+                "write that output to row i",
+            )
+        elif len(shift) == 1:
+            what, hint = (
+                f"row i holds micro-batch i {'-' if min(shift) < 0 else '+'} {abs(min(shift))}",
+                "the last stage finishes micro-batch i at tick i + p - 1: write its output to row i then",
+            )
+        else:
+            what, hint = "", "keep micro-batch i's output in row i"
+        held = ", ".join("none" if j is None else str(j) for j in rows)
         fail(
-            f"with p={p}, m={m} the outputs are in the wrong rows: row i holds micro-batch "
-            f"{[j for _, j in found]} (by row)",
+            f"with p={p}, m={m} the outputs are in the wrong rows: rows 0 … {m - 1} hold micro-batches "
+            f"[{held}]" + (f" ({what})" if what else ""),
             hint,
         )
     if np.allclose(got, want, rtol=5e-2, atol=5e-2):
@@ -104,8 +123,8 @@ def _diagnose_values(got, want, xs, stage, w_last, p, m):
     fail(
         f"with p={p} stages and m={m} micro-batches the outputs differ from applying the stages in "
         f"order by up to {np.abs(got - want).max():.3g}",
-        "at tick t stage 0 runs micro-batch t and stage s runs what stage s-1 sent at tick t-1; "
-        "send with ppermute to the next stage (s -> s + 1)",
+        "at tick t stage 0 runs micro-batch t (from xs) and every other stage s runs what stage s - 1 "
+        "sent it at the end of tick t - 1",
     )
 
 
@@ -158,8 +177,9 @@ _OTHER_COLLECTIVES = {
 """Collectives a GPipe forward has no use for: it only sends activations to the next stage."""
 
 
-def _structure(fn) -> tuple[float, float, float]:
-    """Stage applications and bytes sent per device, from the jaxpr on an abstract 4-stage mesh."""
+def _structure(fn) -> tuple[float, float, float, set[tuple[int, int]]]:
+    """Stage applications, sends and bytes sent per device, and the (source, destination) pairs of every
+    ``ppermute``, from the jaxpr on an abstract 4-stage mesh."""
     p, m = _SHAPE_CASE
     mapped = _mapped(fn, abstract((p,), (STAGE,)), residual_stage())
     w = jax.ShapeDtypeStruct((p * _K, _D, _D), jnp.float32)
@@ -169,6 +189,7 @@ def _structure(fn) -> tuple[float, float, float]:
         "gpipe_forward on a 4-stage mesh", jax.make_jaxpr(mapped), w, xs, varies_hint=hint
     )
     dots = sent = sends = 0.0
+    pairs: set[tuple[int, int]] = set()
     for eqn, times in jaxpr_equations(jaxpr):
         name = eqn.primitive.name
         if name == "while" and any(
@@ -192,7 +213,40 @@ def _structure(fn) -> tuple[float, float, float]:
         if name == "ppermute":
             sends += times
             sent += times * sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.invars)
-    return dots / _K, sends, sent
+            pairs |= {(int(a), int(b)) for a, b in eqn.params["perm"]}
+    return dots / _K, sends, sent, pairs
+
+
+def _check_pairs(pairs: set[tuple[int, int]], p: int) -> None:
+    """GPipe's forward sends stage i's output to stage i + 1 and nowhere else: fail on any other pair, or
+    on a stage that never sends to the next one."""
+    forward = {(i, i + 1) for i in range(p - 1)}
+    extra, missing = sorted(pairs - forward), sorted(forward - pairs)
+    want = "[(i, i + 1) for i in range(p - 1)]"
+    if extra == [(p - 1, 0)]:
+        fail(
+            f"on p={p} stages the ppermute also sends from the last stage back to stage 0 (the pair "
+            f"({p - 1}, 0)): a ring, one activation per tick more than GPipe sends",
+            "the last stage's output goes into ys and stage 0 reads only xs, so nothing needs to reach "
+            f"stage 0: the pairs are {want}, without ({p - 1}, 0)",
+        )
+    if extra and all(b == (a - 1) % p for a, b in extra):
+        fail(
+            f"on p={p} stages the ppermute sends to the previous stage: pairs {extra}",
+            "in the forward each stage's output goes to the next stage, s -> s + 1: the pairs are "
+            f"{want} (jax.grad sends the cotangents back by itself)",
+        )
+    if extra:
+        fail(
+            f"on p={p} stages the ppermute sends along pairs that are not a stage and the next: {extra}",
+            f"GPipe sends stage i's output to stage i + 1 only: the pairs are {want}",
+        )
+    if pairs and missing:
+        cut = ", ".join(f"{a} -> {b}" for a, b in missing)
+        fail(
+            f"on p={p} stages no ppermute sends {cut}: what that stage computes never reaches the next",
+            f"every stage but the last sends its output to the next: the pairs are {want}",
+        )
 
 
 @checker
@@ -200,10 +254,12 @@ def check_gpipe(gpipe_forward: Callable, devices: Sequence[Any]) -> bool:
     """``gpipe_forward(stage_fn, stage_params, xs, axis_name)`` run on each stage of ``axis_name``:
     stage ``s`` holds its layers, ``xs`` [m, …] holds every micro-batch; the last stage must return
     ``ys`` [m, …] with micro-batch ``i`` through all stages in row ``i``, differentiably, in ``m + p - 1``
-    ticks of one stage application each, sending one activation per tick."""
-    ran = _values(gpipe_forward, list(devices), np.random.default_rng(11))
-    ticks, sends, sent = _structure(gpipe_forward)
+    ticks of one stage application each, sending one activation per tick from each stage to the next
+    (the ``ppermute`` pairs ``(i, i + 1)``: no pair back, no wrap-around from the last stage to stage 0)."""
+    ticks, sends, sent, pairs = _structure(gpipe_forward)
     p, m = _SHAPE_CASE
+    _check_pairs(pairs, p)  # read from the 4-stage program: caught however few devices are present
+    ran = _values(gpipe_forward, list(devices), np.random.default_rng(11))
     act = _ROWS * _D * 4
     if sends == 0:
         fail(
@@ -235,7 +291,8 @@ def check_gpipe(gpipe_forward: Callable, devices: Sequence[Any]) -> bool:
     where = f"on {len(devices)} device(s) at (p, m) = {ran}" if ran else "(no devices to run it on)"
     return passed(
         f"equals the stages applied in order (values and gradients) {where}; on a 4-stage mesh, "
-        f"{ticks:.0f} ticks for m = 8 (m + p - 1) and {sent / act:.0f} activations sent by ppermute"
+        f"{ticks:.0f} ticks for m = 8 (m + p - 1) and {sent / act:.0f} activations sent by ppermute, each "
+        "from a stage to the next"
     )
 
 
@@ -358,6 +415,25 @@ def _routing(got, what) -> moe.Routing:
         )
 
 
+def _places(expert: np.ndarray, n_experts: int, order: str) -> np.ndarray:
+    """Each choice's place in its expert's buffer when places are counted in ``order``: "choice" (every
+    first choice, then every second, tokens in order within a choice: the rule), "token" (a token's
+    choices one after the other) or "each choice" (a count of its own for each choice)."""
+    n, k = expert.shape
+    out = np.zeros_like(expert)
+    seq = (
+        [(i, c) for c in range(k) for i in range(n)]
+        if order != "token"
+        else [(i, c) for i in range(n) for c in range(k)]
+    )
+    count = np.zeros((k if order == "each choice" else 1, n_experts), int)
+    for i, c in seq:
+        row = c if order == "each choice" else 0
+        out[i, c] = count[row, expert[i, c]]
+        count[row, expert[i, c]] += 1
+    return out
+
+
 def _router_hint(r, ref, logits, k, cap) -> tuple[str, str]:
     if not np.array_equal(r.expert, ref.expert):
         return (
@@ -375,23 +451,59 @@ def _router_hint(r, ref, logits, k, cap) -> tuple[str, str]:
             "gives other gates",
             "the gates are the chosen experts' probabilities, renormalised over the k",
         )
-    if np.array_equal(r.slot, ref.slot + 1):
+    slot, want, expert = np.asarray(r.slot), np.asarray(ref.slot), np.asarray(ref.expert)
+    kept = np.asarray(ref.keep)
+    if np.array_equal(slot, want + 1):
+        if np.array_equal(np.asarray(r.keep), slot < cap):
+            return (
+                "gives every expert's first choice place 1, so a full expert keeps capacity - 1 choices",
+                "the places are the rows of an expert's buffer [capacity, D], 0 … capacity-1: with places "
+                "from 1 a full expert's row 0 is never filled",
+            )
         return (
-            "gives every expert's first token place 1, so a full expert keeps capacity - 1 tokens",
-            "the places are the rows of an expert's buffer [capacity, D]: a full expert's buffer has a row "
-            "that no token fills",
+            "gives every expert's first choice place 1",
+            "the places are the rows of an expert's buffer [capacity, D]: 0 … capacity-1",
         )
-    if not np.array_equal(r.slot, ref.slot):
+    if not np.array_equal(np.where(kept, slot, 0), np.where(kept, want, 0)):
+        e = logits.shape[1]
+        if np.array_equal(slot, _places(expert, e, "each choice")):
+            return (
+                "counts places for each choice on its own: an expert's second choices start again at "
+                "place 0, on rows its first choices already fill",
+                "one count per expert over all the choices: an expert's second choices take the places "
+                "after all of its first choices",
+            )
+        if np.array_equal(slot, _places(expert, e, "token")):
+            return (
+                "places the choices token by token (a token's second choice before the next token's first)",
+                "every token's first choice before any second choice; within a choice, tokens in order",
+            )
+        miscounted = [
+            x
+            for x in range(e)
+            if sorted(slot[expert == x].tolist()) != list(range(int((expert == x).sum())))
+        ]
+        if not miscounted:
+            return (
+                "gives each expert the places 0, 1, 2, … but to its choices in another order",
+                "every token's first choice before any second choice; within a choice, tokens in order",
+            )
         return (
-            "places the choices in another order",
-            "every token's first choice before any second choice; within a choice, tokens in order",
+            f"gives the choices of expert(s) {miscounted} places that are not 0, 1, 2, … one each",
+            f"count the places of every one of the E = {e} experts (logits.shape[1]): an expert's choices "
+            "get 0, 1, 2, … in the order of the rule",
         )
-    if np.array_equal(r.keep, r.slot <= cap):
+    keep = np.asarray(r.keep)
+    if np.array_equal(slot, want) and np.array_equal(keep, slot <= cap):
         return (
             "keeps a choice whose place equals the capacity",
             f"places are 0 … capacity-1 = {cap - 1}",
         )
-    return "keeps other choices", "keep a choice when its place is below the capacity"
+    extra, lost = int((keep & ~kept).sum()), int((~keep & kept).sum())
+    return (
+        f"keeps {extra} choice(s) the rule drops and drops {lost} it keeps",
+        "keep a choice exactly when its place is below the capacity",
+    )
 
 
 @checker
