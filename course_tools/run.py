@@ -205,7 +205,7 @@ def run_course(
             rows.append({"notebook": nb.name, "seconds": round(seconds, 1), "status": "ok"})
     finally:
         with ignoring_sigint():
-            _write_timings(out, rows)
+            _write_timings(out, rows, [nb.name for nb, _ in plan])
             whole = "ok" if len(rows) == len(plan) else "unfinished"
             finish_run(out, next((r["status"] for r in rows if r["status"] != "ok"), whole))
     return out
@@ -226,8 +226,9 @@ def _status(error: BaseException) -> str:
     return "kernel died" if isinstance(error, KernelDied) else "FAILED"
 
 
-def _write_timings(out: Path, rows: list[dict]) -> None:
-    """``timings.csv`` and the printed table: every notebook run, the stopped one included."""
+def _write_timings(out: Path, rows: list[dict], planned: Sequence[str] = ()) -> None:
+    """``timings.csv`` (every notebook that started, the stopped one included, its seconds empty) and the
+    printed table, which also lists the ``planned`` notebooks that never started as "not run"."""
     import pandas as pd
 
     if rows:
@@ -237,10 +238,34 @@ def _write_timings(out: Path, rows: list[dict]) -> None:
         except OSError as e:
             # a full disk: the table is printed below, and the run's own error is the message
             print(f"timings.csv not written: {e}", file=sys.stderr)
-        print("\n" + table.to_string(index=False))
-        print(f"total {table['seconds'].sum():.0f} s; executed notebooks in {out}")
+    if rows or planned:
+        print("\n" + timings_table(rows, planned))
+        print(f"executed notebooks in {out}")
         if (out / "lab").is_dir():
             print(f"the lab's results files and plots: {out / 'lab'}")
+
+
+def timings_table(rows: list[dict], planned: Sequence[str] = ()) -> str:
+    """The time table of a course run: one line per notebook (its seconds, or "-" where it did not finish;
+    its status: ok, FAILED, interrupted, …, or "not run" for a notebook of ``planned`` that never started)
+    and a total of the notebooks that finished, naming those that did not."""
+    started = {r["notebook"] for r in rows}
+    lines = [(r["notebook"], r["seconds"], r["status"]) for r in rows]
+    lines += [(name, None, "not run") for name in planned if name not in started]
+    width = max([len("notebook"), *(len(name) for name, _, _ in lines)])
+    out = [f"{'notebook':<{width}}  {'seconds':>8}  status"]
+    for name, seconds, status in lines:
+        done = status == "ok" and seconds == seconds and seconds is not None  # NaN != NaN
+        out.append(f"{name:<{width}}  {f'{seconds:.1f}' if done else '-':>8}  {status}")
+    finished = [s for _, s, status in lines if status == "ok"]
+    total = f"total {sum(finished):.0f} s for the {len(finished)} notebook(s) that finished"
+    unfinished = [
+        f"{name} {status}" for name, _, status in lines if status not in ("ok", "not run")
+    ]
+    never = [name for name, _, status in lines if status == "not run"]
+    if never:
+        unfinished.append(f"{len(never)} not run")
+    return "\n".join(out + [total + (f"; {', '.join(unfinished)}" if unfinished else "")])
 
 
 def run_scaling(

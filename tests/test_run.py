@@ -46,6 +46,31 @@ def test_course_run_writes_a_time_table(course_run):
     assert claim["pid"] > 0 and claim["started"]
 
 
+def test_the_time_table_of_a_stopped_run_names_what_did_not_finish(tmp_path, capsys):
+    planned = ["00_setup.ipynb", "01_grad.ipynb", "02_jit.ipynb", "03_vmap.ipynb"]
+    rows = [
+        {"notebook": "00_setup.ipynb", "seconds": 12.3, "status": "ok"},
+        {"notebook": "01_grad.ipynb", "seconds": float("nan"), "status": "interrupted"},
+    ]
+    run._write_timings(tmp_path, rows, planned)
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower(), out
+    assert re.search(r"00_setup.ipynb +12.3  ok", out), out
+    assert re.search(r"01_grad.ipynb +-  interrupted", out), out
+    assert re.search(r"02_jit.ipynb +-  not run", out) and "03_vmap.ipynb" in out, out
+    said = "total 12 s for the 1 notebook(s) that finished; 01_grad.ipynb interrupted, 2 not run"
+    assert said in out, out
+    assert list(pd.read_csv(tmp_path / "timings.csv")["status"]) == ["ok", "interrupted"]
+    # stopped in the first notebook: nothing finished, and the table says so rather than "total 0 s"
+    table = run.timings_table([{**rows[1], "notebook": "00_setup.ipynb"}], planned)
+    assert table.endswith(
+        "total 0 s for the 0 notebook(s) that finished; 00_setup.ipynb interrupted, 3 not run"
+    )
+    assert run.timings_table(rows[:1], planned[:1]).endswith(
+        "total 12 s for the 1 notebook(s) that finished"
+    )
+
+
 def test_scaling_runs_the_lab_once_per_count_and_draws_the_study(tmp_path, monkeypatch):
     # The lab's real runs at 1 and 8 devices are the matrix's; this lab notebook hands them over, so what is
     # tested here is the command: one kernel and one folder per count, the study aggregated and drawn.
