@@ -165,12 +165,21 @@ def prepare_results_dir(
     if path.exists() and not path.is_dir():
         raise ValueError(f"results_dir={str(path)!r} is a file, not a folder; give a folder path")
     try:
-        chosen = (
-            path if overwrite or not path.exists() or not any(path.iterdir()) else _sibling(path)
-        )
+        held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        chosen = path if overwrite or not held else _sibling(path)
     except OSError as e:
         raise FolderError(f"cannot write the {what} {path} ({e.strerror or e}): {fix}") from None
-    return check_folder(chosen, what, fix, writes_mb)
+    checked = check_folder(chosen, what, fix, writes_mb)
+    earlier = [n for n in held if Path(n).suffix in (".csv", ".png")]  # what the labs write
+    if overwrite and earlier:
+        shown = ", ".join(earlier[:4]) + (
+            f", … ({len(earlier)} in all)" if len(earlier) > 4 else ""
+        )
+        print(
+            f"overwrite=True: {path} already holds results files or plots ({shown}); those this run "
+            "writes again are replaced"
+        )
+    return checked
 
 
 def _sibling(path: Path) -> Path:

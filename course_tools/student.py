@@ -147,6 +147,11 @@ def generate(src: Path, dst: Path, overwrite: bool = False) -> list[tuple[Path, 
     folders.write_atomic(dst / MANIFEST, json.dumps(manifest, indent=1))
     for path in kept:
         print(f"kept the edited {path.name} in {path.parent}")
+    replaced = [p.name for p in earlier if p.name in texts]
+    if replaced:
+        print(
+            f"replaced {len(replaced)} earlier student notebook(s) in {dst}: {', '.join(replaced)}"
+        )
     return [(dst / p.name, n) for p, _, n in converted]
 
 
@@ -321,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path}: {n} solution(s) replaced")
         if args.zip:
             root = Path(args.src).resolve().parent
-            print(f"wrote {package(root, Path(args.zip), args.overwrite)}")
+            again = Path(args.zip).exists()
+            made = package(root, Path(args.zip), args.overwrite)
+            print(f"wrote {made}" + (" (replaced the earlier zip)" if again else ""))
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ import pytest
 from course_tools import results
 
 
-def test_results_dir_is_never_silently_overwritten(tmp_path):
+def test_results_dir_is_never_silently_overwritten(tmp_path, capsys):
     first = results.prepare_results_dir(tmp_path / "lab")
     assert first == tmp_path / "lab"
     results.write_csv([{"a": 1}], first / results.RESULTS_FILE)
@@ -14,8 +14,13 @@ def test_results_dir_is_never_silently_overwritten(tmp_path):
     assert second == tmp_path / "lab-2" and second.is_dir()
     results.write_csv([{"a": 2}], second / results.RESULTS_FILE)
     assert results.prepare_results_dir(tmp_path / "lab") == tmp_path / "lab-3"
+    capsys.readouterr()
     assert results.prepare_results_dir(tmp_path / "lab", overwrite=True) == first
     assert pd.read_csv(first / results.RESULTS_FILE)["a"].tolist() == [1]  # untouched until written
+    said = f"overwrite=True: {first} already holds results files or plots ({results.RESULTS_FILE});"
+    assert said in capsys.readouterr().out  # one line saying what may be replaced
+    assert results.prepare_results_dir(tmp_path / "fresh", overwrite=True)
+    assert "overwrite=True" not in capsys.readouterr().out  # nothing there: nothing said
 
 
 def test_results_dir_errors(tmp_path):

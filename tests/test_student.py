@@ -115,7 +115,9 @@ def test_overwrite_replaces_keeps_edits_and_drops_lessons_that_are_gone(tmp_path
     student.generate(src, dst, overwrite=True)
     (kept,) = dst.glob("edited-*/02_b.ipynb")
     assert "my answer" in kept.read_text() and "my answer" not in edited.read_text()
-    assert f"kept the edited 02_b.ipynb in {kept.parent}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"kept the edited 02_b.ipynb in {kept.parent}" in out
+    assert f"replaced 2 earlier student notebook(s) in {dst}: 01_a.ipynb, 02_b.ipynb" in out
     assert sorted(p.name for p in dst.glob("*.ipynb")) == ["01_a.ipynb", "02_b.ipynb", "mine.ipynb"]
     manifest = json.loads((dst / student.MANIFEST).read_text())
     assert sorted(manifest["notebooks"]) == ["01_a.ipynb", "02_b.ipynb"]

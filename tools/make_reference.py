@@ -90,8 +90,9 @@ def write(out: Path, targets: list[Path], settings: tuple[str, str, str]) -> Non
             f"lab run {out.name}; hardware and versions are in the columns (platform, device_kind, "
             f"simulated, host_cpus, cpu_model, jax_version).\n"
         )
+        again = dst.exists()
         folders.write_atomic(dst, header + body)
-        print(f"wrote {dst}")
+        print(f"wrote {dst}" + (" (replaced the earlier reference file)" if again else ""))
 
 
 if __name__ == "__main__":
