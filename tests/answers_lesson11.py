@@ -179,6 +179,20 @@ def gpipe_feed_skips(stage_fn, stage_params, xs, axis_name):
     return _gpipe_sending(stage_fn, stage_params, xs, axis_name, forward, feed)
 
 
+def gpipe_no_drain(stage_fn, stage_params, xs, axis_name):
+    """Wrong: m ticks, no drain (right on one stage only: the last p - 1 micro-batches never finish)."""
+    p = lax.axis_size(axis_name)
+    s = lax.axis_index(axis_name)
+    m = xs.shape[0]
+    arrived, ys = jnp.zeros_like(xs[0]), jnp.zeros_like(xs)
+    for t in range(m):
+        y = stage_fn(jnp.where(s == 0, xs[t], arrived), stage_params)
+        if t >= p - 1:
+            ys = ys.at[t - (p - 1)].set(jnp.where(s == p - 1, y, ys[t - (p - 1)]))
+        arrived = lax.ppermute(y, axis_name, [(j, j + 1) for j in range(p - 1)])
+    return ys
+
+
 def gpipe_broadcast(stage_fn, stage_params, xs, axis_name):
     """Wrong: right values, then an all-reduce hands the last stage's outputs to every stage."""
     p = lax.axis_size(axis_name)

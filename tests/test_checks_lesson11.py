@@ -47,6 +47,7 @@ def test_gpipe_accepts_correct_forms(report, n):
             a.gpipe_backward_ring,
             r"sends to the previous stage: pairs \[\(0, 3\), \(1, 0\), \(2, 1\), \(3, 2\)\].*s -> s \+ 1",
         ),
+        (a.gpipe_no_drain, r"rows \[5, 6, 7\] of the last stage's ys hold zeros.*m \+ p - 1 ticks"),
         (a.gpipe_short_chain, r"no ppermute sends 2 -> 3.*every stage but the last sends"),
         (
             a.gpipe_sequential,
@@ -77,6 +78,9 @@ def test_gpipe_on_one_device_still_catches_what_needs_stages(report):
     rejects(lesson11.check_gpipe, a.gpipe_no_send, one, match="never calls lax.ppermute")
     rejects(lesson11.check_gpipe, a.gpipe_sequential, one, match="crosses every stage")
     rejects(lesson11.check_gpipe, a.gpipe_reversed, one, match="wrong rows")
+    rejects(
+        lesson11.check_gpipe, a.gpipe_no_drain, one, match="applies its layers 8 times.*too few"
+    )
     # the pairs are read from the 4-stage program: a ring or a send backwards is caught on one device
     rejects(lesson11.check_gpipe, a.gpipe_ring, one, match="back to stage 0")
     rejects(lesson11.check_gpipe, a.gpipe_backward_ring, one, match="to the previous stage")

@@ -81,6 +81,13 @@ def _diagnose_values(got, want, xs, stage, w_last, p, m):
             "each stage must work on what the previous stage sent it: lax.ppermute(y, axis_name, "
             "[(i, i + 1) ...]) after each tick, and stage 0 alone reads xs",
         )
+    zeros = [i for i in range(m) if rows[i] is None and not np.any(got[i])]
+    if zeros and all(rows[i] == i for i in range(m) if i not in zeros):
+        fail(
+            f"with p={p}, m={m} rows {zeros} of the last stage's ys hold zeros; the others are right",
+            "micro-batch i leaves the last stage at tick i + p - 1: with m + p - 1 ticks every row is "
+            "written, the last at tick m + p - 2",
+        )
     found = [(i, j) for i, j in enumerate(rows) if j is not None]
     if len(found) >= max(1, m - 1) and any(i != j for i, j in found):
         shift = {j - i for i, j in found}
@@ -273,14 +280,24 @@ def check_gpipe(gpipe_forward: Callable, devices: Sequence[Any]) -> bool:
             f"overlap them: at tick t stage 0 starts micro-batch t; {m + p - 1} ticks in all (m + p - 1)",
         )
     if ticks != m + p - 1:
-        per_tick = ticks > sent / act + 1.5  # more applications than sends: several per tick
+        if ticks < m + p - 1:
+            hint = (
+                f"{ticks:.0f} ticks are too few: micro-batch m - 1 enters stage 0 at tick m - 1 and leaves "
+                "the last stage at tick m + p - 2, so the last p - 1 ticks drain the pipeline"
+            )
+        elif ticks > sent / act + 1.5:  # more applications than sends: several per tick
+            hint = (
+                "the stage runs more than once in a tick (each application is a stage's whole work)"
+            )
+        else:
+            hint = (
+                f"{ticks:.0f} ticks: after tick m + p - 2 the last stage has finished micro-batch m - 1, "
+                "so a later tick's work fills no output"
+            )
         fail(
             f"on p={p} stages with m={m} micro-batches each stage applies its layers {ticks:.0f} times; "
             f"GPipe needs m + p - 1 = {m + p - 1}",
-            "the stage runs more than once in a tick (each application is a stage's whole work)"
-            if per_tick
-            else f"{ticks:.0f} ticks: after tick m + p - 2 the last stage has finished micro-batch m - 1, "
-            "so a later tick's work fills no output",
+            hint,
         )
     if sent > (m + p - 1) * act:
         fail(
