@@ -57,7 +57,7 @@ def test_a_data_folder_that_cannot_be_written_is_refused_before_the_lab(
     assert f"cannot write the data folder {ro}" in capsys.readouterr().err
 
 
-def test_what_it_writes_says_how_when_and_of_which_commit(data_dir, tmp_path):
+def test_what_it_writes_says_how_when_and_of_which_commit(data_dir, tmp_path, capsys):
     lab = tmp_path / "lab-3"
     lab.mkdir()
     pd.DataFrame({"strategy": ["jit"], "step_time_s": [0.1]}).to_csv(
@@ -78,3 +78,9 @@ def test_what_it_writes_says_how_when_and_of_which_commit(data_dir, tmp_path):
     assert results.load_reference("mine.csv")["strategy"].tolist() == ["jit"]
     assert f"(recorded {header[1].split()[2].rstrip(';')})" in results.reference_note("mine.csv")
     assert pd.read_csv(targets[1], comment="#")["strategy"].tolist() == ["pmap"]
+    assert "replaced" not in capsys.readouterr().out
+    make_reference.write(
+        lab, targets, ("8", "cpu", "auto")
+    )  # again (--overwrite): each file says so
+    out = capsys.readouterr().out
+    assert all(f"wrote {t} (replaced the earlier reference file)" in out for t in targets), out
