@@ -189,16 +189,15 @@ def _winner_case(rng, key, profiles) -> tuple:
 
 
 def _config_expr(cfg) -> str:
-    """``cfg`` as code a learner can paste: ``transformer.TINY`` or ``dataclasses.replace(transformer.GPU, …)``."""
-    if cfg == transformer.TINY:
-        return "transformer.TINY"
-    changed = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
-               if getattr(cfg, f.name) != getattr(_G, f.name)]  # fmt: skip
-    return (
-        f"dataclasses.replace(transformer.GPU, {', '.join(changed)})"
-        if changed
-        else "transformer.GPU"
-    )
+    """``cfg`` as code a learner can paste: ``transformer.GPU`` or ``transformer.TINY``, or the one of the
+    two it differs from least with its other sizes (``dataclasses.replace(transformer.GPU, seq_len=8192)``)."""
+    options = []
+    for name, base in (("GPU", _G), ("TINY", transformer.TINY)):
+        changed = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+                   if getattr(cfg, f.name) != getattr(base, f.name)]  # fmt: skip
+        code = f"dataclasses.replace(transformer.{name}, {', '.join(changed)})"
+        options.append((len(changed), code if changed else f"transformer.{name}"))
+    return min(options)[1]
 
 
 def _profile_expr(profile) -> str:
@@ -364,7 +363,7 @@ def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
     cases = _fit_cases(np.random.default_rng(seed))
     over = under = 0
     for key, cfg, batch, limit in cases:
-        what = f"largest_model({key!r}, cfg, {batch}, {limit:.4g})"
+        what = f"largest_model({key!r}, {_config_expr(cfg)}, {batch}, {limit!r})"
         got = _call_unaided(
             what, largest, _MODEL,
             "count the memory with lm_costs.predict_memory (its four kinds) at a few layer counts: "
@@ -435,7 +434,7 @@ def check_pipeline_bytes(pipeline_bytes: Callable, *, seed: int | None = None) -
     wrong = {"stage": 0, "data": 0}
     n_wrong = 0
     for p, d, m, cfg, batch, itemsize in cases:
-        what = f"pipeline_bytes({p}, {d}, {m}, cfg, {batch}, {itemsize})"
+        what = f"pipeline_bytes({p}, {d}, {m}, {_config_expr(cfg)}, {batch}, {itemsize})"
         got = _call_unaided(
             what, pipeline_bytes, _BYTES,
             "count the transfers from the shapes: predict_bytes is what the checker compares with",
