@@ -159,6 +159,10 @@ def batch_divisor(key: str, n_devices: int, n_micro: int = 2) -> int | None:
     return shards * (n_micro if lay.stage_axis else 1)
 
 
+def _plain(value):
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def _whole(value) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
@@ -175,6 +179,7 @@ def check_run(
         ``n_micro`` micro-batches per data shard) do not divide. The message names the value, the layout
         that needs more, and the nearest batches every layout of ``keys`` splits.
     """
+    steps, global_batch = _plain(steps), _plain(global_batch)  # a message shows 0, not np.int64(0)
     if not _whole(steps) or steps < 1:
         raise ValueError(
             f"steps={steps!r}: the lab needs at least 1 training step; set steps to 1 or more"

@@ -161,6 +161,16 @@ def test_layout_decision_rejects_a_malformed_answer():
     rejects(lesson12.check_layout_decision, lambda *args: "dp", match="return \\(layout_key")
 
 
+def test_a_returned_value_is_shown_with_plain_numbers():
+    # NumPy 2 writes np.float64(1.5): the message shows what the learner would print, 1.5
+    with pytest.raises(AssertionError) as e:
+        lesson12.check_layout_decision(lambda *args: (np.str_("dp"), np.float64(1.5)), seed=0)
+    assert "returned ('dp', 1.5)" in str(e.value) and "np." not in str(e.value)
+    with pytest.raises(AssertionError) as e:
+        lesson12.check_largest_model(lambda *args: [np.int64(8)], seed=0)
+    assert "returned [8]" in str(e.value) and "np." not in str(e.value)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_largest_model(seed):
     assert lesson12.check_largest_model(a.largest_model, seed=seed)

@@ -67,6 +67,14 @@ def test_check_run_refuses_fewer_than_one_step(steps):
         lm_layouts.check_run(_runnable(8), 8, 16, steps)
 
 
+def test_check_run_shows_numpy_values_as_plain_numbers():
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"^steps=0: "):
+        lm_layouts.check_run(_runnable(8), 8, 16, np.int64(0))
+    lm_layouts.check_run(_runnable(8), 8, np.int64(16), np.int64(2))
+
+
 @pytest.mark.parametrize("batch", [0, -8, 16.0])
 def test_check_run_refuses_a_batch_below_one(batch):
     with pytest.raises(ValueError, match=rf"global_batch={batch!r}: .*positive multiple of 8"):

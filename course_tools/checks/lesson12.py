@@ -22,7 +22,7 @@ import numpy as np
 
 from course_lib import comms, costs, lm_costs, lm_layouts, transformer
 
-from ._common import call_answer, checker, fail, passed
+from ._common import call_answer, checker, fail, passed, plain
 
 __all__ = ["check_layout_decision", "check_largest_model", "check_pipeline_bytes"]
 
@@ -228,7 +228,7 @@ def _triple(got, what):
         return str(key), float(sent), float(memory)
     except (TypeError, ValueError):
         fail(
-            f"{what} returned {got!r}",
+            f"{what} returned {plain(got)!r}",
             "return (layout_key, sent_bytes, memory_bytes), e.g. ('dp', 1.2e9, 3e10)",
         )
 
@@ -373,7 +373,7 @@ def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
         try:
             got = int(got)
         except (TypeError, ValueError):
-            fail(f"{what} returned {got!r}", "return the number of layers, an int")
+            fail(f"{what} returned {plain(got)!r}", "return the number of layers, an int")
         truth = lm_costs.largest_layers(key, cfg, batch, limit)
         over += got > truth
         under += got < truth
