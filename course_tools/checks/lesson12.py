@@ -241,10 +241,10 @@ def check_layout_decision(choose: Callable, *, seed: int | None = None) -> bool:
     on cases drawn afresh (``seed``: for tests) — the lab's profiles and made-up
     ones, a latency-bound model, limits at a layout's memory exactly, and one case per layout that the
     model ranks first (:data:`_WINNERS`), so an answer that leaves any layout out is refused at every call.
-    No case has a tie: the first is faster than the second by far more than ``_TIE``, the tolerance for
-    the same sums added in another order. Says how many layouts, bytes and memories are wrong, not in
-    which cases; an answer that raises is shown the case's call, as code. An answer that calls
-    ``step_time``, ``rank_layouts`` or ``largest_layers`` is refused."""
+    The cases have no ties (the tests check that the first is ahead of the second by more than 1e-6,
+    relative): ``_TIE`` only absorbs the same sums added in another order. Says how many layouts, bytes
+    and memories are wrong, not in which cases; an answer that raises is shown the case's call, as code.
+    An answer that calls ``step_time``, ``rank_layouts`` or ``largest_layers`` is refused."""
     cases = _decision_cases(np.random.default_rng(seed))
     wrong = {"layout": 0, "bytes": 0, "memory": 0}
     n_wrong = 0
