@@ -230,6 +230,32 @@ def total_sent(items: Sequence[Collective | Transfer]) -> float:
     return float(sum(c.sent_bytes for c in items))
 
 
+BYTES_REL_TOL = 1e-12
+"""Relative tolerance of :func:`same_bytes` for byte counts that are not whole numbers."""
+
+
+def same_bytes(a: float, b: float) -> bool:
+    """True when two byte counts (bytes sent per device, e.g. predicted and measured) are the same: exactly
+    when both are whole numbers, else within a relative :data:`BYTES_REL_TOL`.
+
+    A ring all-reduce over ``n`` devices sends ``2(n-1)/n`` of its array per device: a fraction of a byte on
+    3 or 6 devices. The prediction adds those fractions one leaf at a time and the program one combined
+    collective at a time, so the two sums can differ in the last bit (12806.666666666666 against
+    12806.666666666668 on 6 devices). Whole counts (a power-of-two group) are added exactly by floats
+    below 2**53: those must agree to the byte.
+    """
+    a, b = float(a), float(b)
+    if a.is_integer() and b.is_integer():
+        return a == b
+    return math.isclose(a, b, rel_tol=BYTES_REL_TOL)
+
+
+def same_by_axis(a: Mapping[str, float], b: Mapping[str, float]) -> bool:
+    """True when two ``{axis: bytes}`` tables (:func:`sent_by_axis`) name the same axes and every axis's
+    bytes are :func:`same_bytes`."""
+    return set(a) == set(b) and all(same_bytes(a[k], b[k]) for k in a)
+
+
 # ---- predictions from shapes --------------------------------------------------------------------------
 
 

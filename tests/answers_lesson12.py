@@ -7,8 +7,10 @@ from course_lib import costs, lm_costs, lm_layouts, transformer
 # ---- exercise 1: the layout decision ----------------------------------------------------------------------
 
 
-def _candidates(cfg, global_batch, any_split=False, n_micro=None):
+def _candidates(cfg, global_batch, any_split=False, n_micro=None, omit=()):
     for k in lm_layouts.LAYOUTS:
+        if k in omit:
+            continue
         sizes = lm_layouts.mesh_axes(k, 8)
         if sizes is not None and (any_split or lm_costs.splits(k, cfg, global_batch, sizes)):
             p = sizes.get("stage", 1)
@@ -70,8 +72,9 @@ def _variant(**kw):
     def choose(cfg, global_batch, profile, memory_limit):
         profile = kw.get("profile", profile)
         best = None
+        rows = []
         for k, sizes, p, m in _candidates(
-            cfg, global_batch, kw.get("any_split", False), kw.get("n_micro")
+            cfg, global_batch, kw.get("any_split", False), kw.get("n_micro"), kw.get("omit", ())
         ):
             memory = _memory(k, cfg, global_batch, sizes, m, kinds)
             too_big = memory >= memory_limit if kw.get("strict") else memory > memory_limit
@@ -83,12 +86,22 @@ def _variant(**kw):
             )  # fmt: skip
             if kw.get("comm_only"):
                 step = memory if kw.get("rank_memory") else total
+            rows.append((step, k, total, memory))
             if best is None or step < best[0]:
                 best = (step, k, total, memory)
+        if best is not None and kw.get(
+            "tie"
+        ):  # within ``tie`` of the fastest: the one holding least
+            near = [r for r in rows if r[0] <= best[0] * (1 + kw["tie"])]
+            best = min(near, key=lambda r: r[3])
         if best is None:  # nothing fits by this answer's count: the layout that holds least
-            return _variant(kinds=kinds, comm_only=True, memory_filter=False, rank_memory=True)(
-                cfg, global_batch, profile, memory_limit
-            )
+            return _variant(
+                kinds=kinds,
+                comm_only=True,
+                memory_filter=False,
+                rank_memory=True,
+                omit=kw.get("omit", ()),
+            )(cfg, global_batch, profile, memory_limit)
         return best[1], best[2], best[3]
 
     return choose
@@ -115,6 +128,18 @@ choose_any_split = _variant(any_split=True)
 choose_h100_always = _variant(profile=lm_costs.PROFILES["H100"])
 """Wrong: the lab's H100 whatever the profile given (right for the H200 too: the model gives them the same
 peak and link)."""
+
+
+choose_near_tie = _variant(tie=0.01)
+"""Wrong: calls layouts within 1 % of the fastest a tie and takes the one that holds least (fsdp_tp is
+ahead of 3d by one collective's latency on the width-2046 model: not a tie)."""
+
+
+def choose_without(layout_key):
+    """Wrong: the reference, but ``layout_key`` is never considered (one answer per layout)."""
+    choose = _variant(omit=(layout_key,))
+    choose.__name__ = choose.__qualname__ = f"choose_without_{layout_key}"
+    return choose
 
 
 def choose_by_lookup(cfg, global_batch, profile, memory_limit):

@@ -3,6 +3,7 @@ other correct forms, rejects typical wrong answers with its own hint (a lookup o
 compares with among them), and prints "not written yet" for the student stub. Every checker is analytic (no
 compile) and draws its cases afresh; the tests fix the seed. The whole file runs in well under a minute."""
 
+import dataclasses
 from functools import partial
 
 import answers_lesson12 as a
@@ -10,9 +11,11 @@ import numpy as np
 import pytest
 from checking import not_written, rejects, stub
 
+from course_lib import costs, lm_costs, lm_layouts, transformer
 from course_tools.checks import lesson12
 
 SEEDS = (0, 1)
+N_CASES = len(lesson12._FAMILIES) + len(lesson12._WINNERS)
 
 
 def test_stubs_print_not_written(monkeypatch, capsys):
@@ -41,14 +44,87 @@ def test_layout_decision_accepts_correct_forms(seed):
         (a.choose_two_micro, "layout"),
         (a.choose_any_split, "layout"),
         (a.choose_h100_always, "layout"),
+        (a.choose_near_tie, "layout"),
     ],
 )
 def test_layout_decision_rejects(answer, part, seed):
     rejects(
         partial(lesson12.check_layout_decision, seed=seed),
         answer,
-        match=rf"\d+ of 9 cases are wrong.*hint: .*{part}: ",
+        match=rf"\d+ of {N_CASES} cases are wrong.*hint: .*{part}: ",
     )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("omitted", list(lm_layouts.LAYOUTS))
+def test_layout_decision_refuses_an_answer_that_leaves_a_layout_out(omitted, seed):
+    rejects(
+        partial(lesson12.check_layout_decision, seed=seed),
+        a.choose_without(omitted),
+        match=rf"\d+ of {N_CASES} cases are wrong \([1-9]\d* with another layout first.*hint: layout: ",
+    )
+
+
+def test_every_layout_is_first_in_a_case_of_every_call():
+    for seed in range(4):
+        firsts = set()
+        for cfg, batch, profile, limit in lesson12._decision_cases(np.random.default_rng(seed)):
+            rows = lm_costs.rank_layouts(cfg, batch, profile, 8, memory_limit=limit)
+            firsts.add(rows[0]["layout"])
+            # no ties: the second is slower by far more than the checker's tolerance for rounding
+            if len(rows) > 1:
+                assert rows[1]["step_s"] > rows[0]["step_s"] * (1 + 1e3 * lesson12._TIE)
+        assert firsts == set(lm_layouts.LAYOUTS), seed
+
+
+def test_every_winner_option_ranks_its_layout_first_across_its_window():
+    profiles = lesson12._profiles(np.random.default_rng(0))
+    for key, (options, names) in lesson12._WINNERS.items():
+        for name, batches in options:
+            for batch in batches:
+                for profile_name in names:
+                    cfg, profile = lesson12._CONFIGS[name], profiles[profile_name]
+                    low, high = lesson12._winner_window(key, cfg, batch, profile)
+                    assert low < high, (key, name, batch, profile_name)
+                    for limit in (low, np.nextafter(min(high, 1.25 * low), 0)):
+                        rows = lm_costs.rank_layouts(cfg, batch, profile, 8, memory_limit=limit)
+                        assert rows[0]["layout"] == key, (key, name, batch, profile_name, limit)
+
+
+@pytest.mark.parametrize(
+    "check, name",
+    [
+        (lesson12.check_layout_decision, "choose_layout"),
+        (lesson12.check_largest_model, "largest_model"),
+        (lesson12.check_pipeline_bytes, "pipeline_bytes"),
+    ],
+)
+def test_an_answer_that_raises_is_told_its_case_as_code_it_can_rerun(check, name):
+    seen = []
+
+    def raises(*args):
+        seen.append(args)
+        raise ZeroDivisionError("my bug")
+
+    with pytest.raises(AssertionError) as e:
+        check(raises, seed=0)
+    message = str(e.value)
+    assert "raised ZeroDivisionError: my bug" in message and "hint: run " in message
+    call = message.split("✗ ", 1)[1].split(" raised ", 1)[0]
+    assert call.startswith(f"{name}(")
+    scope = {"dataclasses": dataclasses, "transformer": transformer, "lm_costs": lm_costs,
+             "costs": costs, name: lambda *args: args}  # fmt: skip
+    assert eval(call, scope) == seen[0]  # the printed call is the case, exactly
+
+
+def test_the_case_as_code_names_every_kind_of_profile_and_config():
+    profiles = lesson12._profiles(np.random.default_rng(3))
+    scope = {"dataclasses": dataclasses, "transformer": transformer, "lm_costs": lm_costs,
+             "costs": costs}  # fmt: skip
+    for profile in profiles.values():
+        assert eval(lesson12._profile_expr(profile), scope) == profile
+    for cfg in lesson12._CONFIGS.values():
+        assert eval(lesson12._config_expr(cfg), scope) == cfg
 
 
 def test_layout_decision_refuses_a_lookup():
@@ -63,7 +139,10 @@ def test_layout_decision_says_how_many_not_which():
     with pytest.raises(AssertionError) as e:
         lesson12.check_layout_decision(a.choose_no_memory_limit, seed=0)
     message = str(e.value)
-    assert "of 9 cases are wrong" in message and "H200" not in message and "cfg" not in message
+    assert f"of {N_CASES} cases are wrong" in message
+    assert (
+        "H200" not in message and "transformer" not in message and "choose_layout(" not in message
+    )
 
 
 def test_cases_are_drawn_afresh():
@@ -80,6 +159,16 @@ def test_cases_are_drawn_afresh():
 
 def test_layout_decision_rejects_a_malformed_answer():
     rejects(lesson12.check_layout_decision, lambda *args: "dp", match="return \\(layout_key")
+
+
+def test_a_returned_value_is_shown_with_plain_numbers():
+    # NumPy 2 writes np.float64(1.5): the message shows what the learner would print, 1.5
+    with pytest.raises(AssertionError) as e:
+        lesson12.check_layout_decision(lambda *args: (np.str_("dp"), np.float64(1.5)), seed=0)
+    assert "returned ('dp', 1.5)" in str(e.value) and "np." not in str(e.value)
+    with pytest.raises(AssertionError) as e:
+        lesson12.check_largest_model(lambda *args: [np.int64(8)], seed=0)
+    assert "returned [8]" in str(e.value) and "np." not in str(e.value)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -225,3 +225,14 @@ def test_bfloat16_gradients_of_sharded_jit_move_in_two_bytes_on_gpus():
         assert comms.total_sent(
             strategies.predict_comm(key, model.TINY, 32, 8, precision="bfloat16", platform="gpu")
         ) == pytest.approx(comms.total_sent(strategies.predict_comm(key, model.TINY, 32, 8)))
+
+
+def test_same_bytes_is_exact_for_whole_counts_and_tolerates_the_last_bit_of_fractions():
+    # 6 devices: the ring all-reduce's 2(n-1)/n = 5/3 makes fractions, added in another order by the program
+    assert comms.same_bytes(12806.666666666666, 12806.666666666668)
+    assert not comms.same_bytes(12806.666666666666, 12806.67)
+    # whole counts must agree exactly: one byte off is a different program
+    assert comms.same_bytes(4096, 4096.0) and not comms.same_bytes(4096.0, 4097.0)
+    assert not comms.same_bytes(1e15, 1e15 + 1)
+    assert comms.same_by_axis({"data": 4.0, "model": 1 / 3}, {"model": 1 / 3 + 1e-17, "data": 4})
+    assert not comms.same_by_axis({"data": 4.0}, {"data": 4.0, "model": 8.0})

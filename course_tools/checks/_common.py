@@ -77,13 +77,30 @@ def passed(message: str) -> bool:
     return True
 
 
+def plain(value):
+    """``value`` with NumPy scalars made Python numbers (``np.int64(8)`` → ``8``), inside tuples, lists and
+    dicts too: what a message shows of an answer's return value (NumPy 2 writes ``np.float64(1.5)``)."""
+    if (
+        hasattr(value, "item") and getattr(value, "shape", None) == ()
+    ):  # a NumPy scalar or 0-d array
+        try:
+            return value.item()
+        except (TypeError, ValueError):
+            return value
+    if isinstance(value, tuple | list):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    return value
+
+
 def as_ints(what: str, value, hint: str) -> tuple[int, ...]:
     """``value`` as a tuple of ints (a shape, a ``(start, stop)`` pair), or an :class:`ExerciseError` that
     says ``what`` returned it and gives ``hint``."""
     try:
         return tuple(int(v) for v in value)
     except TypeError:
-        fail(f"{what} returned {value!r}", hint)
+        fail(f"{what} returned {plain(value)!r}", hint)
 
 
 def show_error(fn, *args, **kwargs) -> BaseException:

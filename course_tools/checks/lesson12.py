@@ -6,8 +6,9 @@ None of them holds an answer: each compares the learner's function, on cases dra
 (:func:`~course_lib.lm_costs.rank_layouts`, built on the byte and memory predictions that the notebook
 checks against the compiled programs), the memory model (:func:`~course_lib.lm_costs.largest_layers`) and
 :func:`~course_lib.lm_costs.predict_bytes`, which equals the compiled pipeline's bytes (asserted in the
-notebook). Each says how many cases are wrong, and in which part, never which case. An answer that calls
-the function the checker compares with is refused: the exercise is to build it from its pieces.
+notebook). Each says how many cases are wrong, and in which part, never which case (an answer that raises
+is shown the call that raised, to rerun it). An answer that calls the function the checker compares with
+is refused: the exercise is to build it from its pieces.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 
 from course_lib import comms, costs, lm_costs, lm_layouts, transformer
 
-from ._common import call_answer, checker, fail, passed
+from ._common import call_answer, checker, fail, passed, plain
 
 __all__ = ["check_layout_decision", "check_largest_model", "check_pipeline_bytes"]
 
@@ -35,8 +36,9 @@ _BYTES = (lm_costs.predict_bytes, lm_costs._pipeline_transfers)
 """What the pipeline checker compares with."""
 
 
-def _call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args):
-    """``fn(*args)``, refused if it calls one of ``forbidden`` (the functions the checker compares with)."""
+def _call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args, explain=None):
+    """``fn(*args)``, refused if it calls one of ``forbidden`` (the functions the checker compares with);
+    ``explain``: :func:`call_answer`'s, for an answer that raises."""
     codes = {f.__code__: f.__name__ for f in forbidden}
     seen: list[str] = []
 
@@ -47,7 +49,7 @@ def _call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args):
     old = sys.getprofile()
     sys.setprofile(watch)
     try:
-        got = call_answer(what, fn, *args)
+        got = call_answer(what, fn, *args, explain=explain)
     finally:
         sys.setprofile(old)
     if seen:
@@ -64,12 +66,17 @@ _CONFIGS = {
     "32 layers": dataclasses.replace(_G, n_layers=32),
     "seq 1024": dataclasses.replace(_G, seq_len=1024),
     "seq 4096": dataclasses.replace(_G, seq_len=4096),
+    "seq 8192": dataclasses.replace(_G, seq_len=8192),
     "narrow": _SMALL,
+    # a width an fsdp axis of 4 cannot split (2046 = 2 x 1023, 6 heads of 341): fsdp_tp keeps the blocks
+    # whole over fsdp, 3d's fsdp axis of 2 halves them
+    "width 2046": dataclasses.replace(_G, d_model=2046, n_heads=6, d_ff=8184),
     "tiny": transformer.TINY,  # latency-bound: compute and bytes far below 10 µs a collective
 }
 # (configs, global batches, profiles, limit): each family exposes one part of the model — the pipeline's
 # micro-batches (it wins under a limit just below the fastest's memory), its bubble (DP first, the pipeline
-# second), the latency of every collective (the tiny model), the profile (an A100 ranks otherwise), the
+# second), the latency of every collective (the tiny model; fsdp_tp ahead of 3d by one collective on the
+# width-2046 model, a tie only to an answer that rounds), the profile (an A100 ranks otherwise), the
 # splits (batch 16: the pipeline does not split), the model axis's share of the compute (batch 8)
 _FAMILIES = (
     (("gpu", "32 layers", "seq 1024", "seq 4096"), (32, 64), ("H100", "H200"), "below"),
@@ -79,6 +86,7 @@ _FAMILIES = (
     (("gpu", "32 layers", "seq 1024"), (32, 64), ("A100",), "below"),
     (("gpu", "32 layers", "seq 4096"), (16,), ("H100", "H200"), "below"),
     (("gpu", "8 layers", "32 layers"), (8,), ("H100", "H200", "A100"), "roomy"),
+    (("width 2046",), (4, 8, 12, 20), ("H100", "H200", "A100"), "roomy"),
     (
         tuple(_CONFIGS),
         (8, 16, 32, 64, 128),
@@ -92,6 +100,27 @@ _FAMILIES = (
         "any",
     ),
 )
+_WINNERS = {
+    # layout: ((config, global batches), ...), profiles — for each, a memory limit makes the layout first
+    # (drawn between its memory and the smallest memory of a faster layout): an answer that leaves any
+    # layout out is wrong at least once at every call
+    "dp": ((("gpu", (16, 32, 64)), ("8 layers", (16, 32, 64)), ("seq 4096", (8, 16, 32))),
+           ("H100", "H200", "A100")),
+    # a batch the 8-way data axis does not split: TP (+FSDP) over 2, the batch over 4
+    "fsdp_tp": ((("gpu", (4, 12, 20)), ("32 layers", (4, 12, 20)), ("seq 1024", (4, 12, 20))),
+                ("H100", "H200", "A100")),
+    # only tp_sp fits: a limit just above its memory, the smallest of all
+    "tp_sp": ((("gpu", (32, 64)), ("32 layers", (32, 64)), ("seq 8192", (8, 16)), ("narrow", (16, 32))),
+              ("H100", "H200", "A100")),
+    # the pipeline fits where DP does not and is faster than the rest
+    "pp_dp": ((("gpu", (32, 64)), ("32 layers", (32, 64)), ("seq 1024", (32, 64))), ("H100", "H200")),
+    # a long sequence and a batch DP cannot split 8 ways: the context axis beats TP
+    "dp_cp": ((("seq 8192", (12, 20)), ("narrow", (12, 20)), ("seq 4096", (20,))), ("H100", "H200", "A100")),
+    # fsdp_tp cannot split the width-2046 blocks: 3d holds less, one collective slower
+    "3d": ((("width 2046", (4, 8, 12, 20)),), ("H100", "H200", "A100")),
+}  # fmt: skip
+"""Per layout, the cases where the step-time model ranks it first (``tests/test_checks_lesson12.py``
+checks every one)."""
 
 
 def _profiles(rng) -> dict[str, costs.DeviceProfile]:
@@ -133,12 +162,64 @@ def _decision_cases(rng) -> list[tuple]:
         else:
             limit = float(mems[-1]) * float(rng.uniform(1.0, 1.5))
         cases.append((cfg, batch, profile, limit))
+    for key in _WINNERS:
+        cases.append(_winner_case(rng, key, profiles))
     rng.shuffle(cases)
     return cases
 
 
+def _winner_window(key, cfg, batch, profile) -> tuple[float, float]:
+    """The memory limits under which ``key`` is ranked first: from its memory up to (not including) the
+    smallest memory of a layout the model ranks faster (inf when none is)."""
+    rows = lm_costs.rank_layouts(cfg, batch, profile, 8)
+    at = [r["layout"] for r in rows].index(key)
+    return rows[at]["memory_bytes"], min((r["memory_bytes"] for r in rows[:at]), default=math.inf)
+
+
+def _winner_case(rng, key, profiles) -> tuple:
+    """A case of :data:`_WINNERS` that ranks ``key`` first: its memory exactly (a third of the time), or a
+    limit drawn up to a quarter above it, below any faster layout's memory."""
+    options, names = _WINNERS[key]
+    name, batches = _pick(rng, options)
+    cfg, batch, profile = _CONFIGS[name], int(_pick(rng, batches)), profiles[_pick(rng, names)]
+    low, high = _winner_window(key, cfg, batch, profile)
+    top = min(high, 1.25 * low)
+    limit = float(low) if rng.uniform() < 1 / 3 else float(rng.uniform(low, top))
+    return cfg, batch, profile, limit
+
+
+def _config_expr(cfg) -> str:
+    """``cfg`` as code a learner can paste: ``transformer.GPU`` or ``transformer.TINY``, or the one of the
+    two it differs from least with its other sizes (``dataclasses.replace(transformer.GPU, seq_len=8192)``)."""
+    options = []
+    for name, base in (("GPU", _G), ("TINY", transformer.TINY)):
+        changed = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+                   if getattr(cfg, f.name) != getattr(base, f.name)]  # fmt: skip
+        code = f"dataclasses.replace(transformer.{name}, {', '.join(changed)})"
+        options.append((len(changed), code if changed else f"transformer.{name}"))
+    return min(options)[1]
+
+
+def _profile_expr(profile) -> str:
+    """``profile`` as code: one of the lab's profiles, or the H100 with its link or its peak changed."""
+    for table, named in (
+        ("lm_costs.PROFILES", lm_costs.PROFILES),
+        ("costs.DEVICE_PROFILES", costs.DEVICE_PROFILES),
+    ):
+        for name, known in named.items():
+            if profile == known:
+                return f'{table}["{name}"]'
+    h100 = 'lm_costs.PROFILES["H100"]'
+    if profile.peak == lm_costs.PROFILES["H100"].peak:
+        changed = f"link_bytes_per_s={profile.link_bytes_per_s!r}"
+    else:
+        changed = f"peak=dataclasses.replace({h100}.peak, bf16={profile.peak.bf16!r})"
+    return f"dataclasses.replace({h100}, name={profile.name!r}, {changed})"
+
+
 def _close(a, b) -> bool:
-    return math.isclose(float(a), float(b), rel_tol=_REL)
+    # a mean over devices can end in half a byte (2(n-1)/n of an odd count): rounded to whole bytes is right
+    return math.isclose(float(a), float(b), rel_tol=_REL, abs_tol=0.5)
 
 
 def _triple(got, what):
@@ -147,7 +228,7 @@ def _triple(got, what):
         return str(key), float(sent), float(memory)
     except (TypeError, ValueError):
         fail(
-            f"{what} returned {got!r}",
+            f"{what} returned {plain(got)!r}",
             "return (layout_key, sent_bytes, memory_bytes), e.g. ('dp', 1.2e9, 3e10)",
         )
 
@@ -158,19 +239,28 @@ def check_layout_decision(choose: Callable, *, seed: int | None = None) -> bool:
     the step-time model ranks first among those that split and fit (memory at most the limit), the bytes one
     device sends per step and the memory it holds, compared with :func:`course_lib.lm_costs.rank_layouts`
     on cases drawn afresh (``seed``: for tests) — the lab's profiles and made-up
-    ones, a latency-bound model, limits at a layout's memory exactly. Says how many layouts, bytes and
-    memories are wrong, not in which cases. An answer that calls ``step_time``, ``rank_layouts`` or
-    ``largest_layers`` is refused."""
+    ones, a latency-bound model, limits at a layout's memory exactly, and one case per layout that the
+    model ranks first (:data:`_WINNERS`), so an answer that leaves any layout out is refused at every call.
+    The cases have no ties (the tests check that the first is ahead of the second by more than 1e-6,
+    relative): ``_TIE`` only absorbs the same sums added in another order. Says how many layouts, bytes
+    and memories are wrong, not in which cases; an answer that raises is shown the case's call, as code.
+    An answer that calls ``step_time``, ``rank_layouts`` or ``largest_layers`` is refused."""
     cases = _decision_cases(np.random.default_rng(seed))
     wrong = {"layout": 0, "bytes": 0, "memory": 0}
     n_wrong = 0
     for cfg, batch, profile, limit in cases:
-        what = f"choose_layout(cfg, {batch}, profile, {limit:.4g})"
+        # the case in full, as code: an answer that raises (or returns no triple) can be rerun on it
+        what = f"choose_layout({_config_expr(cfg)}, {batch}, {_profile_expr(profile)}, {limit!r})"
         got = _call_unaided(
             what, choose, _MODEL,
             "build the step time from its pieces (FLOPs, predict_bytes, predict_memory, the profile's peak "
             "and link): step_time and rank_layouts are what the checker compares with",
             cfg, batch, profile, limit,
+            explain=lambda e, what=what: (
+                f"{what} raised {type(e).__name__}: {str(e)[:300]}",
+                "run that call in a cell (the case's arguments, as written) and read the error; at "
+                "least one layout fits every case",
+            ),
         )  # fmt: skip
         key, sent, memory = _triple(got, what)
         rows = lm_costs.rank_layouts(cfg, batch, profile, 8, memory_limit=limit)
@@ -273,7 +363,7 @@ def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
     cases = _fit_cases(np.random.default_rng(seed))
     over = under = 0
     for key, cfg, batch, limit in cases:
-        what = f"largest_model({key!r}, cfg, {batch}, {limit:.4g})"
+        what = f"largest_model({key!r}, {_config_expr(cfg)}, {batch}, {limit!r})"
         got = _call_unaided(
             what, largest, _MODEL,
             "count the memory with lm_costs.predict_memory (its four kinds) at a few layer counts: "
@@ -283,7 +373,7 @@ def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
         try:
             got = int(got)
         except (TypeError, ValueError):
-            fail(f"{what} returned {got!r}", "return the number of layers, an int")
+            fail(f"{what} returned {plain(got)!r}", "return the number of layers, an int")
         truth = lm_costs.largest_layers(key, cfg, batch, limit)
         over += got > truth
         under += got < truth
@@ -344,7 +434,7 @@ def check_pipeline_bytes(pipeline_bytes: Callable, *, seed: int | None = None) -
     wrong = {"stage": 0, "data": 0}
     n_wrong = 0
     for p, d, m, cfg, batch, itemsize in cases:
-        what = f"pipeline_bytes({p}, {d}, {m}, cfg, {batch}, {itemsize})"
+        what = f"pipeline_bytes({p}, {d}, {m}, {_config_expr(cfg)}, {batch}, {itemsize})"
         got = _call_unaided(
             what, pipeline_bytes, _BYTES,
             "count the transfers from the shapes: predict_bytes is what the checker compares with",
