@@ -1,5 +1,6 @@
 """Answers to lesson 10's exercises, right and wrong, for tests/test_checks_lesson10.py."""
 
+import functools
 import math
 
 import jax
@@ -177,6 +178,141 @@ def ring_gathered(q, k, v, axis):
     k_all = lax.all_gather(k, axis, axis=1, tiled=True)
     v_all = lax.all_gather(v, axis, axis=1, tiled=True)
     return transformer.causal_attention(q, k_all, v_all, q_offset=me * blk)
+
+
+def _fold(q, k, v, m, denom, o, t, axis):
+    """One online-softmax step: this device's queries against the block that started on device me - t."""
+    n, me, blk = lax.axis_size(axis), lax.axis_index(axis), q.shape[1]
+    qi, kj = me * blk + jnp.arange(blk)[:, None], ((me - t) % n) * blk + jnp.arange(blk)[None, :]
+    s = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(q.shape[-1])
+    s = jnp.where(qi >= kj, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(-1))
+    safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    w = jnp.exp(s - safe[..., None])
+    corr = jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf))
+    return (
+        m_new,
+        denom * corr + w.sum(-1),
+        o * corr[..., None] + jnp.einsum("bhqt,bthk->bhqk", w, v),
+    )
+
+
+def _start(q, axis):
+    m = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, q.dtype)
+    o = jnp.zeros((q.shape[0], q.shape[2], q.shape[1], q.shape[3]), q.dtype)
+    return tuple(lax.pcast(a, (axis,), to="varying") for a in (m, jnp.zeros_like(m), o))
+
+
+def _finish(denom, o):
+    return (o / jnp.where(denom > 0, denom, 1.0)[..., None]).transpose(0, 2, 1, 3)
+
+
+def ring_while(q, k, v, axis):
+    """Another correct form: lax.while_loop over n - 1 steps that fold and send, the last block after."""
+    n = lax.axis_size(axis)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def body(carry):
+        t, k, v, m, denom, o = carry
+        m, denom, o = _fold(q, k, v, m, denom, o, t, axis)
+        k, v = lax.ppermute((k, v), axis, ring)
+        return t + 1, k, v, m, denom, o
+
+    t, k, v, m, denom, o = lax.while_loop(lambda c: c[0] < n - 1, body, (0, k, v, *_start(q, axis)))
+    return _finish(*_fold(q, k, v, m, denom, o, n - 1, axis)[1:])
+
+
+def ring_fori(q, k, v, axis):
+    """Another correct form: lax.fori_loop with bounds known when traced (it becomes a scan)."""
+    n = lax.axis_size(axis)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def body(t, carry):
+        k, v, m, denom, o = carry
+        m, denom, o = _fold(q, k, v, m, denom, o, t, axis)
+        return (*lax.ppermute((k, v), axis, ring), m, denom, o)
+
+    k, v, m, denom, o = lax.fori_loop(0, n - 1, body, (k, v, *_start(q, axis)))
+    return _finish(*_fold(q, k, v, m, denom, o, n - 1, axis)[1:])
+
+
+def ring_while_count_down(q, k, v, axis):
+    """A while_loop whose trip count comes from the device's position: the checker cannot read it."""
+    n, me = lax.axis_size(axis), lax.axis_index(axis)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def body(carry):
+        t, k, v, m, denom, o = carry
+        m, denom, o = _fold(q, k, v, m, denom, o, t - me, axis)
+        k, v = lax.ppermute((k, v), axis, ring)
+        return t + 1, k, v, m, denom, o
+
+    init = (me, k, v, *_start(q, axis))
+    t, k, v, m, denom, o = lax.while_loop(lambda c: c[0] < me + n - 1, body, init)
+    return _finish(*_fold(q, k, v, m, denom, o, n - 1, axis)[1:])
+
+
+def ring_two_pass(q, k, v, axis):
+    """Two passes and no online softmax: every K/V block kept, the global maximum and sum from the first
+    pass, the output from the second. Right values, memory of the full sequence's K and V."""
+    n, me, blk = lax.axis_size(axis), lax.axis_index(axis), q.shape[1]
+    qi = me * blk + jnp.arange(blk)[:, None]
+    ks, vs = [k], [v]
+    for _ in range(n - 1):
+        k, v = lax.ppermute((k, v), axis, [(i, (i + 1) % n) for i in range(n)])
+        ks, vs = ks + [k], vs + [v]
+
+    def scores(t):
+        kj = ((me - t) % n) * blk + jnp.arange(blk)[None, :]
+        s = jnp.einsum("bqhk,bthk->bhqt", q, ks[t]) / math.sqrt(q.shape[-1])
+        return jnp.where(qi >= kj, s, -jnp.inf)
+
+    m = functools.reduce(jnp.maximum, [scores(t).max(-1) for t in range(n)])
+    w = [jnp.exp(scores(t) - m[..., None]) for t in range(n)]
+    o = sum(jnp.einsum("bhqt,bthk->bhqk", w[t], vs[t]) for t in range(n))
+    return (o / sum(x.sum(-1) for x in w)[..., None]).transpose(0, 2, 1, 3)
+
+
+def ring_keeps_scores(q, k, v, axis):
+    """Scores every block as it arrives and keeps the scores and V blocks; one softmax at the end."""
+    n, me, blk = lax.axis_size(axis), lax.axis_index(axis), q.shape[1]
+    qi = me * blk + jnp.arange(blk)[:, None]
+    ss, vs = [], []
+    for t in range(n):
+        kj = ((me - t) % n) * blk + jnp.arange(blk)[None, :]
+        s = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(q.shape[-1])
+        ss, vs = ss + [jnp.where(qi >= kj, s, -jnp.inf)], vs + [v]
+        if t < n - 1:
+            k, v = lax.ppermute((k, v), axis, [(i, (i + 1) % n) for i in range(n)])
+    m = functools.reduce(jnp.maximum, [s.max(-1) for s in ss])
+    w = [jnp.exp(s - m[..., None]) for s in ss]
+    o = sum(jnp.einsum("bhqt,bthk->bhqk", a, b) for a, b in zip(w, vs))
+    return (o / sum(a.sum(-1) for a in w)[..., None]).transpose(0, 2, 1, 3)
+
+
+def ring_two_rounds(q, k, v, axis):
+    """Two passes round the ring, the blocks sent again for the second: memory of one block, twice the
+    bytes."""
+    n, me, blk = lax.axis_size(axis), lax.axis_index(axis), q.shape[1]
+    qi = me * blk + jnp.arange(blk)[:, None]
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def scores(k, t):
+        kj = ((me - t) % n) * blk + jnp.arange(blk)[None, :]
+        s = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(q.shape[-1])
+        return jnp.where(qi >= kj, s, -jnp.inf)
+
+    m, k0, v0 = None, k, v
+    for t in range(n):
+        m = scores(k, t).max(-1) if m is None else jnp.maximum(m, scores(k, t).max(-1))
+        k = lax.ppermute(k, axis, ring) if t < n - 1 else k
+    k, v, denom, o = k0, v0, 0.0, 0.0
+    for t in range(n):
+        w = jnp.exp(scores(k, t) - m[..., None])
+        denom, o = denom + w.sum(-1), o + jnp.einsum("bhqt,bthk->bhqk", w, v)
+        if t < n - 1:
+            k, v = lax.ppermute((k, v), axis, ring)
+    return (o / denom[..., None]).transpose(0, 2, 1, 3)
 
 
 # ---- ZeRO-3 -----------------------------------------------------------------------------------------------

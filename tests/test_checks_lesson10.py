@@ -23,6 +23,11 @@ def test_stubs_print_not_written(report, monkeypatch, capsys):
 def test_ring_accepts_correct_forms(report, n):
     assert lesson10.check_ring_attention(a.ring_reference, report.devices[:n])
     assert lesson10.check_ring_attention(a.ring_scan, report.devices[:n])
+    assert lesson10.check_ring_attention(a.ring_while, report.devices[:n])
+
+
+def test_ring_accepts_fori_loop(report):
+    assert lesson10.check_ring_attention(a.ring_fori, report.devices[:2])
 
 
 def test_ring_accepts_rows_flattened(report):
@@ -43,6 +48,21 @@ def test_ring_accepts_rows_flattened(report):
         (a.ring_four, "on 2 device.*ppermute sources.*axis_size.*tries 2, 4 and 8"),
         (a.ring_gathered, "calls all_gather.*lax.ppermute"),
         (a.ring_sends_n, "on 2 devices each device sends 13,440 bytes.*more than.*never used"),
+        (
+            a.ring_two_pass,
+            "ring of 32 devices .* holds [0-9,]+ bytes at once.*whole sequence's K and V are 16,384 "
+            "bytes.*half of that \\(8,192\\).*online softmax",
+        ),
+        (
+            a.ring_keeps_scores,
+            "ring of 32 devices .* holds [0-9,]+ bytes at once.*every block's scores",
+        ),
+        (a.ring_two_rounds, "on 2 devices each device sends 10,080 bytes.*more than.*6,720 bytes"),
+        (
+            a.ring_while_count_down,
+            "while_loop whose number of iterations .* cannot read.*send \\(n - 1\\) × 6,720 = 6,720 "
+            "bytes.*fori_loop",
+        ),
         (
             a.ring_sends_q,
             "on 2 devices each device sends 10,080 bytes.*more than.*only K and V travel",

@@ -231,16 +231,152 @@ def _ring_large_scores(mapped, what, q, k, v):
         )
 
 
-def _ring_structure(fn, c) -> tuple[float, float, int, str | None]:
-    """Bytes sent by ppermute, ppermutes run, the largest intermediate's elements and any other collective
-    moving arrays, from the jaxpr on an abstract ring of ``c`` devices (float32)."""
+_LOOP_CAP = 10_000
+"""The most iterations :func:`_while_trips` runs a ``while_loop``'s counter for."""
+
+
+def _is_var(v) -> bool:
+    return not hasattr(v, "val")  # a Literal carries its value
+
+
+def _slice(jaxpr, wanted: set) -> tuple[list, set]:
+    """The equations of ``jaxpr`` that ``wanted`` (its variables) depend on, and the inputs they read."""
+    need, kept = set(wanted), []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in need for v in eqn.outvars):
+            kept.append(eqn)
+            need |= {v for v in eqn.invars if _is_var(v)}
+    return kept[::-1], need
+
+
+def _run(eqns, env: dict) -> dict:
+    for eqn in eqns:
+        args = [env[v] if _is_var(v) else v.val for v in eqn.invars]
+        out = eqn.primitive.bind(*args, **eqn.params)
+        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
+    return env
+
+
+def _static(v, outer) -> Any:
+    """The value of ``v`` (an operand in ``outer``) if it is computed from constants only, else raises."""
+    if not _is_var(v):
+        return v.val
+    eqns, need = _slice(outer, {v})
+    if need & set(outer.invars):
+        raise ValueError("depends on the program's inputs")
+    return _run(eqns, {})[v]
+
+
+def _while_trips(eqn, outer) -> int | None:
+    """How many times a ``while`` equation's body runs, when its condition depends only on loop-carried
+    values that start from constants and that the body computes from each other (a counter): run that
+    part of the loop. None when it cannot be read."""
+    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    ops = eqn.invars
+    cond_consts, body_consts, init = ops[:nc], ops[nc : nc + nb], ops[nc + nb :]
+    carry_in = body.jaxpr.invars[nb:]
+    try:
+        c_eqns, c_need = _slice(cond.jaxpr, set(cond.jaxpr.outvars))
+        used = {i for i, v in enumerate(cond.jaxpr.invars[nc:]) if v in c_need}
+        while True:
+            b_eqns, b_need = _slice(body.jaxpr, {body.jaxpr.outvars[i] for i in used})
+            more = used | {i for i, v in enumerate(carry_in) if v in b_need}
+            if more == used:
+                break
+            used = more
+        env_c = dict(zip(cond.jaxpr.constvars, cond.consts))
+        env_c |= {v: _static(o, outer) for v, o in zip(cond.jaxpr.invars[:nc], cond_consts)
+                  if v in c_need}  # fmt: skip
+        env_b = dict(zip(body.jaxpr.constvars, body.consts))
+        env_b |= {v: _static(o, outer) for v, o in zip(body.jaxpr.invars[:nb], body_consts)
+                  if v in b_need}  # fmt: skip
+        carry = {i: _static(init[i], outer) for i in used}
+        for trips in range(_LOOP_CAP):
+            env = env_c | {cond.jaxpr.invars[nc + i]: x for i, x in carry.items()}
+            if not bool(_run(c_eqns, env)[cond.jaxpr.outvars[0]]):
+                return trips
+            env = _run(b_eqns, env_b | {carry_in[i]: x for i, x in carry.items()})
+            carry = {i: env[body.jaxpr.outvars[i]] for i in used}
+    except Exception:  # noqa: BLE001 - a condition that is not a plain counter
+        return None
+    return None
+
+
+def _counted(jaxpr, times: int | None = 1):
+    """Every equation of ``jaxpr`` (nested ones included) with how many times it runs: a ``scan`` body
+    ``length`` times, a ``while_loop`` body as many times as its counter allows (None: not readable)."""
+    jx = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jx.eqns:
+        yield eqn, times
+        name, reps = eqn.primitive.name, times
+        if name == "scan" and times is not None:
+            reps = times * int(eqn.params["length"])
+        elif name == "while":
+            trips = _while_trips(eqn, jx)
+            reps = None if times is None or trips is None else times * trips
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                    yield from _counted(sub, reps)
+
+
+def _nbytes(v) -> int:
+    aval = getattr(v, "aval", None)
+    return int(getattr(aval, "size", 0)) * getattr(getattr(aval, "dtype", None), "itemsize", 0)
+
+
+def _held(jaxpr) -> int:
+    """The most bytes a program holds at once when it runs its equations in the order written: each value
+    from the equation that makes it to its last use (a loop's or call's body adds its own peak)."""
+    jx = getattr(jaxpr, "jaxpr", jaxpr)
+    last = {}
+    for i, eqn in enumerate(jx.eqns):
+        last |= {v: i for v in eqn.invars if _is_var(v)}
+    last |= {v: len(jx.eqns) for v in jx.outvars if _is_var(v)}
+    live = {v for v in (*jx.constvars, *jx.invars)}
+    now = peak = sum(map(_nbytes, live))
+    for i, eqn in enumerate(jx.eqns):
+        inner = 0
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sj = getattr(sub, "jaxpr", sub)
+                if hasattr(sj, "eqns"):
+                    edge = sum(map(_nbytes, (*sj.invars, *sj.outvars)))
+                    inner = max(inner, _held(sj) - edge)
+        made = sum(_nbytes(v) for v in eqn.outvars)
+        peak = max(peak, now + made + inner)
+        now += made
+        live |= set(eqn.outvars)
+        dead = {v for v in live if last.get(v, -1) <= i}
+        now -= sum(map(_nbytes, dead))
+        live -= dead
+    return peak
+
+
+def _device_program(jaxpr):
+    """The body of the first ``shard_map`` in ``jaxpr``: the program one device runs."""
+    for eqn, _ in jaxpr_equations(jaxpr):
+        if eqn.primitive.name == "shard_map":
+            return eqn.params["jaxpr"]
+    return jaxpr
+
+
+def _ring_jaxpr(fn, c, shape):
     mapped = _attention_mapped(fn, abstract((c,), (CONTEXT,)))
-    arg = jax.ShapeDtypeStruct((_B, _S, _H, _DH), jnp.float32)
+    arg = jax.ShapeDtypeStruct(shape, jnp.float32)
     what = f"ring_attention on a {c}-device mesh"
-    jaxpr = _call_unaided(what, jax.make_jaxpr(mapped), arg, arg, arg, name="ring_attention",
-                          explain=functools.partial(_explain_ring, what))  # fmt: skip
-    sent, sends, other, biggest = 0.0, 0.0, None, 0
-    for eqn, times in jaxpr_equations(jaxpr):
+    return _call_unaided(what, jax.make_jaxpr(mapped), arg, arg, arg, name="ring_attention",
+                         explain=functools.partial(_explain_ring, what))  # fmt: skip
+
+
+def _ring_structure(fn, c) -> tuple[float | None, int, str | None]:
+    """Bytes sent by ppermute (loop bodies counted per trip; None where a while_loop's trip count cannot
+    be read), the largest intermediate's elements and any other collective moving arrays, from the jaxpr
+    on an abstract ring of ``c`` devices (float32)."""
+    jaxpr = _ring_jaxpr(fn, c, (_B, _S, _H, _DH))
+    sent, other, biggest = 0.0, None, 0
+    for eqn, times in _counted(jaxpr):
         name = eqn.primitive.name
         if name == "shard_map":
             continue
@@ -250,11 +386,27 @@ def _ring_structure(fn, c) -> tuple[float, float, int, str | None]:
             and moved > 1
         ):
             other = other or name
-        if name == "ppermute":
-            sends += times
-            sent += times * sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.invars)
+        if name == "ppermute" and sent is not None:
+            sent = None if times is None else sent + times * sum(map(_nbytes, eqn.invars))
         biggest = max([biggest, *(int(getattr(v.aval, "size", 0)) for v in eqn.outvars)])
-    return sent, sends, biggest, other
+    return sent, biggest, other
+
+
+_MEM_RING, _MEM_B, _MEM_BLK, _MEM_H, _MEM_DH = 32, 1, 8, 2, 4
+"""The ring whose memory is read: 32 devices, blocks of 8 positions (S = 256), Dh = 4, so that one block's
+scores [B, H, 8, 8] and its K and V [B, 8, H, 4] ×2 are the same size (2,048 bytes in float32). The bound is
+half the whole sequence's K and V, 16 blocks: a ring that keeps every block (or every block's scores)
+holds over 32 (measured: 50), an online-softmax ring about 6 (q, the K and V it holds and receives, the
+scores, the output; measured 5–6 for the reference, a scan, a while_loop)."""
+
+
+def _ring_memory(fn) -> tuple[int, int, int]:
+    """(bytes held at once by one device, the bound, the full sequence's K and V bytes) on the abstract
+    ring :data:`_MEM_RING` in float32, the program run in the order written."""
+    c, blk = _MEM_RING, _MEM_BLK
+    jaxpr = _ring_jaxpr(fn, c, (_MEM_B, c * blk, _MEM_H, _MEM_DH))
+    kv = 2 * _MEM_B * blk * _MEM_H * _MEM_DH * 4
+    return _held(_device_program(jaxpr)), c * kv // 2, c * kv
 
 
 @checker
@@ -263,10 +415,17 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
     ``axis_name``) must return causal attention's output for this device's queries, [B, S/n, H, Dh],
     sending only key/value blocks round the ring (``n - 1`` of each, no other collective) and holding
     nothing of the full sequence's size. Values on rings of 2 and 8 devices (or 4, or 1: those present);
-    structure on abstract rings of 2, 4 and 8. An answer calling :mod:`course_lib.splits` is refused."""
+    structure on abstract rings of 2, 4 and 8 from the jaxpr (a ``scan`` or ``fori_loop`` body's sends
+    counted ``length`` times, a ``while_loop``'s as many times as its counter runs; one whose counter
+    cannot be run is refused); the bytes one device holds at once, its operations run in the order
+    written (:func:`_held`), on an abstract ring of 32 (:data:`_MEM_RING`), at most half the whole
+    sequence's K and V. Not the compiled program's ``memory_analysis()``: XLA:CPU may schedule every
+    ``ppermute`` of an unrolled ring first, and then holds every block even for an online softmax
+    (measured: the reference's temporaries equal a two-pass ring's on 8 devices). An answer calling
+    :mod:`course_lib.splits` is refused."""
     ran = _ring_values(ring_attention, list(devices), np.random.default_rng(10))
     for c in _RINGS:
-        sent, sends, biggest, other = _ring_structure(ring_attention, c)
+        sent, biggest, other = _ring_structure(ring_attention, c)
         blk = _S // c
         kv = 2 * _B * blk * _H * _DH * 4  # one K and one V block, float32
         if other:
@@ -275,9 +434,8 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
                 "passing blocks to the next device",
                 "keep one key/value block at a time and pass it to the next device with lax.ppermute",
             )
-        limit = 3 * max(
-            kv // 8, _B * _H * blk * blk
-        )  # a few blocks' worth; the full sequence is c×
+        # a few blocks' worth; the full sequence is c×
+        limit = 3 * max(kv // 8, _B * _H * blk * blk)
         if biggest > limit:
             fail(
                 f"on {c} devices an intermediate has {biggest:,} elements, more than a few key/value "
@@ -285,17 +443,40 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
                 "full sequence",
                 "score this device's queries against one key/value block at a time",
             )
+        if sent is None:
+            fail(
+                f"on {c} devices the ppermutes sit in a lax.while_loop whose number of iterations the "
+                "checker cannot read from the program (its condition is not a counter that starts from a "
+                "constant), so it cannot count the bytes sent; each device must send "
+                f"(n - 1) × {kv:,} = {(c - 1) * kv:,} bytes (one K and one V block a step, float32)",
+                "loop over range(n - 1) in Python, or with lax.fori_loop(0, n - 1, …) or lax.scan, "
+                "or a while_loop whose counter starts from a constant",
+            )
         if sent != (c - 1) * kv:
             more = "more" if sent > (c - 1) * kv else "fewer"
             fail(
-                f"on {c} devices each device sends {sent:,.0f} bytes with ppermute: {more} than "
-                f"the K and V blocks it must pass on ({kv:,} bytes a step, float32)",
+                f"on {c} devices each device sends {sent:,.0f} bytes with ppermute (loop bodies counted "
+                f"once per iteration): {more} than the K and V blocks it must pass on, (n - 1) × {kv:,} = "
+                f"{(c - 1) * kv:,} bytes (one K and one V block a step, float32)",
                 "each device needs the n - 1 other devices' blocks, one per step; a block received at "
-                "the last step is never used, and only K and V travel (not the queries or outputs)",
+                "the last step is never used, and only K and V travel (not the queries or outputs), "
+                "once each",
             )
+    held, bound, full = _ring_memory(ring_attention)
+    if held > bound:
+        fail(
+            f"on a ring of {_MEM_RING} devices (blocks of {_MEM_BLK} positions, float32) one device holds "
+            f"{held:,} bytes at once, its operations run in the order written; the whole sequence's K "
+            f"and V are {full:,} bytes, and the bound is half of that ({bound:,}), where an online ring "
+            "holds a few blocks: the device keeps something of the whole sequence's size (such as "
+            "every block, or every block's scores, until the end)",
+            "fold each block into a running maximum, sum and output as it arrives (the online "
+            "softmax: rescale what is summed when the maximum grows) and let it go before the next",
+        )
     return passed(
         f"ring attention equals causal attention in float64 on {' and '.join(map(str, ran))} device(s); on rings of "
-        f"{', '.join(map(str, _RINGS))} it sends n - 1 K/V blocks and holds no array of the full sequence"
+        f"{', '.join(map(str, _RINGS))} it sends n - 1 K/V blocks and holds no array of the full sequence; "
+        f"on a ring of {_MEM_RING} one device holds at most {held:,} bytes at once (whole K and V: {full:,})"
     )
 
 
