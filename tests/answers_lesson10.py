@@ -486,6 +486,44 @@ def tp_mlp_gelu_after(x, p, axis):
     )
 
 
+def tp_mlp_gather_weights(x, p, axis):
+    """Gathers the weight shards: every device computes the whole MLP (pmean makes it replicated)."""
+    w1, b1, w2 = (
+        lax.all_gather(w, axis, axis=a, tiled=True)
+        for w, a in ((p["w1"]["kernel"], 1), (p["w1"]["bias"], 0), (p["w2"]["kernel"], 0))
+    )
+    return lax.pmean(jax.nn.gelu(x @ w1 + b1) @ w2 + p["w2"]["bias"], axis)
+
+
+def tp_mlp_psum_weights(x, p, axis):
+    """Rebuilds the whole weights by summing zero-padded shards over the devices (an all-reduce)."""
+    n, me = lax.axis_size(axis), lax.axis_index(axis)
+
+    def whole(a, dim):
+        full = jnp.zeros(a.shape[:dim] + (n * a.shape[dim],) + a.shape[dim + 1 :], a.dtype)
+        return lax.psum(lax.dynamic_update_slice_in_dim(full, a, me * a.shape[dim], dim), axis)
+
+    h = jax.nn.gelu(x @ whole(p["w1"]["kernel"], 1) + whole(p["w1"]["bias"], 0))
+    return h @ whole(p["w2"]["kernel"], 0) + p["w2"]["bias"]
+
+
+def tp_mlp_gather_hidden(x, p, axis):
+    """Gathers the hidden activation [T, F] and w2's rows, no psum."""
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    h, w2 = (
+        lax.all_gather(h, axis, axis=1, tiled=True),
+        lax.all_gather(p["w2"]["kernel"], axis, tiled=True),
+    )
+    return lax.pmean(h @ w2, axis) + p["w2"]["bias"]
+
+
+def tp_mlp_two_psums(x, p, axis):
+    """Splits this device's rows of w2 in two and sums each half's [T, D] product: two all-reduces."""
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    k, w2 = h.shape[1] // 2, p["w2"]["kernel"]
+    return lax.psum(h[:, :k] @ w2[:k], axis) + lax.psum(h[:, k:] @ w2[k:], axis) + p["w2"]["bias"]
+
+
 def tp_mlp_no_b1(x, p, axis):
     h = jax.nn.gelu(x @ p["w1"]["kernel"])
     return lax.psum(h @ p["w2"]["kernel"], axis) + p["w2"]["bias"]

@@ -141,3 +141,13 @@ def test_tp_mlp(report):
     rejects(check, a.tp_mlp_float32, devices, match="near the MLP's.*float32")
     rejects(check, a.tp_mlp_gelu_after, devices, match="differs from the MLP")
     rejects(check, a.tp_mlp_no_b1, devices, match="differs from the MLP")
+    moves = "sends one thing: the \\[T, D\\] partial output.*one lax.psum"
+    rejects(
+        check,
+        a.tp_mlp_gather_weights,
+        devices,
+        match=r"on 8 devices the program calls all_gather\w* of \[16, 6\]; .*" + moves,
+    )
+    rejects(check, a.tp_mlp_psum_weights, devices, match=r"calls psum\w* of \[16, 48\];.*" + moves)
+    rejects(check, a.tp_mlp_gather_hidden, devices, match=r"calls all_gather\w* of \[5, 6\];")
+    rejects(check, a.tp_mlp_two_psums, devices, match="sums \\[T, D\\] arrays .* 2 times")

@@ -597,7 +597,7 @@ def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
 
 # ---- exercise 4 (debug): the tensor-parallel MLP ------------------------------------------------------------
 
-_MLP_D, _MLP_F, _MLP_T = 16, 48, 6  # F divides by 2, 3, 4 and 8
+_MLP_D, _MLP_F, _MLP_T = 16, 48, 5  # F divides by 2, 3, 4 and 8; T is no shard's length
 
 
 def _mlp_hint(got, want, b2, n):
@@ -628,6 +628,48 @@ def _mlp_hint(got, want, b2, n):
     )
 
 
+_COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "reduce_scatter")
+"""Prefixes of the jaxpr's collective primitives (``psum_invariant``, ``all_gather_invariant``, …;
+``lax.pmean`` traces to a ``psum`` and a division, ``lax.psum_scatter`` to ``reduce_scatter``)."""
+
+
+def _mlp_collectives(jaxpr, n):
+    """Refuse any collective but one ``psum`` of the [T, D] partial output (scalars aside)."""
+    psums, others = 0, []
+    for eqn, times in _counted(jaxpr):
+        name = eqn.primitive.name
+        shapes = [tuple(v.aval.shape) for v in eqn.invars if getattr(v.aval, "size", 1) > 1]
+        if not name.startswith(_COLLECTIVES) or not shapes:
+            continue
+        if (
+            name.startswith("psum")
+            and not name.startswith("psum_scatter")
+            and shapes == [(_MLP_T, _MLP_D)]
+        ):
+            psums += times or 2
+        else:
+            others.append(f"{name} of {', '.join(f'[{", ".join(map(str, s))}]' for s in shapes)}")
+    want = (
+        f"a tensor-parallel MLP (T={_MLP_T}, D={_MLP_D}, F={_MLP_F}) sends one thing: the [T, D] "
+        "partial output, summed over the devices by one lax.psum"
+    )
+    if others:
+        fail(
+            f"on {n} devices the program calls {'; '.join(others[:4])}; {want}, and moves no weights "
+            "(with gathered weights every device computes the whole MLP)",
+            "multiply by this device's shards only (x @ its columns of w1, + its part of w1's bias, "
+            "gelu, @ its rows of w2) and add the devices' [T, D] partial outputs with one lax.psum",
+        )
+    if psums != 1:
+        fail(
+            f"on {n} devices the program sums [T, D] arrays over the devices {psums} times; {want}",
+            "add the partial outputs of the row-parallel w2 with a single lax.psum (w2's bias once, "
+            "after it)"
+            if psums
+            else "add the devices' [T, D] partial outputs with lax.psum",
+        )
+
+
 @functools.cache
 def _mlp_counts(n_devices: int) -> tuple[int, ...]:
     """Two device counts (the most of 8, 4, 2 present, and 3 or 2) so that a constant fitted to one fails."""
@@ -641,7 +683,9 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
     """``tp_mlp(x, p, axis_name)``: x [T, D] replicated, ``p`` this device's MLP shard (``w1`` columns and
     bias split, ``w2`` rows split, ``w2``'s bias whole) must equal :func:`course_lib.transformer.mlp` on
     the whole parameters, with random (not zero) biases, in float64, on two device counts (the most of
-    8, 4, 2 present, and 3 or 2). An answer calling :mod:`course_lib.splits` is refused."""
+    8, 4, 2 present, and 3 or 2), and its jaxpr there must hold one collective: a ``psum`` of the
+    [T, D] partial output (no gathered weights or activations, no second sum). An answer calling
+    :mod:`course_lib.splits` is refused."""
     rng = np.random.default_rng(4)
     d, f = _MLP_D, _MLP_F
     spec = {
@@ -664,9 +708,12 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
             what = f"tp_mlp on {n} device(s)"
             got = np.asarray(_call_unaided(what, _jit(mapped), x, p, name="tp_mlp"))
             want = np.asarray(transformer.mlp(x, p))
+            jaxpr = jax.make_jaxpr(mapped)(x, p) if n > 1 else None
         if not np.allclose(got, want, rtol=0, atol=1e-10):
             _mlp_hint(got, want, np.asarray(p["w2"]["bias"]), n)
+        if jaxpr is not None:
+            _mlp_collectives(jaxpr, n)
     return passed(
         f"the tensor-parallel MLP equals the MLP on {' and '.join(map(str, counts))} device(s) with "
-        "random biases"
+        "random biases, and sends only the [T, D] partial output through one psum"
     )
