@@ -387,6 +387,50 @@ def zero3_gather_outside(x, blocks, axis):
     return lax.scan(step, x, blocks)[0]
 
 
+def zero3_dots(x, blocks, axis):
+    """Another correct form: each layer checkpointed with dots_saveable (the matmuls' outputs saved; the
+    gathers, not dots, are still redone in the backward pass)."""
+    return zero3_reference(x, blocks, axis, policy=jax.checkpoint_policies.dots_saveable)
+
+
+def zero3_save_everything(x, blocks, axis):
+    """Each layer checkpointed with everything_saveable: the gathered layers are saved, not gathered again."""
+    return zero3_reference(x, blocks, axis, policy=jax.checkpoint_policies.everything_saveable)
+
+
+def zero3_gather_all_checkpointed(x, blocks, axis):
+    """Gathers every layer (one gather per layer and leaf) before the first block, all in one checkpoint:
+    the backward gathers again, but every layer is whole at once."""
+    n_layers = jax.tree.leaves(blocks)[0].shape[0]
+
+    @jax.checkpoint
+    def run(x, blocks):
+        full = [
+            jax.tree.map(lambda a, i=i: lax.all_gather(a[i], axis, tiled=True), blocks)
+            for i in range(n_layers)
+        ]
+        for p in full:
+            x = transformer.block(x, p)
+        return x
+
+    return run(x, blocks)
+
+
+def zero3_one_checkpoint(x, blocks, axis):
+    """Gathers each layer just before it, but one jax.checkpoint around all the layers: the backward pass
+    recomputes the whole forward and keeps every gathered layer for the layers' gradients."""
+    n_layers = jax.tree.leaves(blocks)[0].shape[0]
+
+    @jax.checkpoint
+    def run(x, blocks):
+        for i in range(n_layers):
+            full = jax.tree.map(lambda a, i=i: lax.all_gather(a[i], axis, tiled=True), blocks)
+            x = transformer.block(x, full)
+        return x
+
+    return run(x, blocks)
+
+
 # ---- predictions ----------------------------------------------------------------------------------------
 
 

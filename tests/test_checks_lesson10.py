@@ -88,6 +88,17 @@ def test_zero3_accepts_correct_forms(report):
     assert lesson10.check_zero3(a.zero3_loop, report.devices)
 
 
+def test_zero3_names_a_looser_policy(report, capsys):
+    """dots_saveable still gathers again in the backward pass: accepted, and the message says that data
+    parallelism here saves nothing while the answer saves with dots_saveable."""
+    assert lesson10.check_zero3(a.zero3_dots, report.devices)
+    out = capsys.readouterr().out
+    assert (
+        "each block under jax.checkpoint saving nothing" in out
+        and "yours saves with dots_saveable" in out
+    )
+
+
 @pytest.mark.parametrize(
     "answer, match",
     [
@@ -95,6 +106,13 @@ def test_zero3_accepts_correct_forms(report):
         (a.zero3_upfront, "all_gather returns a leaf of all 3 layers at once"),
         (a.zero3_no_checkpoint, "does not gather again.*jax.checkpoint"),
         (a.zero3_gather_outside, "does not gather again.*jax.checkpoint"),
+        (a.zero3_save_everything, "does not gather again.*policy: save nothing"),
+        (
+            a.zero3_gather_all_checkpointed,
+            "holds [0-9,]+ bytes .* no less than data parallelism's, each block under jax.checkpoint "
+            "saving nothing.*more than one gathered layer is whole at once.*its own jax.checkpoint",
+        ),
+        (a.zero3_one_checkpoint, "no less than data parallelism's.*not one around all the layers"),
         (a.zero3_bf16, "near data parallelism's.*rounded.*bf16"),
         (a.zero3_psum_gather, "all-reduces .* bytes per device.*lax.all_gather"),
     ],

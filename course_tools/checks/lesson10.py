@@ -492,8 +492,9 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
     layers at once; in the compiled gradient step (loop bodies counted per layer) no all-reduce but the
     loss's, the gradients reduce-scattered ((n-1)/n of the parameter bytes) and the parameters gathered
     twice (forward and backward: 3(n-1)/n on the wire in all, less what the backward needs no more); and
-    its peak memory (arguments + temporaries) below data parallelism's under the same checkpoint policy.
-    An answer calling :mod:`course_lib.splits` is refused."""
+    its peak memory (arguments + temporaries) below data parallelism's with each block under
+    ``jax.checkpoint`` saving nothing (an answer with another policy, such as ``dots_saveable``, is
+    compared with the same and told so). An answer calling :mod:`course_lib.splits` is refused."""
     n = max(c for c in (4, 2, 1) if c <= len(devices))
     blocks, x, cfg = z_setup(n)
     mesh = mesh_of({DATA: n}, list(devices)[:n], axis_type="auto")
@@ -513,18 +514,36 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
     mz, md = zc.memory_analysis(), dpc.memory_analysis()
     peak_z = mz.argument_size_in_bytes + mz.temp_size_in_bytes
     peak_dp = md.argument_size_in_bytes + md.temp_size_in_bytes
+    policies = sorted(
+        {
+            getattr(eqn.params["policy"], "__name__", "a custom policy")
+            for eqn, _ in jaxpr_equations(traced.jaxpr)
+            if eqn.params.get("policy") not in (None, jax.checkpoint_policies.nothing_saveable)
+        }
+    )
+    dp = "data parallelism's, each block under jax.checkpoint saving nothing"
     if peak_z >= peak_dp:
-        fail(
-            f"on {n} devices the ZeRO-3 step holds {peak_z:,} bytes (arguments + temporaries), data "
-            f"parallelism under the same checkpoint policy {peak_dp:,}: gathered layers are kept",
-            "gather one layer at a time inside the step over the layers, within the jax.checkpoint'ed "
-            "function, so no more than about one layer is whole at once",
+        yours = (
+            f" (your jax.checkpoint's policy, {', '.join(policies)}, keeps what it saves for the "
+            "backward pass)"
+            if policies
+            else ""
         )
+        fail(
+            f"on {n} devices the ZeRO-3 step holds {peak_z:,} bytes (arguments + temporaries), no less "
+            f"than {dp} ({peak_dp:,}), although its arguments are {mz.argument_size_in_bytes:,} bytes "
+            f"to {md.argument_size_in_bytes:,}: more than one gathered layer is whole at once, or more "
+            f"activations are kept{yours}",
+            "gather one layer at a time inside the step over the layers, each layer's gather and block "
+            "in its own jax.checkpoint'ed function (not one around all the layers), saving nothing",
+        )
+    mine = f"; yours saves with {', '.join(policies)}" if policies else ""
     return passed(
         f"ZeRO-3 on {n} devices: gradients equal data parallelism's; per device "
         f"{wire.get('all-gather', 0):,.0f} bytes all-gathered and {wire.get('reduce-scatter', 0):,.0f} "
         f"reduce-scattered; arguments {mz.argument_size_in_bytes:,} bytes vs {md.argument_size_in_bytes:,}, "
-        f"peak {peak_z:,} vs data parallelism's {peak_dp:,} (same checkpoint policy)"
+        f"peak {peak_z:,} vs {peak_dp:,} for data parallelism with each block under jax.checkpoint "
+        f"saving nothing{mine}"
     )
 
 
