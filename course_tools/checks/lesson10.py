@@ -1,15 +1,18 @@
-"""Checkers for ``10_transformers.ipynb``: ring attention built from ``ppermute`` (a project), per-layer
-ZeRO-3 on the transformer's blocks, the bytes and activation memory of tensor vs sequence parallelism
-predicted before the measurement, and a tensor-parallel MLP whose silent bug hides behind zero biases.
+"""Checkers for ``10_transformers.ipynb``, numbered as its exercises: 1 (debug) a tensor-parallel MLP whose
+silent bug hides behind zero biases, 2 (predict) the bytes and activation memory of tensor vs sequence
+parallelism predicted before the measurement, 3 (project) ring attention built from ``ppermute``, 4 per-layer
+ZeRO-3 on the transformer's blocks.
 
 None of them holds an answer, and each refuses an answer that calls into :mod:`course_lib.splits` (the
-library that computes it). Ring attention is compared with single-device causal attention in float64 on
-random inputs on rings of 2 and 8 devices (or as many as are present), with B, S, H and Dh all different; its sends
-and largest intermediate are read from its jaxpr on rings of 2, 4 and 8 traced without devices. ZeRO-3 is
-compiled and its gradients, collectives (trip-weighted bytes) and ``memory_analysis()`` compared with data
-parallelism's under the same checkpoint policy. The predictions are compared with the formulas of
-:func:`course_lib.splits.predict_tp_sp` on cases drawn afresh at every call; the MLP with
-:func:`course_lib.transformer.mlp` on two device counts.
+library that computes it). The MLP is compared with :func:`course_lib.transformer.mlp` on two device counts
+and its jaxpr must hold one psum of the [T, D] output and no other collective. The predictions are compared
+with the formulas of :func:`course_lib.splits.predict_tp_sp` on cases drawn afresh at every call. Ring
+attention is compared with single-device causal attention in float64 on random inputs on rings of 2 and 8
+devices (or as many as are present), with B, S, H and Dh all different; its sends (loop bodies counted per
+iteration) and largest intermediate are read from its jaxpr on rings of 2, 4 and 8 traced without devices,
+and the bytes one device holds at once from its jaxpr on a ring of 32. ZeRO-3 is compiled and its
+gradients, collectives (trip-weighted bytes) and ``memory_analysis()`` compared with data parallelism's with
+each block under ``jax.checkpoint`` saving nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ._common import call_answer, checker, fail, passed, require
 from ._lesson10_zero3 import dp_compiled, z_setup, z_step, z_upfront, z_values, z_wire
 from ._spmd import abstract
 
-__all__ = ["check_ring_attention", "check_zero3", "check_predict_tp_sp", "check_tp_mlp"]
+__all__ = ["check_tp_mlp", "check_predict_tp_sp", "check_ring_attention", "check_zero3"]
 
 _ONCE = {"xla_backend_optimization_level": 0}
 
@@ -81,7 +84,7 @@ def _rounded(got, want, rtol) -> bool:
     return bool(np.allclose(got, want, rtol=rtol, atol=rtol))
 
 
-# ---- exercise 1 (project): ring attention ------------------------------------------------------------------
+# ---- exercise 3 (project): ring attention ------------------------------------------------------------------
 
 _B, _H, _DH, _BLK8 = (
     3,
@@ -411,7 +414,9 @@ def _ring_memory(fn) -> tuple[int, int, int]:
 
 @checker
 def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bool:
-    """``ring_attention(q, k, v, axis_name)`` with q/k/v [B, S/n, H, Dh] (sequence split over
+    """Exercise 3 (project): ring attention.
+
+    ``ring_attention(q, k, v, axis_name)`` with q/k/v [B, S/n, H, Dh] (sequence split over
     ``axis_name``) must return causal attention's output for this device's queries, [B, S/n, H, Dh],
     sending only key/value blocks round the ring (``n - 1`` of each, no other collective) and holding
     nothing of the full sequence's size. Values on rings of 2 and 8 devices (or 4, or 1: those present);
@@ -480,12 +485,14 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
     )
 
 
-# ---- exercise 2: ZeRO-3 ---------------------------------------------------------------------------------
+# ---- exercise 4: ZeRO-3 ---------------------------------------------------------------------------------
 
 
 @checker
 def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
-    """``zero3_blocks(x, blocks, axis_name)``: x [B, S, D] this device's batch, ``blocks`` this device's
+    """Exercise 4: ZeRO-3, one layer at a time.
+
+    ``zero3_blocks(x, blocks, axis_name)``: x [B, S, D] this device's batch, ``blocks`` this device's
     shards (each leaf [L, d/n, …], :func:`course_lib.splits.zero3_specs`); run the L blocks gathering each
     layer's parameters just before it, and gathering them again in the backward pass. Judged on the
     devices present (4, else 2, else 1): loss and gradients against data parallelism; no gather of all
@@ -547,7 +554,7 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
     )
 
 
-# ---- exercise 3 (predict): TP vs SP -----------------------------------------------------------------------
+# ---- exercise 2 (predict): TP vs SP -----------------------------------------------------------------------
 
 _PREDICT_CASES = 12
 """How many cases :func:`check_predict_tp_sp` draws at every call (half TP, half SP)."""
@@ -578,7 +585,9 @@ def _pair(got, what):
 
 @checker
 def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
-    """``predict(kind, B, S, D, n)`` → ``(bytes_sent, ln_elements)`` for one block's forward in float32 on
+    """Exercise 2 (predict): tensor vs sequence parallel.
+
+    ``predict(kind, B, S, D, n)`` → ``(bytes_sent, ln_elements)`` for one block's forward in float32 on
     a model axis of ``n``: bytes each device sends, and the elements of one LayerNorm's input a device
     holds. Compared on :data:`_PREDICT_CASES` cases drawn afresh at every call (``seed``: for tests);
     reports how many bytes and how many LayerNorm counts are wrong, not which. A ``predict`` that calls
@@ -614,7 +623,7 @@ def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
     return passed(f"bytes and LayerNorm elements right in all {len(cases)} cases drawn (TP and SP)")
 
 
-# ---- exercise 4 (debug): the tensor-parallel MLP ------------------------------------------------------------
+# ---- exercise 1 (debug): the tensor-parallel MLP ------------------------------------------------------------
 
 _MLP_D, _MLP_F, _MLP_T = 16, 48, 5  # F divides by 2, 3, 4 and 8; T is no shard's length
 
@@ -699,7 +708,9 @@ def _mlp_counts(n_devices: int) -> tuple[int, ...]:
 
 @checker
 def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
-    """``tp_mlp(x, p, axis_name)``: x [T, D] replicated, ``p`` this device's MLP shard (``w1`` columns and
+    """Exercise 1 (debug): a tensor-parallel MLP.
+
+    ``tp_mlp(x, p, axis_name)``: x [T, D] replicated, ``p`` this device's MLP shard (``w1`` columns and
     bias split, ``w2`` rows split, ``w2``'s bias whole) must equal :func:`course_lib.transformer.mlp` on
     the whole parameters, with random (not zero) biases, in float64, on two device counts (the most of
     8, 4, 2 present, and 3 or 2), and its jaxpr there must hold one collective: a ``psum`` of the
