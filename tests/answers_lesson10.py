@@ -1,5 +1,6 @@
 """Answers to lesson 10's exercises, right and wrong, for tests/test_checks_lesson10.py."""
 
+import functools
 import math
 
 import jax
@@ -179,6 +180,141 @@ def ring_gathered(q, k, v, axis):
     return transformer.causal_attention(q, k_all, v_all, q_offset=me * blk)
 
 
+def _fold(q, k, v, m, denom, o, t, axis):
+    """One online-softmax step: this device's queries against the block that started on device me - t."""
+    n, me, blk = lax.axis_size(axis), lax.axis_index(axis), q.shape[1]
+    qi, kj = me * blk + jnp.arange(blk)[:, None], ((me - t) % n) * blk + jnp.arange(blk)[None, :]
+    s = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(q.shape[-1])
+    s = jnp.where(qi >= kj, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(-1))
+    safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    w = jnp.exp(s - safe[..., None])
+    corr = jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf))
+    return (
+        m_new,
+        denom * corr + w.sum(-1),
+        o * corr[..., None] + jnp.einsum("bhqt,bthk->bhqk", w, v),
+    )
+
+
+def _start(q, axis):
+    m = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, q.dtype)
+    o = jnp.zeros((q.shape[0], q.shape[2], q.shape[1], q.shape[3]), q.dtype)
+    return tuple(lax.pcast(a, (axis,), to="varying") for a in (m, jnp.zeros_like(m), o))
+
+
+def _finish(denom, o):
+    return (o / jnp.where(denom > 0, denom, 1.0)[..., None]).transpose(0, 2, 1, 3)
+
+
+def ring_while(q, k, v, axis):
+    """Another correct form: lax.while_loop over n - 1 steps that fold and send, the last block after."""
+    n = lax.axis_size(axis)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def body(carry):
+        t, k, v, m, denom, o = carry
+        m, denom, o = _fold(q, k, v, m, denom, o, t, axis)
+        k, v = lax.ppermute((k, v), axis, ring)
+        return t + 1, k, v, m, denom, o
+
+    t, k, v, m, denom, o = lax.while_loop(lambda c: c[0] < n - 1, body, (0, k, v, *_start(q, axis)))
+    return _finish(*_fold(q, k, v, m, denom, o, n - 1, axis)[1:])
+
+
+def ring_fori(q, k, v, axis):
+    """Another correct form: lax.fori_loop with bounds known when traced (it becomes a scan)."""
+    n = lax.axis_size(axis)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def body(t, carry):
+        k, v, m, denom, o = carry
+        m, denom, o = _fold(q, k, v, m, denom, o, t, axis)
+        return (*lax.ppermute((k, v), axis, ring), m, denom, o)
+
+    k, v, m, denom, o = lax.fori_loop(0, n - 1, body, (k, v, *_start(q, axis)))
+    return _finish(*_fold(q, k, v, m, denom, o, n - 1, axis)[1:])
+
+
+def ring_while_count_down(q, k, v, axis):
+    """A while_loop whose trip count comes from the device's position: the checker cannot read it."""
+    n, me = lax.axis_size(axis), lax.axis_index(axis)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def body(carry):
+        t, k, v, m, denom, o = carry
+        m, denom, o = _fold(q, k, v, m, denom, o, t - me, axis)
+        k, v = lax.ppermute((k, v), axis, ring)
+        return t + 1, k, v, m, denom, o
+
+    init = (me, k, v, *_start(q, axis))
+    t, k, v, m, denom, o = lax.while_loop(lambda c: c[0] < me + n - 1, body, init)
+    return _finish(*_fold(q, k, v, m, denom, o, n - 1, axis)[1:])
+
+
+def ring_two_pass(q, k, v, axis):
+    """Two passes and no online softmax: every K/V block kept, the global maximum and sum from the first
+    pass, the output from the second. Right values, memory of the full sequence's K and V."""
+    n, me, blk = lax.axis_size(axis), lax.axis_index(axis), q.shape[1]
+    qi = me * blk + jnp.arange(blk)[:, None]
+    ks, vs = [k], [v]
+    for _ in range(n - 1):
+        k, v = lax.ppermute((k, v), axis, [(i, (i + 1) % n) for i in range(n)])
+        ks, vs = ks + [k], vs + [v]
+
+    def scores(t):
+        kj = ((me - t) % n) * blk + jnp.arange(blk)[None, :]
+        s = jnp.einsum("bqhk,bthk->bhqt", q, ks[t]) / math.sqrt(q.shape[-1])
+        return jnp.where(qi >= kj, s, -jnp.inf)
+
+    m = functools.reduce(jnp.maximum, [scores(t).max(-1) for t in range(n)])
+    w = [jnp.exp(scores(t) - m[..., None]) for t in range(n)]
+    o = sum(jnp.einsum("bhqt,bthk->bhqk", w[t], vs[t]) for t in range(n))
+    return (o / sum(x.sum(-1) for x in w)[..., None]).transpose(0, 2, 1, 3)
+
+
+def ring_keeps_scores(q, k, v, axis):
+    """Scores every block as it arrives and keeps the scores and V blocks; one softmax at the end."""
+    n, me, blk = lax.axis_size(axis), lax.axis_index(axis), q.shape[1]
+    qi = me * blk + jnp.arange(blk)[:, None]
+    ss, vs = [], []
+    for t in range(n):
+        kj = ((me - t) % n) * blk + jnp.arange(blk)[None, :]
+        s = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(q.shape[-1])
+        ss, vs = ss + [jnp.where(qi >= kj, s, -jnp.inf)], vs + [v]
+        if t < n - 1:
+            k, v = lax.ppermute((k, v), axis, [(i, (i + 1) % n) for i in range(n)])
+    m = functools.reduce(jnp.maximum, [s.max(-1) for s in ss])
+    w = [jnp.exp(s - m[..., None]) for s in ss]
+    o = sum(jnp.einsum("bhqt,bthk->bhqk", a, b) for a, b in zip(w, vs))
+    return (o / sum(a.sum(-1) for a in w)[..., None]).transpose(0, 2, 1, 3)
+
+
+def ring_two_rounds(q, k, v, axis):
+    """Two passes round the ring, the blocks sent again for the second: memory of one block, twice the
+    bytes."""
+    n, me, blk = lax.axis_size(axis), lax.axis_index(axis), q.shape[1]
+    qi = me * blk + jnp.arange(blk)[:, None]
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def scores(k, t):
+        kj = ((me - t) % n) * blk + jnp.arange(blk)[None, :]
+        s = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(q.shape[-1])
+        return jnp.where(qi >= kj, s, -jnp.inf)
+
+    m, k0, v0 = None, k, v
+    for t in range(n):
+        m = scores(k, t).max(-1) if m is None else jnp.maximum(m, scores(k, t).max(-1))
+        k = lax.ppermute(k, axis, ring) if t < n - 1 else k
+    k, v, denom, o = k0, v0, 0.0, 0.0
+    for t in range(n):
+        w = jnp.exp(scores(k, t) - m[..., None])
+        denom, o = denom + w.sum(-1), o + jnp.einsum("bhqt,bthk->bhqk", w, v)
+        if t < n - 1:
+            k, v = lax.ppermute((k, v), axis, ring)
+    return (o / denom[..., None]).transpose(0, 2, 1, 3)
+
+
 # ---- ZeRO-3 -----------------------------------------------------------------------------------------------
 
 
@@ -249,6 +385,50 @@ def zero3_gather_outside(x, blocks, axis):
         return body(h, jax.tree.map(lambda a: lax.all_gather(a, axis, tiled=True), shard)), None
 
     return lax.scan(step, x, blocks)[0]
+
+
+def zero3_dots(x, blocks, axis):
+    """Another correct form: each layer checkpointed with dots_saveable (the matmuls' outputs saved; the
+    gathers, not dots, are still redone in the backward pass)."""
+    return zero3_reference(x, blocks, axis, policy=jax.checkpoint_policies.dots_saveable)
+
+
+def zero3_save_everything(x, blocks, axis):
+    """Each layer checkpointed with everything_saveable: the gathered layers are saved, not gathered again."""
+    return zero3_reference(x, blocks, axis, policy=jax.checkpoint_policies.everything_saveable)
+
+
+def zero3_gather_all_checkpointed(x, blocks, axis):
+    """Gathers every layer (one gather per layer and leaf) before the first block, all in one checkpoint:
+    the backward gathers again, but every layer is whole at once."""
+    n_layers = jax.tree.leaves(blocks)[0].shape[0]
+
+    @jax.checkpoint
+    def run(x, blocks):
+        full = [
+            jax.tree.map(lambda a, i=i: lax.all_gather(a[i], axis, tiled=True), blocks)
+            for i in range(n_layers)
+        ]
+        for p in full:
+            x = transformer.block(x, p)
+        return x
+
+    return run(x, blocks)
+
+
+def zero3_one_checkpoint(x, blocks, axis):
+    """Gathers each layer just before it, but one jax.checkpoint around all the layers: the backward pass
+    recomputes the whole forward and keeps every gathered layer for the layers' gradients."""
+    n_layers = jax.tree.leaves(blocks)[0].shape[0]
+
+    @jax.checkpoint
+    def run(x, blocks):
+        for i in range(n_layers):
+            full = jax.tree.map(lambda a, i=i: lax.all_gather(a[i], axis, tiled=True), blocks)
+            x = transformer.block(x, full)
+        return x
+
+    return run(x, blocks)
 
 
 # ---- predictions ----------------------------------------------------------------------------------------
@@ -348,6 +528,44 @@ def tp_mlp_gelu_after(x, p, axis):
         lax.psum(jax.nn.gelu(h) @ p["w2"]["kernel"] * 0 + h @ p["w2"]["kernel"], axis)
         + p["w2"]["bias"]
     )
+
+
+def tp_mlp_gather_weights(x, p, axis):
+    """Gathers the weight shards: every device computes the whole MLP (pmean makes it replicated)."""
+    w1, b1, w2 = (
+        lax.all_gather(w, axis, axis=a, tiled=True)
+        for w, a in ((p["w1"]["kernel"], 1), (p["w1"]["bias"], 0), (p["w2"]["kernel"], 0))
+    )
+    return lax.pmean(jax.nn.gelu(x @ w1 + b1) @ w2 + p["w2"]["bias"], axis)
+
+
+def tp_mlp_psum_weights(x, p, axis):
+    """Rebuilds the whole weights by summing zero-padded shards over the devices (an all-reduce)."""
+    n, me = lax.axis_size(axis), lax.axis_index(axis)
+
+    def whole(a, dim):
+        full = jnp.zeros(a.shape[:dim] + (n * a.shape[dim],) + a.shape[dim + 1 :], a.dtype)
+        return lax.psum(lax.dynamic_update_slice_in_dim(full, a, me * a.shape[dim], dim), axis)
+
+    h = jax.nn.gelu(x @ whole(p["w1"]["kernel"], 1) + whole(p["w1"]["bias"], 0))
+    return h @ whole(p["w2"]["kernel"], 0) + p["w2"]["bias"]
+
+
+def tp_mlp_gather_hidden(x, p, axis):
+    """Gathers the hidden activation [T, F] and w2's rows, no psum."""
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    h, w2 = (
+        lax.all_gather(h, axis, axis=1, tiled=True),
+        lax.all_gather(p["w2"]["kernel"], axis, tiled=True),
+    )
+    return lax.pmean(h @ w2, axis) + p["w2"]["bias"]
+
+
+def tp_mlp_two_psums(x, p, axis):
+    """Splits this device's rows of w2 in two and sums each half's [T, D] product: two all-reduces."""
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    k, w2 = h.shape[1] // 2, p["w2"]["kernel"]
+    return lax.psum(h[:, :k] @ w2[:k], axis) + lax.psum(h[:, k:] @ w2[k:], axis) + p["w2"]["bias"]
 
 
 def tp_mlp_no_b1(x, p, axis):

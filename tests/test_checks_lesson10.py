@@ -23,6 +23,11 @@ def test_stubs_print_not_written(report, monkeypatch, capsys):
 def test_ring_accepts_correct_forms(report, n):
     assert lesson10.check_ring_attention(a.ring_reference, report.devices[:n])
     assert lesson10.check_ring_attention(a.ring_scan, report.devices[:n])
+    assert lesson10.check_ring_attention(a.ring_while, report.devices[:n])
+
+
+def test_ring_accepts_fori_loop(report):
+    assert lesson10.check_ring_attention(a.ring_fori, report.devices[:2])
 
 
 def test_ring_accepts_rows_flattened(report):
@@ -43,6 +48,21 @@ def test_ring_accepts_rows_flattened(report):
         (a.ring_four, "on 2 device.*ppermute sources.*axis_size.*tries 2, 4 and 8"),
         (a.ring_gathered, "calls all_gather.*lax.ppermute"),
         (a.ring_sends_n, "on 2 devices each device sends 13,440 bytes.*more than.*never used"),
+        (
+            a.ring_two_pass,
+            "ring of 32 devices .* holds [0-9,]+ bytes at once.*whole sequence's K and V are 16,384 "
+            "bytes.*half of that \\(8,192\\).*online softmax",
+        ),
+        (
+            a.ring_keeps_scores,
+            "ring of 32 devices .* holds [0-9,]+ bytes at once.*every block's scores",
+        ),
+        (a.ring_two_rounds, "on 2 devices each device sends 10,080 bytes.*more than.*6,720 bytes"),
+        (
+            a.ring_while_count_down,
+            "while_loop whose number of iterations .* cannot read.*send \\(n - 1\\) × 6,720 = 6,720 "
+            "bytes.*fori_loop",
+        ),
         (
             a.ring_sends_q,
             "on 2 devices each device sends 10,080 bytes.*more than.*only K and V travel",
@@ -68,6 +88,17 @@ def test_zero3_accepts_correct_forms(report):
     assert lesson10.check_zero3(a.zero3_loop, report.devices)
 
 
+def test_zero3_names_a_looser_policy(report, capsys):
+    """dots_saveable still gathers again in the backward pass: accepted, and the message says that data
+    parallelism here saves nothing while the answer saves with dots_saveable."""
+    assert lesson10.check_zero3(a.zero3_dots, report.devices)
+    out = capsys.readouterr().out
+    assert (
+        "each block under jax.checkpoint saving nothing" in out
+        and "yours saves with dots_saveable" in out
+    )
+
+
 @pytest.mark.parametrize(
     "answer, match",
     [
@@ -75,6 +106,13 @@ def test_zero3_accepts_correct_forms(report):
         (a.zero3_upfront, "all_gather returns a leaf of all 3 layers at once"),
         (a.zero3_no_checkpoint, "does not gather again.*jax.checkpoint"),
         (a.zero3_gather_outside, "does not gather again.*jax.checkpoint"),
+        (a.zero3_save_everything, "does not gather again.*policy: save nothing"),
+        (
+            a.zero3_gather_all_checkpointed,
+            "holds [0-9,]+ bytes .* no less than data parallelism's, each block under jax.checkpoint "
+            "saving nothing.*more than one gathered layer is whole at once.*its own jax.checkpoint",
+        ),
+        (a.zero3_one_checkpoint, "no less than data parallelism's.*not one around all the layers"),
         (a.zero3_bf16, "near data parallelism's.*rounded.*bf16"),
         (a.zero3_psum_gather, "all-reduces .* bytes per device.*lax.all_gather"),
     ],
@@ -121,3 +159,13 @@ def test_tp_mlp(report):
     rejects(check, a.tp_mlp_float32, devices, match="near the MLP's.*float32")
     rejects(check, a.tp_mlp_gelu_after, devices, match="differs from the MLP")
     rejects(check, a.tp_mlp_no_b1, devices, match="differs from the MLP")
+    moves = "sends one thing: the \\[T, D\\] partial output.*one lax.psum"
+    rejects(
+        check,
+        a.tp_mlp_gather_weights,
+        devices,
+        match=r"on 8 devices the program calls all_gather\w* of \[16, 6\]; .*" + moves,
+    )
+    rejects(check, a.tp_mlp_psum_weights, devices, match=r"calls psum\w* of \[16, 48\];.*" + moves)
+    rejects(check, a.tp_mlp_gather_hidden, devices, match=r"calls all_gather\w* of \[5, 6\];")
+    rejects(check, a.tp_mlp_two_psums, devices, match="sums \\[T, D\\] arrays .* 2 times")

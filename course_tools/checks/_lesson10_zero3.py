@@ -1,6 +1,6 @@
 """ZeRO-3's judge for :func:`course_tools.checks.lesson10.check_zero3`: the blocks' setup, data
-parallelism's step under the same checkpoint policy, and the values, gathers, wire bytes of a compiled
-ZeRO-3 step (``notebooks/10_transformers.ipynb``, exercise 2)."""
+parallelism's step with each block under ``jax.checkpoint`` saving nothing, and the values, gathers, wire
+bytes of a compiled ZeRO-3 step (``notebooks/10_transformers.ipynb``, exercise 4)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,18 @@
-"""Checkers for ``10_transformers.ipynb``: ring attention built from ``ppermute`` (a project), per-layer
-ZeRO-3 on the transformer's blocks, the bytes and activation memory of tensor vs sequence parallelism
-predicted before the measurement, and a tensor-parallel MLP whose silent bug hides behind zero biases.
+"""Checkers for ``10_transformers.ipynb``, numbered as its exercises: 1 (debug) a tensor-parallel MLP whose
+silent bug hides behind zero biases, 2 (predict) the bytes and activation memory of tensor vs sequence
+parallelism predicted before the measurement, 3 (project) ring attention built from ``ppermute``, 4 per-layer
+ZeRO-3 on the transformer's blocks.
 
 None of them holds an answer, and each refuses an answer that calls into :mod:`course_lib.splits` (the
-library that computes it). Ring attention is compared with single-device causal attention in float64 on
-random inputs on rings of 2 and 8 devices (or as many as are present), with B, S, H and Dh all different; its sends
-and largest intermediate are read from its jaxpr on rings of 2, 4 and 8 traced without devices. ZeRO-3 is
-compiled and its gradients, collectives (trip-weighted bytes) and ``memory_analysis()`` compared with data
-parallelism's under the same checkpoint policy. The predictions are compared with the formulas of
-:func:`course_lib.splits.predict_tp_sp` on cases drawn afresh at every call; the MLP with
-:func:`course_lib.transformer.mlp` on two device counts.
+library that computes it). The MLP is compared with :func:`course_lib.transformer.mlp` on two device counts
+and its jaxpr must hold one psum of the [T, D] output and no other collective. The predictions are compared
+with the formulas of :func:`course_lib.splits.predict_tp_sp` on cases drawn afresh at every call. Ring
+attention is compared with single-device causal attention in float64 on random inputs on rings of 2 and 8
+devices (or as many as are present), with B, S, H and Dh all different; its sends (loop bodies counted per
+iteration) and largest intermediate are read from its jaxpr on rings of 2, 4 and 8 traced without devices,
+and the bytes one device holds at once from its jaxpr on a ring of 32. ZeRO-3 is compiled and its
+gradients, collectives (trip-weighted bytes) and ``memory_analysis()`` compared with data parallelism's with
+each block under ``jax.checkpoint`` saving nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ._common import call_answer, checker, fail, passed, require
 from ._lesson10_zero3 import dp_compiled, z_setup, z_step, z_upfront, z_values, z_wire
 from ._spmd import abstract
 
-__all__ = ["check_ring_attention", "check_zero3", "check_predict_tp_sp", "check_tp_mlp"]
+__all__ = ["check_tp_mlp", "check_predict_tp_sp", "check_ring_attention", "check_zero3"]
 
 _ONCE = {"xla_backend_optimization_level": 0}
 
@@ -81,7 +84,7 @@ def _rounded(got, want, rtol) -> bool:
     return bool(np.allclose(got, want, rtol=rtol, atol=rtol))
 
 
-# ---- exercise 1 (project): ring attention ------------------------------------------------------------------
+# ---- exercise 3 (project): ring attention ------------------------------------------------------------------
 
 _B, _H, _DH, _BLK8 = (
     3,
@@ -231,16 +234,152 @@ def _ring_large_scores(mapped, what, q, k, v):
         )
 
 
-def _ring_structure(fn, c) -> tuple[float, float, int, str | None]:
-    """Bytes sent by ppermute, ppermutes run, the largest intermediate's elements and any other collective
-    moving arrays, from the jaxpr on an abstract ring of ``c`` devices (float32)."""
+_LOOP_CAP = 10_000
+"""The most iterations :func:`_while_trips` runs a ``while_loop``'s counter for."""
+
+
+def _is_var(v) -> bool:
+    return not hasattr(v, "val")  # a Literal carries its value
+
+
+def _slice(jaxpr, wanted: set) -> tuple[list, set]:
+    """The equations of ``jaxpr`` that ``wanted`` (its variables) depend on, and the inputs they read."""
+    need, kept = set(wanted), []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in need for v in eqn.outvars):
+            kept.append(eqn)
+            need |= {v for v in eqn.invars if _is_var(v)}
+    return kept[::-1], need
+
+
+def _run(eqns, env: dict) -> dict:
+    for eqn in eqns:
+        args = [env[v] if _is_var(v) else v.val for v in eqn.invars]
+        out = eqn.primitive.bind(*args, **eqn.params)
+        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
+    return env
+
+
+def _static(v, outer) -> Any:
+    """The value of ``v`` (an operand in ``outer``) if it is computed from constants only, else raises."""
+    if not _is_var(v):
+        return v.val
+    eqns, need = _slice(outer, {v})
+    if need & set(outer.invars):
+        raise ValueError("depends on the program's inputs")
+    return _run(eqns, {})[v]
+
+
+def _while_trips(eqn, outer) -> int | None:
+    """How many times a ``while`` equation's body runs, when its condition depends only on loop-carried
+    values that start from constants and that the body computes from each other (a counter): run that
+    part of the loop. None when it cannot be read."""
+    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    ops = eqn.invars
+    cond_consts, body_consts, init = ops[:nc], ops[nc : nc + nb], ops[nc + nb :]
+    carry_in = body.jaxpr.invars[nb:]
+    try:
+        c_eqns, c_need = _slice(cond.jaxpr, set(cond.jaxpr.outvars))
+        used = {i for i, v in enumerate(cond.jaxpr.invars[nc:]) if v in c_need}
+        while True:
+            b_eqns, b_need = _slice(body.jaxpr, {body.jaxpr.outvars[i] for i in used})
+            more = used | {i for i, v in enumerate(carry_in) if v in b_need}
+            if more == used:
+                break
+            used = more
+        env_c = dict(zip(cond.jaxpr.constvars, cond.consts))
+        env_c |= {v: _static(o, outer) for v, o in zip(cond.jaxpr.invars[:nc], cond_consts)
+                  if v in c_need}  # fmt: skip
+        env_b = dict(zip(body.jaxpr.constvars, body.consts))
+        env_b |= {v: _static(o, outer) for v, o in zip(body.jaxpr.invars[:nb], body_consts)
+                  if v in b_need}  # fmt: skip
+        carry = {i: _static(init[i], outer) for i in used}
+        for trips in range(_LOOP_CAP):
+            env = env_c | {cond.jaxpr.invars[nc + i]: x for i, x in carry.items()}
+            if not bool(_run(c_eqns, env)[cond.jaxpr.outvars[0]]):
+                return trips
+            env = _run(b_eqns, env_b | {carry_in[i]: x for i, x in carry.items()})
+            carry = {i: env[body.jaxpr.outvars[i]] for i in used}
+    except Exception:  # noqa: BLE001 - a condition that is not a plain counter
+        return None
+    return None
+
+
+def _counted(jaxpr, times: int | None = 1):
+    """Every equation of ``jaxpr`` (nested ones included) with how many times it runs: a ``scan`` body
+    ``length`` times, a ``while_loop`` body as many times as its counter allows (None: not readable)."""
+    jx = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jx.eqns:
+        yield eqn, times
+        name, reps = eqn.primitive.name, times
+        if name == "scan" and times is not None:
+            reps = times * int(eqn.params["length"])
+        elif name == "while":
+            trips = _while_trips(eqn, jx)
+            reps = None if times is None or trips is None else times * trips
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                    yield from _counted(sub, reps)
+
+
+def _nbytes(v) -> int:
+    aval = getattr(v, "aval", None)
+    return int(getattr(aval, "size", 0)) * getattr(getattr(aval, "dtype", None), "itemsize", 0)
+
+
+def _held(jaxpr) -> int:
+    """The most bytes a program holds at once when it runs its equations in the order written: each value
+    from the equation that makes it to its last use (a loop's or call's body adds its own peak)."""
+    jx = getattr(jaxpr, "jaxpr", jaxpr)
+    last = {}
+    for i, eqn in enumerate(jx.eqns):
+        last |= {v: i for v in eqn.invars if _is_var(v)}
+    last |= {v: len(jx.eqns) for v in jx.outvars if _is_var(v)}
+    live = {v for v in (*jx.constvars, *jx.invars)}
+    now = peak = sum(map(_nbytes, live))
+    for i, eqn in enumerate(jx.eqns):
+        inner = 0
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sj = getattr(sub, "jaxpr", sub)
+                if hasattr(sj, "eqns"):
+                    edge = sum(map(_nbytes, (*sj.invars, *sj.outvars)))
+                    inner = max(inner, _held(sj) - edge)
+        made = sum(_nbytes(v) for v in eqn.outvars)
+        peak = max(peak, now + made + inner)
+        now += made
+        live |= set(eqn.outvars)
+        dead = {v for v in live if last.get(v, -1) <= i}
+        now -= sum(map(_nbytes, dead))
+        live -= dead
+    return peak
+
+
+def _device_program(jaxpr):
+    """The body of the first ``shard_map`` in ``jaxpr``: the program one device runs."""
+    for eqn, _ in jaxpr_equations(jaxpr):
+        if eqn.primitive.name == "shard_map":
+            return eqn.params["jaxpr"]
+    return jaxpr
+
+
+def _ring_jaxpr(fn, c, shape):
     mapped = _attention_mapped(fn, abstract((c,), (CONTEXT,)))
-    arg = jax.ShapeDtypeStruct((_B, _S, _H, _DH), jnp.float32)
+    arg = jax.ShapeDtypeStruct(shape, jnp.float32)
     what = f"ring_attention on a {c}-device mesh"
-    jaxpr = _call_unaided(what, jax.make_jaxpr(mapped), arg, arg, arg, name="ring_attention",
-                          explain=functools.partial(_explain_ring, what))  # fmt: skip
-    sent, sends, other, biggest = 0.0, 0.0, None, 0
-    for eqn, times in jaxpr_equations(jaxpr):
+    return _call_unaided(what, jax.make_jaxpr(mapped), arg, arg, arg, name="ring_attention",
+                         explain=functools.partial(_explain_ring, what))  # fmt: skip
+
+
+def _ring_structure(fn, c) -> tuple[float | None, int, str | None]:
+    """Bytes sent by ppermute (loop bodies counted per trip; None where a while_loop's trip count cannot
+    be read), the largest intermediate's elements and any other collective moving arrays, from the jaxpr
+    on an abstract ring of ``c`` devices (float32)."""
+    jaxpr = _ring_jaxpr(fn, c, (_B, _S, _H, _DH))
+    sent, other, biggest = 0.0, None, 0
+    for eqn, times in _counted(jaxpr):
         name = eqn.primitive.name
         if name == "shard_map":
             continue
@@ -250,23 +389,48 @@ def _ring_structure(fn, c) -> tuple[float, float, int, str | None]:
             and moved > 1
         ):
             other = other or name
-        if name == "ppermute":
-            sends += times
-            sent += times * sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.invars)
+        if name == "ppermute" and sent is not None:
+            sent = None if times is None else sent + times * sum(map(_nbytes, eqn.invars))
         biggest = max([biggest, *(int(getattr(v.aval, "size", 0)) for v in eqn.outvars)])
-    return sent, sends, biggest, other
+    return sent, biggest, other
+
+
+_MEM_RING, _MEM_B, _MEM_BLK, _MEM_H, _MEM_DH = 32, 1, 8, 2, 4
+"""The ring whose memory is read: 32 devices, blocks of 8 positions (S = 256), Dh = 4, so that one block's
+scores [B, H, 8, 8] and its K and V [B, 8, H, 4] ×2 are the same size (2,048 bytes in float32). The bound is
+half the whole sequence's K and V, 16 blocks: a ring that keeps every block (or every block's scores)
+holds over 32 (measured: 50), an online-softmax ring about 6 (q, the K and V it holds and receives, the
+scores, the output; measured 5–6 for the reference, a scan, a while_loop)."""
+
+
+def _ring_memory(fn) -> tuple[int, int, int]:
+    """(bytes held at once by one device, the bound, the full sequence's K and V bytes) on the abstract
+    ring :data:`_MEM_RING` in float32, the program run in the order written."""
+    c, blk = _MEM_RING, _MEM_BLK
+    jaxpr = _ring_jaxpr(fn, c, (_MEM_B, c * blk, _MEM_H, _MEM_DH))
+    kv = 2 * _MEM_B * blk * _MEM_H * _MEM_DH * 4
+    return _held(_device_program(jaxpr)), c * kv // 2, c * kv
 
 
 @checker
 def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bool:
-    """``ring_attention(q, k, v, axis_name)`` with q/k/v [B, S/n, H, Dh] (sequence split over
+    """Exercise 3 (project): ring attention.
+
+    ``ring_attention(q, k, v, axis_name)`` with q/k/v [B, S/n, H, Dh] (sequence split over
     ``axis_name``) must return causal attention's output for this device's queries, [B, S/n, H, Dh],
     sending only key/value blocks round the ring (``n - 1`` of each, no other collective) and holding
     nothing of the full sequence's size. Values on rings of 2 and 8 devices (or 4, or 1: those present);
-    structure on abstract rings of 2, 4 and 8. An answer calling :mod:`course_lib.splits` is refused."""
+    structure on abstract rings of 2, 4 and 8 from the jaxpr (a ``scan`` or ``fori_loop`` body's sends
+    counted ``length`` times, a ``while_loop``'s as many times as its counter runs; one whose counter
+    cannot be run is refused); the bytes one device holds at once, its operations run in the order
+    written (:func:`_held`), on an abstract ring of 32 (:data:`_MEM_RING`), at most half the whole
+    sequence's K and V. Not the compiled program's ``memory_analysis()``: XLA:CPU may schedule every
+    ``ppermute`` of an unrolled ring first, and then holds every block even for an online softmax
+    (measured: the reference's temporaries equal a two-pass ring's on 8 devices). An answer calling
+    :mod:`course_lib.splits` is refused."""
     ran = _ring_values(ring_attention, list(devices), np.random.default_rng(10))
     for c in _RINGS:
-        sent, sends, biggest, other = _ring_structure(ring_attention, c)
+        sent, biggest, other = _ring_structure(ring_attention, c)
         blk = _S // c
         kv = 2 * _B * blk * _H * _DH * 4  # one K and one V block, float32
         if other:
@@ -275,9 +439,8 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
                 "passing blocks to the next device",
                 "keep one key/value block at a time and pass it to the next device with lax.ppermute",
             )
-        limit = 3 * max(
-            kv // 8, _B * _H * blk * blk
-        )  # a few blocks' worth; the full sequence is c×
+        # a few blocks' worth; the full sequence is c×
+        limit = 3 * max(kv // 8, _B * _H * blk * blk)
         if biggest > limit:
             fail(
                 f"on {c} devices an intermediate has {biggest:,} elements, more than a few key/value "
@@ -285,34 +448,60 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
                 "full sequence",
                 "score this device's queries against one key/value block at a time",
             )
+        if sent is None:
+            fail(
+                f"on {c} devices the ppermutes sit in a lax.while_loop whose number of iterations the "
+                "checker cannot read from the program (its condition is not a counter that starts from a "
+                "constant), so it cannot count the bytes sent; each device must send "
+                f"(n - 1) × {kv:,} = {(c - 1) * kv:,} bytes (one K and one V block a step, float32)",
+                "loop over range(n - 1) in Python, or with lax.fori_loop(0, n - 1, …) or lax.scan, "
+                "or a while_loop whose counter starts from a constant",
+            )
         if sent != (c - 1) * kv:
             more = "more" if sent > (c - 1) * kv else "fewer"
             fail(
-                f"on {c} devices each device sends {sent:,.0f} bytes with ppermute: {more} than "
-                f"the K and V blocks it must pass on ({kv:,} bytes a step, float32)",
+                f"on {c} devices each device sends {sent:,.0f} bytes with ppermute (loop bodies counted "
+                f"once per iteration): {more} than the K and V blocks it must pass on, (n - 1) × {kv:,} = "
+                f"{(c - 1) * kv:,} bytes (one K and one V block a step, float32)",
                 "each device needs the n - 1 other devices' blocks, one per step; a block received at "
-                "the last step is never used, and only K and V travel (not the queries or outputs)",
+                "the last step is never used, and only K and V travel (not the queries or outputs), "
+                "once each",
             )
+    held, bound, full = _ring_memory(ring_attention)
+    if held > bound:
+        fail(
+            f"on a ring of {_MEM_RING} devices (blocks of {_MEM_BLK} positions, float32) one device holds "
+            f"{held:,} bytes at once, its operations run in the order written; the whole sequence's K "
+            f"and V are {full:,} bytes, and the bound is half of that ({bound:,}), where an online ring "
+            "holds a few blocks: the device keeps something of the whole sequence's size (such as "
+            "every block, or every block's scores, until the end)",
+            "fold each block into a running maximum, sum and output as it arrives (the online "
+            "softmax: rescale what is summed when the maximum grows) and let it go before the next",
+        )
     return passed(
         f"ring attention equals causal attention in float64 on {' and '.join(map(str, ran))} device(s); on rings of "
-        f"{', '.join(map(str, _RINGS))} it sends n - 1 K/V blocks and holds no array of the full sequence"
+        f"{', '.join(map(str, _RINGS))} it sends n - 1 K/V blocks and holds no array of the full sequence; "
+        f"on a ring of {_MEM_RING} one device holds at most {held:,} bytes at once (whole K and V: {full:,})"
     )
 
 
-# ---- exercise 2: ZeRO-3 ---------------------------------------------------------------------------------
+# ---- exercise 4: ZeRO-3 ---------------------------------------------------------------------------------
 
 
 @checker
 def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
-    """``zero3_blocks(x, blocks, axis_name)``: x [B, S, D] this device's batch, ``blocks`` this device's
+    """Exercise 4: ZeRO-3, one layer at a time.
+
+    ``zero3_blocks(x, blocks, axis_name)``: x [B, S, D] this device's batch, ``blocks`` this device's
     shards (each leaf [L, d/n, …], :func:`course_lib.splits.zero3_specs`); run the L blocks gathering each
     layer's parameters just before it, and gathering them again in the backward pass. Judged on the
     devices present (4, else 2, else 1): loss and gradients against data parallelism; no gather of all
     layers at once; in the compiled gradient step (loop bodies counted per layer) no all-reduce but the
     loss's, the gradients reduce-scattered ((n-1)/n of the parameter bytes) and the parameters gathered
     twice (forward and backward: 3(n-1)/n on the wire in all, less what the backward needs no more); and
-    its peak memory (arguments + temporaries) below data parallelism's under the same checkpoint policy.
-    An answer calling :mod:`course_lib.splits` is refused."""
+    its peak memory (arguments + temporaries) below data parallelism's with each block under
+    ``jax.checkpoint`` saving nothing (an answer with another policy, such as ``dots_saveable``, is
+    compared with the same and told so). An answer calling :mod:`course_lib.splits` is refused."""
     n = max(c for c in (4, 2, 1) if c <= len(devices))
     blocks, x, cfg = z_setup(n)
     mesh = mesh_of({DATA: n}, list(devices)[:n], axis_type="auto")
@@ -332,22 +521,40 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
     mz, md = zc.memory_analysis(), dpc.memory_analysis()
     peak_z = mz.argument_size_in_bytes + mz.temp_size_in_bytes
     peak_dp = md.argument_size_in_bytes + md.temp_size_in_bytes
+    policies = sorted(
+        {
+            getattr(eqn.params["policy"], "__name__", "a custom policy")
+            for eqn, _ in jaxpr_equations(traced.jaxpr)
+            if eqn.params.get("policy") not in (None, jax.checkpoint_policies.nothing_saveable)
+        }
+    )
+    dp = "data parallelism's, each block under jax.checkpoint saving nothing"
     if peak_z >= peak_dp:
-        fail(
-            f"on {n} devices the ZeRO-3 step holds {peak_z:,} bytes (arguments + temporaries), data "
-            f"parallelism under the same checkpoint policy {peak_dp:,}: gathered layers are kept",
-            "gather one layer at a time inside the step over the layers, within the jax.checkpoint'ed "
-            "function, so no more than about one layer is whole at once",
+        yours = (
+            f" (your jax.checkpoint's policy, {', '.join(policies)}, keeps what it saves for the "
+            "backward pass)"
+            if policies
+            else ""
         )
+        fail(
+            f"on {n} devices the ZeRO-3 step holds {peak_z:,} bytes (arguments + temporaries), no less "
+            f"than {dp} ({peak_dp:,}), although its arguments are {mz.argument_size_in_bytes:,} bytes "
+            f"to {md.argument_size_in_bytes:,}: more than one gathered layer is whole at once, or more "
+            f"activations are kept{yours}",
+            "gather one layer at a time inside the step over the layers, each layer's gather and block "
+            "in its own jax.checkpoint'ed function (not one around all the layers), saving nothing",
+        )
+    mine = f"; yours saves with {', '.join(policies)}" if policies else ""
     return passed(
         f"ZeRO-3 on {n} devices: gradients equal data parallelism's; per device "
         f"{wire.get('all-gather', 0):,.0f} bytes all-gathered and {wire.get('reduce-scatter', 0):,.0f} "
         f"reduce-scattered; arguments {mz.argument_size_in_bytes:,} bytes vs {md.argument_size_in_bytes:,}, "
-        f"peak {peak_z:,} vs data parallelism's {peak_dp:,} (same checkpoint policy)"
+        f"peak {peak_z:,} vs {peak_dp:,} for data parallelism with each block under jax.checkpoint "
+        f"saving nothing{mine}"
     )
 
 
-# ---- exercise 3 (predict): TP vs SP -----------------------------------------------------------------------
+# ---- exercise 2 (predict): TP vs SP -----------------------------------------------------------------------
 
 _PREDICT_CASES = 12
 """How many cases :func:`check_predict_tp_sp` draws at every call (half TP, half SP)."""
@@ -378,7 +585,9 @@ def _pair(got, what):
 
 @checker
 def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
-    """``predict(kind, B, S, D, n)`` → ``(bytes_sent, ln_elements)`` for one block's forward in float32 on
+    """Exercise 2 (predict): tensor vs sequence parallel.
+
+    ``predict(kind, B, S, D, n)`` → ``(bytes_sent, ln_elements)`` for one block's forward in float32 on
     a model axis of ``n``: bytes each device sends, and the elements of one LayerNorm's input a device
     holds. Compared on :data:`_PREDICT_CASES` cases drawn afresh at every call (``seed``: for tests);
     reports how many bytes and how many LayerNorm counts are wrong, not which. A ``predict`` that calls
@@ -414,9 +623,9 @@ def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
     return passed(f"bytes and LayerNorm elements right in all {len(cases)} cases drawn (TP and SP)")
 
 
-# ---- exercise 4 (debug): the tensor-parallel MLP ------------------------------------------------------------
+# ---- exercise 1 (debug): the tensor-parallel MLP ------------------------------------------------------------
 
-_MLP_D, _MLP_F, _MLP_T = 16, 48, 6  # F divides by 2, 3, 4 and 8
+_MLP_D, _MLP_F, _MLP_T = 16, 48, 5  # F divides by 2, 3, 4 and 8; T is no shard's length
 
 
 def _mlp_hint(got, want, b2, n):
@@ -447,6 +656,48 @@ def _mlp_hint(got, want, b2, n):
     )
 
 
+_COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "reduce_scatter")
+"""Prefixes of the jaxpr's collective primitives (``psum_invariant``, ``all_gather_invariant``, …;
+``lax.pmean`` traces to a ``psum`` and a division, ``lax.psum_scatter`` to ``reduce_scatter``)."""
+
+
+def _mlp_collectives(jaxpr, n):
+    """Refuse any collective but one ``psum`` of the [T, D] partial output (scalars aside)."""
+    psums, others = 0, []
+    for eqn, times in _counted(jaxpr):
+        name = eqn.primitive.name
+        shapes = [tuple(v.aval.shape) for v in eqn.invars if getattr(v.aval, "size", 1) > 1]
+        if not name.startswith(_COLLECTIVES) or not shapes:
+            continue
+        if (
+            name.startswith("psum")
+            and not name.startswith("psum_scatter")
+            and shapes == [(_MLP_T, _MLP_D)]
+        ):
+            psums += times or 2
+        else:
+            others.append(f"{name} of {', '.join(f'[{", ".join(map(str, s))}]' for s in shapes)}")
+    want = (
+        f"a tensor-parallel MLP (T={_MLP_T}, D={_MLP_D}, F={_MLP_F}) sends one thing: the [T, D] "
+        "partial output, summed over the devices by one lax.psum"
+    )
+    if others:
+        fail(
+            f"on {n} devices the program calls {'; '.join(others[:4])}; {want}, and moves no weights "
+            "(with gathered weights every device computes the whole MLP)",
+            "multiply by this device's shards only (x @ its columns of w1, + its part of w1's bias, "
+            "gelu, @ its rows of w2) and add the devices' [T, D] partial outputs with one lax.psum",
+        )
+    if psums != 1:
+        fail(
+            f"on {n} devices the program sums [T, D] arrays over the devices {psums} times; {want}",
+            "add the partial outputs of the row-parallel w2 with a single lax.psum (w2's bias once, "
+            "after it)"
+            if psums
+            else "add the devices' [T, D] partial outputs with lax.psum",
+        )
+
+
 @functools.cache
 def _mlp_counts(n_devices: int) -> tuple[int, ...]:
     """Two device counts (the most of 8, 4, 2 present, and 3 or 2) so that a constant fitted to one fails."""
@@ -457,10 +708,14 @@ def _mlp_counts(n_devices: int) -> tuple[int, ...]:
 
 @checker
 def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
-    """``tp_mlp(x, p, axis_name)``: x [T, D] replicated, ``p`` this device's MLP shard (``w1`` columns and
+    """Exercise 1 (debug): a tensor-parallel MLP.
+
+    ``tp_mlp(x, p, axis_name)``: x [T, D] replicated, ``p`` this device's MLP shard (``w1`` columns and
     bias split, ``w2`` rows split, ``w2``'s bias whole) must equal :func:`course_lib.transformer.mlp` on
     the whole parameters, with random (not zero) biases, in float64, on two device counts (the most of
-    8, 4, 2 present, and 3 or 2). An answer calling :mod:`course_lib.splits` is refused."""
+    8, 4, 2 present, and 3 or 2), and its jaxpr there must hold one collective: a ``psum`` of the
+    [T, D] partial output (no gathered weights or activations, no second sum). An answer calling
+    :mod:`course_lib.splits` is refused."""
     rng = np.random.default_rng(4)
     d, f = _MLP_D, _MLP_F
     spec = {
@@ -483,9 +738,12 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
             what = f"tp_mlp on {n} device(s)"
             got = np.asarray(_call_unaided(what, _jit(mapped), x, p, name="tp_mlp"))
             want = np.asarray(transformer.mlp(x, p))
+            jaxpr = jax.make_jaxpr(mapped)(x, p) if n > 1 else None
         if not np.allclose(got, want, rtol=0, atol=1e-10):
             _mlp_hint(got, want, np.asarray(p["w2"]["bias"]), n)
+        if jaxpr is not None:
+            _mlp_collectives(jaxpr, n)
     return passed(
         f"the tensor-parallel MLP equals the MLP on {' and '.join(map(str, counts))} device(s) with "
-        "random biases"
+        "random biases, and sends only the [T, D] partial output through one psum"
     )
