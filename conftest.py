@@ -2,9 +2,11 @@
 
 Notebooks executed by nbmake inherit ``COURSE_BUILD_DIR`` (their kernels start from this process's
 environment), so the lab's ``results_dir="auto"`` writes there, never into the reader's ``build/``.
-The summary ends with the CPU time the tests took, by file (:func:`cpu_table`).
+The summary ends with the CPU time the tests took, by file (:func:`cpu_table`); with ``COURSE_CPU_JSON=path``
+every test's CPU seconds are also written to that JSON file.
 """
 
+import json
 import os
 import resource
 import shutil
@@ -56,6 +58,7 @@ def _owns_build_dir(config) -> bool:
 CPU_KEY = "cpu_s"
 _CPU_START = pytest.StashKey[float]()
 _CPU_BY_FILE: dict[str, float] = {}
+_CPU_BY_TEST: dict[str, float] = {}
 
 
 def _cpu_now() -> float:
@@ -81,6 +84,7 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_logreport(report):
     for key, value in report.user_properties if report.when == "teardown" else ():
         if key == CPU_KEY:
+            _CPU_BY_TEST[report.nodeid] = float(value)
             where = report.nodeid.split("::")[0]
             if "::test_notebook_runs[" in report.nodeid:  # the matrix's runs, by device count
                 where += f" runs at n={report.nodeid.rsplit('-n', 1)[1].rstrip(']')}"
@@ -106,6 +110,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _CPU_BY_FILE and not hasattr(config, "workerinput"):
         for line in cpu_table(_CPU_BY_FILE):
             terminalreporter.write_line(line)
+        if os.environ.get("COURSE_CPU_JSON"):  # every test's CPU seconds, for a closer look
+            with open(os.environ["COURSE_CPU_JSON"], "w") as f:
+                json.dump(dict(sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])), f, indent=1)
+            terminalreporter.write_line(f"each test's CPU seconds: {os.environ['COURSE_CPU_JSON']}")
     if _owns_build_dir(config) and exitstatus != 0:
         terminalreporter.write_line(
             f"the session's build folder is kept for a look: {os.environ['COURSE_BUILD_DIR']}"
