@@ -146,6 +146,33 @@ def _lab_params(n: int, platform: str, profile: str, run_dir: Path, **more) -> d
 LAB12 = "12_transformer_lab.ipynb"
 
 
+LAB12_BATCH = 16
+"""The transformer lab's committed ``global_batch``."""
+
+
+def lab12_batch(n: int) -> int:
+    """The transformer lab's ``global_batch`` on ``n`` devices: its committed 16 where every layout that fits
+    ``n`` devices splits it (1, 2, 4, 8, ...), otherwise the smallest multiple of what they all need that is
+    at least 16 (18 on 3 devices), with a printed note. ``make course`` and ``make scaling`` pass it, so that
+    a run at an odd count trains instead of stopping at the lab's parameter check
+    (``lm_layouts.check_run``)."""
+    import math
+
+    from course_lib import lm_layouts, strategies
+
+    needs = [lm_layouts.batch_divisor(k, n) for k in strategies.LAYOUT_KEYS]
+    lcm = math.lcm(*[d for d in needs if d]) if any(needs) else 1
+    if LAB12_BATCH % lcm == 0:
+        return LAB12_BATCH
+    batch = lcm * math.ceil(LAB12_BATCH / lcm)
+    print(
+        f"note: the transformer lab's global batch {LAB12_BATCH} does not split over the layouts that fit "
+        f"{n} device(s) (they need a multiple of {lcm}); it runs with global_batch={batch}",
+        flush=True,
+    )
+    return batch
+
+
 def _lab12_params(n: int, platform: str, results_dir: Path) -> dict:
     """The transformer lab's papermill parameters for a run into its own folder."""
     return {
@@ -153,6 +180,7 @@ def _lab12_params(n: int, platform: str, results_dir: Path) -> dict:
         "platform": platform,
         "results_dir": str(results_dir),
         "overwrite": True,
+        "global_batch": lab12_batch(n),
     }
 
 
@@ -216,7 +244,7 @@ def _course_params(nb: Path, n: int, platform: str, out: Path, lab_params: dict 
     if nb.name == "08_lab.ipynb":
         params.update(results_dir=str(out / "lab"), overwrite=False, **(lab_params or {}))
     if nb.name == LAB12:
-        params.update(results_dir=str(out / "lab12"), overwrite=False)
+        params.update(results_dir=str(out / "lab12"), overwrite=False, global_batch=lab12_batch(n))
     return params
 
 

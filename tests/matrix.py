@@ -123,6 +123,8 @@ def parameters(stem: str, n: int, folder: Path) -> dict:
     injected = {"n_devices": n, "platform": "cpu"}
     if stem == LAB:
         injected.update(profile="tiny", scaling=False, results_dir=str(folder / "lab"))
+    if stem == run.LAB12.removesuffix(".ipynb") and run.lab12_batch(n) != run.LAB12_BATCH:
+        injected["global_batch"] = run.lab12_batch(n)  # e.g. MATRIX=3: a batch its layouts split
     return injected
 
 

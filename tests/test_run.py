@@ -621,3 +621,14 @@ def test_only_names_notebooks_or_is_refused(tmp_path, capsys, only):
     assert run.main(["course", "--only", *only, "--build", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "names no notebook: give their numbers (00 01" in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_the_transformer_labs_batch_splits_over_every_layout_that_fits(n, capsys):
+    from course_lib import lm_layouts, strategies
+
+    batch = run.lab12_batch(n)
+    keys = [k for k in strategies.LAYOUT_KEYS if lm_layouts.mesh_axes(k, n)]
+    lm_layouts.check_run(keys, n, batch, 1)  # raises where a layout cannot split the batch
+    assert (batch == run.LAB12_BATCH) == (n in (1, 2, 4, 8)), (n, batch)
+    assert ("note:" in capsys.readouterr().out) == (batch != run.LAB12_BATCH)
