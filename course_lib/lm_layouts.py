@@ -1,13 +1,10 @@
 """The transformer's training step under meshes that combine axes — the layouts of ``12_transformer_lab``.
 
-Each :class:`Layout` names a mesh (axis name → size, for a device count), how the parameters are split
-over it (``PartitionSpec`` per leaf), how the batch is split, and where the activations are constrained
-(``jax.lax.with_sharding_constraint``). Except the pipeline (lesson 11's), every layout's step is written by
-hand in ``jax.shard_map`` (:mod:`course_lib.lm_steps`): every collective is in the code, and
-:func:`course_lib.lm_costs.predict_bytes` predicts each axis's bytes exactly. ``build(..., partitioner=True)``
-gives the same step body under sharded ``jax.jit`` on an *Auto* mesh instead, where the partitioner inserts the
-collectives (the lab's contrast); :mod:`course_lib.comms` reads them back from the compiled program. The
-layouts are also entries of :data:`course_lib.strategies.REGISTRY` (``strategies.build_layout``).
+Each :class:`Layout` names a mesh (axis name → size, for a device count), how the parameters and the batch
+are split over it, and where the activations are constrained. Except the pipeline (lesson 11's), every step
+is written by hand in ``jax.shard_map`` (:mod:`course_lib.lm_steps`), every collective in the code;
+``build(..., partitioner=True)`` gives the same step under sharded ``jax.jit`` on an *Auto* mesh, where the
+partitioner inserts them (the lab's contrast). The layouts are entries of :data:`course_lib.strategies.REGISTRY`.
 
 ===========  ============================  ===================================================================
 key          mesh (8 devices)              what is split
@@ -24,11 +21,9 @@ key          mesh (8 devices)              what is split
 ``3d``       data=2 × fsdp=2 × model=2     the three at once
 ===========  ============================  ===================================================================
 
-The step is SGD with momentum (one optimizer value per parameter), returning the new parameters, the
-new momentum, the loss and the gradients: ``memory_analysis()`` then shows every kind — arguments =
-parameters + optimizer state + batch, outputs = the same + gradients + loss. :mod:`course_lib.lm_costs`
-predicts each kind from the shapes, and every collective's bytes per mesh axis, and holds the step-time
-model (a model, not a measurement) that the lab's exercises ask the learner to predict.
+The step is SGD with momentum returning the new parameters and momentum, the loss and the gradients, so
+``memory_analysis()`` shows every kind; :mod:`course_lib.lm_costs` predicts each kind, each axis's bytes and
+the step-time model (a model, not a measurement) of the lab's exercises.
 Taught in ``notebooks/12_transformer_lab.ipynb``; tested in ``tests/test_lm_layouts.py``.
 """
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from course_lib.config import LAB_PARAMS, N_DEVICES, PLATFORM, arg_type, coerce
 
+from . import params as nb_params
 from . import results
 from .execution import (
     KernelDied,
@@ -117,10 +118,10 @@ def run_lab(
     n, platform = coerce(N_DEVICES, n_devices), coerce(PLATFORM, platform)
     profile = coerce(LAB_PARAMS["profile"], profile)
     lab = NOTEBOOKS / "08_lab.ipynb"
-    check_parameters(lab, _lab_params(n, platform, profile, Path(), **(extra or {})))
+    check_parameters(lab, nb_params.lab_params(n, platform, profile, Path(), **(extra or {})))
     check_kernel()
     run_dir = run_folder(build, "lab", WRITES_MB["lab"])
-    params = _lab_params(n, platform, profile, run_dir, **(extra or {}))
+    params = nb_params.lab_params(n, platform, profile, run_dir, **(extra or {}))
     shown = ", ".join(
         f"{k}={v!r}" for k, v in params.items() if k not in ("results_dir", "overwrite")
     )
@@ -135,53 +136,6 @@ def run_lab(
     for p in sorted(run_dir.iterdir()):
         print(f"  {p.name}")
     return run_dir
-
-
-def _lab_params(n: int, platform: str, profile: str, run_dir: Path, **more) -> dict:
-    """The lab's papermill parameters for a run into its own fresh folder."""
-    params = {"n_devices": n, "platform": platform, "profile": profile, "results_dir": str(run_dir)}
-    return {**params, "overwrite": True, **more}
-
-
-LAB12 = "12_transformer_lab.ipynb"
-
-
-LAB12_BATCH = 16
-"""The transformer lab's committed ``global_batch``."""
-
-
-def lab12_batch(n: int) -> int:
-    """The transformer lab's ``global_batch`` on ``n`` devices: its committed 16 where every layout that fits
-    ``n`` devices splits it (1, 2, 4, 8, ...), otherwise the smallest multiple of what they all need that is
-    at least 16 (18 on 3 devices), with a printed note. ``make course`` and ``make scaling`` pass it, so that
-    a run at an odd count trains instead of stopping at the lab's parameter check
-    (``lm_layouts.check_run``)."""
-    import math
-
-    from course_lib import lm_layouts, strategies
-
-    needs = [lm_layouts.batch_divisor(k, n) for k in strategies.LAYOUT_KEYS]
-    lcm = math.lcm(*[d for d in needs if d]) if any(needs) else 1
-    if LAB12_BATCH % lcm == 0:
-        return LAB12_BATCH
-    batch = lcm * math.ceil(LAB12_BATCH / lcm)
-    print(
-        f"note: the transformer lab's global batch {LAB12_BATCH} does not split over the layouts that fit "
-        f"{n} device(s) (they need a multiple of {lcm}); it runs with global_batch={batch}",
-        flush=True,
-    )
-    return batch
-
-
-def _lab12_params(n: int, platform: str, results_dir: Path) -> dict:
-    """The transformer lab's papermill parameters for a run into its own folder."""
-    return {
-        "n_devices": n,
-        "platform": platform,
-        "results_dir": str(results_dir),
-        "overwrite": True,
-        "global_batch": lab12_batch(n),
-    }
 
 
 def course_notebooks() -> list[Path]:
@@ -213,7 +167,7 @@ def run_course(
                     f"--only {o!r} names no notebook: give their numbers ({' '.join(numbers)}) or names"
                 )
         notebooks = [p for p in notebooks if any(p.name.startswith(o) for o in only)]
-    plan = [(nb, _course_params(nb, n, platform, Path(), lab_params)) for nb in notebooks]
+    plan = [(nb, nb_params.course_params(nb, n, platform, Path(), lab_params)) for nb in notebooks]
     for nb, params in plan:
         check_parameters(nb, params)
     check_kernel()
@@ -221,7 +175,7 @@ def run_course(
     rows = []
     try:
         for i, (nb, params) in enumerate(plan):
-            params = _course_params(nb, n, platform, out, lab_params)
+            params = nb_params.course_params(nb, n, platform, out, lab_params)
             print(
                 f"[{i + 1}/{len(plan)}] {nb.name} (n_devices={n}, platform={platform})", flush=True
             )
@@ -237,15 +191,6 @@ def run_course(
             whole = "ok" if len(rows) == len(plan) else "unfinished"
             finish_run(out, next((r["status"] for r in rows if r["status"] != "ok"), whole))
     return out
-
-
-def _course_params(nb: Path, n: int, platform: str, out: Path, lab_params: dict | None) -> dict:
-    params = {"n_devices": n, "platform": platform}
-    if nb.name == "08_lab.ipynb":
-        params.update(results_dir=str(out / "lab"), overwrite=False, **(lab_params or {}))
-    if nb.name == LAB12:
-        params.update(results_dir=str(out / "lab12"), overwrite=False, global_batch=lab12_batch(n))
-    return params
 
 
 def _status(error: BaseException) -> str:
@@ -317,9 +262,9 @@ def run_scaling(
     """
     ns = sorted({coerce(N_DEVICES, c) for c in counts})
     platform, profile = coerce(PLATFORM, platform), coerce(LAB_PARAMS["profile"], profile)
-    lab, lab12 = NOTEBOOKS / "08_lab.ipynb", NOTEBOOKS / LAB12
-    check_parameters(lab, _lab_params(ns[0], platform, profile, Path(), scaling=False))
-    check_parameters(lab12, _lab12_params(ns[0], platform, Path()))
+    lab, lab12 = NOTEBOOKS / "08_lab.ipynb", NOTEBOOKS / nb_params.LAB12
+    check_parameters(lab, nb_params.lab_params(ns[0], platform, profile, Path(), scaling=False))
+    check_parameters(lab12, nb_params.lab12_params(ns[0], platform, Path()))
     check_kernel()
     _draw_with_agg()
     from . import study
@@ -329,12 +274,17 @@ def run_scaling(
     for n in ns:
         run_dir = out / f"n{n}"
         run_dir.mkdir()
-        params = _lab_params(n, platform, profile, run_dir, scaling=False)
+        params = nb_params.lab_params(n, platform, profile, run_dir, scaling=False)
         print(f"lab at n_devices={n} ...", flush=True)
         try:
             execute(lab, run_dir / "08_lab.ipynb", params, progress)
             print(f"transformer lab at n_devices={n} ...", flush=True)
-            execute(lab12, run_dir / LAB12, _lab12_params(n, platform, run_dir / "lab12"), progress)
+            execute(
+                lab12,
+                run_dir / nb_params.LAB12,
+                nb_params.lab12_params(n, platform, run_dir / "lab12"),
+                progress,
+            )
         except (NotebookFailed, RunInterrupted) as e:
             finish_run(out, _status(e))
             done = ", ".join(str(d) for d in run_dirs) or "none"

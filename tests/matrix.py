@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from course_lib import config
+from course_tools import params as nb_params
 from course_tools import run
 from course_tools.execution import execute
 
@@ -123,8 +124,13 @@ def parameters(stem: str, n: int, folder: Path) -> dict:
     injected = {"n_devices": n, "platform": "cpu"}
     if stem == LAB:
         injected.update(profile="tiny", scaling=False, results_dir=str(folder / "lab"))
-    if stem == run.LAB12.removesuffix(".ipynb") and run.lab12_batch(n) != run.LAB12_BATCH:
-        injected["global_batch"] = run.lab12_batch(n)  # e.g. MATRIX=3: a batch its layouts split
+    if (
+        stem == nb_params.LAB12.removesuffix(".ipynb")
+        and nb_params.lab12_batch(n) != nb_params.LAB12_BATCH
+    ):
+        injected["global_batch"] = nb_params.lab12_batch(
+            n
+        )  # e.g. MATRIX=3: a batch its layouts split
     return injected
 
 

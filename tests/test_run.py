@@ -25,6 +25,7 @@ import pytest
 
 from course_lib import strategies
 from course_tools import folders, processes, results, run, site
+from course_tools import params as nb_params
 from course_tools.execution import RunRefused
 
 
@@ -627,8 +628,8 @@ def test_only_names_notebooks_or_is_refused(tmp_path, capsys, only):
 def test_the_transformer_labs_batch_splits_over_every_layout_that_fits(n, capsys):
     from course_lib import lm_layouts, strategies
 
-    batch = run.lab12_batch(n)
+    batch = nb_params.lab12_batch(n)
     keys = [k for k in strategies.LAYOUT_KEYS if lm_layouts.mesh_axes(k, n)]
     lm_layouts.check_run(keys, n, batch, 1)  # raises where a layout cannot split the batch
-    assert (batch == run.LAB12_BATCH) == (n in (1, 2, 4, 8)), (n, batch)
-    assert ("note:" in capsys.readouterr().out) == (batch != run.LAB12_BATCH)
+    assert (batch == nb_params.LAB12_BATCH) == (n in (1, 2, 4, 8)), (n, batch)
+    assert ("note:" in capsys.readouterr().out) == (batch != nb_params.LAB12_BATCH)
