@@ -32,6 +32,20 @@ from course_lib.meshes import CONTEXT, DATA, MODEL, mesh_of
 from course_lib.programs import jaxpr_equations
 
 from ._common import call_answer, checker, fail, passed, require
+from ._lesson10_mlp import MLP_D, MLP_F, MLP_T, mlp_collectives, mlp_counts, mlp_hint
+from ._lesson10_ring import RING_B as _B
+from ._lesson10_ring import RING_DH as _DH
+from ._lesson10_ring import RING_H as _H
+from ._lesson10_ring import RING_S as _S
+from ._lesson10_ring import RINGS as _RINGS
+from ._lesson10_ring import (
+    counted,
+    device_program,
+    held_bytes,
+    masked_attention,
+    nbytes,
+    ring_diagnose,
+)
 from ._lesson10_zero3 import dp_compiled, z_setup, z_step, z_upfront, z_values, z_wire
 from ._spmd import abstract
 
@@ -80,20 +94,7 @@ def _call_unaided(what: str, fn: Callable, *args, name: str, explain=None):
     return got
 
 
-def _rounded(got, want, rtol) -> bool:
-    return bool(np.allclose(got, want, rtol=rtol, atol=rtol))
-
-
 # ---- exercise 3 (project): ring attention ------------------------------------------------------------------
-
-_B, _H, _DH, _BLK8 = (
-    3,
-    2,
-    5,
-    7,
-)  # all different; S = 8·7 = 56 (blocks of 28, 14, 7 on 2, 4, 8 devices)
-_S = 8 * _BLK8
-_RINGS = (2, 4, 8)
 
 
 def _attention_mapped(fn, mesh):
@@ -120,69 +121,6 @@ def _explain_ring(what, e):
     return None
 
 
-def _masked_attention(q, k, v, visible):
-    """Softmax attention of every query against every key where ``visible`` [S, S] (NumPy, float64)."""
-    s = np.einsum("bqhk,bthk->bhqt", q, k) / np.sqrt(q.shape[-1])
-    s = np.where(visible, s, -np.inf)
-    mx = s.max(-1, keepdims=True)
-    w = np.exp(s - np.where(np.isfinite(mx), mx, 0.0))
-    w = w / np.maximum(w.sum(-1, keepdims=True), 1e-300)
-    return np.einsum("bhqt,bthk->bqhk", w, v)
-
-
-def _ring_diagnose(got, q, k, v, c):
-    """A true hint for ring attention's values ``got`` on ``c`` devices that are not causal attention's."""
-    i, j = np.arange(_S)[:, None], np.arange(_S)[None, :]
-    blk = _S // c
-    want = _masked_attention(q, k, v, i >= j)
-    if np.allclose(got, _masked_attention(q, k, v, np.ones_like(i >= j)), atol=1e-8):
-        fail(
-            f"on {c} devices every query attends to every key: the causal mask is missing",
-            "mask key j for query i where i < j, with the blocks' global positions",
-        )
-    if c > 1 and np.allclose(got, _masked_attention(q, k, v, (i % blk) >= (j % blk)), atol=1e-8):
-        fail(
-            f"on {c} devices the mask compares positions within a block, the same for every block",
-            "compare global positions: a query's and a key's index in the whole sequence, from the "
-            "device that holds the block and the position in it",
-        )
-    if c > 1 and np.allclose(
-        got, _masked_attention(q, k, v, (i >= j) | (i // blk != j // blk)), atol=1e-8
-    ):
-        fail(
-            f"on {c} devices the queries see keys of later blocks: only the diagonal block is masked",
-            "the blocks that reach a device by wrapping round the ring (from later devices) are in "
-            "its future: mask them entirely, not only the diagonal block",
-        )
-    if np.allclose(got, _masked_attention(q, k, v, i > j), atol=1e-8, equal_nan=True):
-        fail(
-            f"on {c} device(s) no query sees its own key: the mask hides the diagonal",
-            "query i sees key j where j <= i, its own position included",
-        )
-    if _rounded(got, want, 1e-4):
-        fail(
-            f"on {c} device(s) the values are near causal attention's but off by "
-            f"{float(np.abs(got - want).max()):.1e}: something is computed in float32",
-            "the inputs here are float64: make every array you create with q.dtype (jnp.full, "
-            "jnp.zeros) and cast nothing",
-        )
-    block = [np.allclose(got[:, r * blk : (r + 1) * blk], want[:, r * blk : (r + 1) * blk], atol=1e-10)
-             for r in range(c)]  # fmt: skip
-    if c > 1 and block[0] and not all(block[1:]):
-        fail(
-            f"on {c} devices the first device's queries (they see only their own block) are right, "
-            "later devices' are not",
-            "check how blocks received from other devices are masked (their global positions) and "
-            "combined: one softmax over all keys (running maximum and sum, rescaled when the maximum "
-            "grows, divided once at the end)",
-        )
-    fail(
-        f"on {c} device(s) the values differ from single-device causal attention by "
-        f"{float(np.nanmax(np.abs(got - want))):.2e}",
-        "check the scale 1/sqrt(Dh), the mask and the running softmax on a 2-device mesh",
-    )
-
-
 def _ring_values(fn, devices, rng) -> list[int]:
     ran = []
     present = [c for c in (1, *_RINGS) if c <= len(devices)]
@@ -207,9 +145,9 @@ def _ring_values(fn, devices, rng) -> list[int]:
                 "return this device's queries' outputs, [B, S/n, H, Dh], like q",
             )
         if not np.allclose(
-            got, _masked_attention(q, k, v, np.tri(_S, dtype=bool)), rtol=0, atol=1e-10
+            got, masked_attention(q, k, v, np.tri(_S, dtype=bool)), rtol=0, atol=1e-10
         ):
-            _ring_diagnose(got, q, k, v, c)
+            ring_diagnose(got, q, k, v, c)
         if c == present[-1]:
             _ring_large_scores(mapped, what, q, k, v)
         ran.append(c)
@@ -224,7 +162,7 @@ def _ring_large_scores(mapped, what, q, k, v):
         got = np.asarray(
             _call_unaided(what, mapped, *map(jnp.asarray, (q, k, v)), name="ring_attention")
         )
-    want = _masked_attention(q, k, v, np.tri(_S, dtype=bool))
+    want = masked_attention(q, k, v, np.tri(_S, dtype=bool))
     if not np.allclose(got, want, rtol=0, atol=1e-8):
         fail(
             f"{what}: right on ordinary inputs, but with scores near 1,000 the result is "
@@ -232,137 +170,6 @@ def _ring_large_scores(mapped, what, q, k, v):
             "exp of a score above ~709 overflows even in float64: keep the running maximum of the "
             "scores and exponentiate the scores minus it (the online softmax), rescaling what is summed",
         )
-
-
-_LOOP_CAP = 10_000
-"""The most iterations :func:`_while_trips` runs a ``while_loop``'s counter for."""
-
-
-def _is_var(v) -> bool:
-    return not hasattr(v, "val")  # a Literal carries its value
-
-
-def _slice(jaxpr, wanted: set) -> tuple[list, set]:
-    """The equations of ``jaxpr`` that ``wanted`` (its variables) depend on, and the inputs they read."""
-    need, kept = set(wanted), []
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in need for v in eqn.outvars):
-            kept.append(eqn)
-            need |= {v for v in eqn.invars if _is_var(v)}
-    return kept[::-1], need
-
-
-def _run(eqns, env: dict) -> dict:
-    for eqn in eqns:
-        args = [env[v] if _is_var(v) else v.val for v in eqn.invars]
-        out = eqn.primitive.bind(*args, **eqn.params)
-        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
-    return env
-
-
-def _static(v, outer) -> Any:
-    """The value of ``v`` (an operand in ``outer``) if it is computed from constants only, else raises."""
-    if not _is_var(v):
-        return v.val
-    eqns, need = _slice(outer, {v})
-    if need & set(outer.invars):
-        raise ValueError("depends on the program's inputs")
-    return _run(eqns, {})[v]
-
-
-def _while_trips(eqn, outer) -> int | None:
-    """How many times a ``while`` equation's body runs, when its condition depends only on loop-carried
-    values that start from constants and that the body computes from each other (a counter): run that
-    part of the loop. None when it cannot be read."""
-    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
-    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    ops = eqn.invars
-    cond_consts, body_consts, init = ops[:nc], ops[nc : nc + nb], ops[nc + nb :]
-    carry_in = body.jaxpr.invars[nb:]
-    try:
-        c_eqns, c_need = _slice(cond.jaxpr, set(cond.jaxpr.outvars))
-        used = {i for i, v in enumerate(cond.jaxpr.invars[nc:]) if v in c_need}
-        while True:
-            b_eqns, b_need = _slice(body.jaxpr, {body.jaxpr.outvars[i] for i in used})
-            more = used | {i for i, v in enumerate(carry_in) if v in b_need}
-            if more == used:
-                break
-            used = more
-        env_c = dict(zip(cond.jaxpr.constvars, cond.consts))
-        env_c |= {v: _static(o, outer) for v, o in zip(cond.jaxpr.invars[:nc], cond_consts)
-                  if v in c_need}  # fmt: skip
-        env_b = dict(zip(body.jaxpr.constvars, body.consts))
-        env_b |= {v: _static(o, outer) for v, o in zip(body.jaxpr.invars[:nb], body_consts)
-                  if v in b_need}  # fmt: skip
-        carry = {i: _static(init[i], outer) for i in used}
-        for trips in range(_LOOP_CAP):
-            env = env_c | {cond.jaxpr.invars[nc + i]: x for i, x in carry.items()}
-            if not bool(_run(c_eqns, env)[cond.jaxpr.outvars[0]]):
-                return trips
-            env = _run(b_eqns, env_b | {carry_in[i]: x for i, x in carry.items()})
-            carry = {i: env[body.jaxpr.outvars[i]] for i in used}
-    except Exception:  # noqa: BLE001 - a condition that is not a plain counter
-        return None
-    return None
-
-
-def _counted(jaxpr, times: int | None = 1):
-    """Every equation of ``jaxpr`` (nested ones included) with how many times it runs: a ``scan`` body
-    ``length`` times, a ``while_loop`` body as many times as its counter allows (None: not readable)."""
-    jx = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jx.eqns:
-        yield eqn, times
-        name, reps = eqn.primitive.name, times
-        if name == "scan" and times is not None:
-            reps = times * int(eqn.params["length"])
-        elif name == "while":
-            trips = _while_trips(eqn, jx)
-            reps = None if times is None or trips is None else times * trips
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
-                    yield from _counted(sub, reps)
-
-
-def _nbytes(v) -> int:
-    aval = getattr(v, "aval", None)
-    return int(getattr(aval, "size", 0)) * getattr(getattr(aval, "dtype", None), "itemsize", 0)
-
-
-def _held(jaxpr) -> int:
-    """The most bytes a program holds at once when it runs its equations in the order written: each value
-    from the equation that makes it to its last use (a loop's or call's body adds its own peak)."""
-    jx = getattr(jaxpr, "jaxpr", jaxpr)
-    last = {}
-    for i, eqn in enumerate(jx.eqns):
-        last |= {v: i for v in eqn.invars if _is_var(v)}
-    last |= {v: len(jx.eqns) for v in jx.outvars if _is_var(v)}
-    live = {v for v in (*jx.constvars, *jx.invars)}
-    now = peak = sum(map(_nbytes, live))
-    for i, eqn in enumerate(jx.eqns):
-        inner = 0
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                sj = getattr(sub, "jaxpr", sub)
-                if hasattr(sj, "eqns"):
-                    edge = sum(map(_nbytes, (*sj.invars, *sj.outvars)))
-                    inner = max(inner, _held(sj) - edge)
-        made = sum(_nbytes(v) for v in eqn.outvars)
-        peak = max(peak, now + made + inner)
-        now += made
-        live |= set(eqn.outvars)
-        dead = {v for v in live if last.get(v, -1) <= i}
-        now -= sum(map(_nbytes, dead))
-        live -= dead
-    return peak
-
-
-def _device_program(jaxpr):
-    """The body of the first ``shard_map`` in ``jaxpr``: the program one device runs."""
-    for eqn, _ in jaxpr_equations(jaxpr):
-        if eqn.primitive.name == "shard_map":
-            return eqn.params["jaxpr"]
-    return jaxpr
 
 
 def _ring_jaxpr(fn, c, shape):
@@ -379,7 +186,7 @@ def _ring_structure(fn, c) -> tuple[float | None, int, str | None]:
     on an abstract ring of ``c`` devices (float32)."""
     jaxpr = _ring_jaxpr(fn, c, (_B, _S, _H, _DH))
     sent, other, biggest = 0.0, None, 0
-    for eqn, times in _counted(jaxpr):
+    for eqn, times in counted(jaxpr):
         name = eqn.primitive.name
         if name == "shard_map":
             continue
@@ -390,7 +197,7 @@ def _ring_structure(fn, c) -> tuple[float | None, int, str | None]:
         ):
             other = other or name
         if name == "ppermute" and sent is not None:
-            sent = None if times is None else sent + times * sum(map(_nbytes, eqn.invars))
+            sent = None if times is None else sent + times * sum(map(nbytes, eqn.invars))
         biggest = max([biggest, *(int(getattr(v.aval, "size", 0)) for v in eqn.outvars)])
     return sent, biggest, other
 
@@ -409,7 +216,7 @@ def _ring_memory(fn) -> tuple[int, int, int]:
     c, blk = _MEM_RING, _MEM_BLK
     jaxpr = _ring_jaxpr(fn, c, (_MEM_B, c * blk, _MEM_H, _MEM_DH))
     kv = 2 * _MEM_B * blk * _MEM_H * _MEM_DH * 4
-    return _held(_device_program(jaxpr)), c * kv // 2, c * kv
+    return held_bytes(device_program(jaxpr)), c * kv // 2, c * kv
 
 
 @checker
@@ -423,7 +230,7 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
     structure on abstract rings of 2, 4 and 8 from the jaxpr (a ``scan`` or ``fori_loop`` body's sends
     counted ``length`` times, a ``while_loop``'s as many times as its counter runs; one whose counter
     cannot be run is refused); the bytes one device holds at once, its operations run in the order
-    written (:func:`_held`), on an abstract ring of 32 (:data:`_MEM_RING`), at most half the whole
+    written (:func:`held_bytes`), on an abstract ring of 32 (:data:`_MEM_RING`), at most half the whole
     sequence's K and V. Not the compiled program's ``memory_analysis()``: XLA:CPU may schedule every
     ``ppermute`` of an unrolled ring first, and then holds every block even for an online softmax
     (measured: the reference's temporaries equal a two-pass ring's on 8 devices). An answer calling
@@ -625,86 +432,6 @@ def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
 
 # ---- exercise 1 (debug): the tensor-parallel MLP ------------------------------------------------------------
 
-_MLP_D, _MLP_F, _MLP_T = 16, 48, 5  # F divides by 2, 3, 4 and 8; T is no shard's length
-
-
-def _mlp_hint(got, want, b2, n):
-    """A true hint for a tensor-parallel MLP's output ``got`` on ``n`` devices (``want``: the MLP's)."""
-    if _rounded(got, want, 1e-4):
-        fail(
-            f"on {n} device(s) the output is near the MLP's but off by "
-            f"{float(np.abs(got - want).max()):.1e}: something is computed in float32",
-            "the inputs here are float64: compute in their dtype and cast nothing",
-        )
-    extra = float(np.sum((got - want).mean(0) * b2) / np.sum(b2 * b2))  # got = want + extra·b2?
-    if abs(extra) > 1e-3 and np.allclose(got, want + extra * b2, rtol=0, atol=1e-8):
-        fail(
-            f"on {n} device(s) the output has w2's bias {round(extra + 1, 6) + 0.0:.3g} times",
-            "the partial sums are added by the psum: w2's (replicated) bias must end up in the "
-            "output exactly once, on any number of devices",
-        )
-    if n > 1 and np.allclose(got, (want - b2) / n + b2, rtol=0, atol=1e-8):
-        fail(
-            f"on {n} devices the output is the average of the devices' partial sums, not their sum",
-            "each device's rows of w2 give one part of the product: the parts add up (lax.psum, not pmean)",
-        )
-    fail(
-        f"on {n} device(s) the output differs from the MLP by {float(np.abs(got - want).max()):.2e} "
-        "(random, non-zero biases here)",
-        "check each step against transformer.mlp: w1's bias is this device's part of it, gelu comes "
-        "before the row-parallel w2, and the bias of w2 is added once",
-    )
-
-
-_COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "reduce_scatter")
-"""Prefixes of the jaxpr's collective primitives (``psum_invariant``, ``all_gather_invariant``, …;
-``lax.pmean`` traces to a ``psum`` and a division, ``lax.psum_scatter`` to ``reduce_scatter``)."""
-
-
-def _mlp_collectives(jaxpr, n):
-    """Refuse any collective but one ``psum`` of the [T, D] partial output (scalars aside)."""
-    psums, others = 0, []
-    for eqn, times in _counted(jaxpr):
-        name = eqn.primitive.name
-        shapes = [tuple(v.aval.shape) for v in eqn.invars if getattr(v.aval, "size", 1) > 1]
-        if not name.startswith(_COLLECTIVES) or not shapes:
-            continue
-        if (
-            name.startswith("psum")
-            and not name.startswith("psum_scatter")
-            and shapes == [(_MLP_T, _MLP_D)]
-        ):
-            psums += times or 2
-        else:
-            others.append(f"{name} of {', '.join(f'[{", ".join(map(str, s))}]' for s in shapes)}")
-    want = (
-        f"a tensor-parallel MLP (T={_MLP_T}, D={_MLP_D}, F={_MLP_F}) sends one thing: the [T, D] "
-        "partial output, summed over the devices by one lax.psum"
-    )
-    if others:
-        fail(
-            f"on {n} devices the program calls {'; '.join(others[:4])}; {want}, and moves no weights "
-            "(with gathered weights every device computes the whole MLP)",
-            "multiply by this device's shards only (x @ its columns of w1, + its part of w1's bias, "
-            "gelu, @ its rows of w2) and add the devices' [T, D] partial outputs with one lax.psum",
-        )
-    if psums != 1:
-        fail(
-            f"on {n} devices the program sums [T, D] arrays over the devices {psums} times; {want}",
-            "add the partial outputs of the row-parallel w2 with a single lax.psum (w2's bias once, "
-            "after it)"
-            if psums
-            else "add the devices' [T, D] partial outputs with lax.psum",
-        )
-
-
-@functools.cache
-def _mlp_counts(n_devices: int) -> tuple[int, ...]:
-    """Two device counts (the most of 8, 4, 2 present, and 3 or 2) so that a constant fitted to one fails."""
-    top = max(c for c in (8, 4, 2, 1) if c <= n_devices)
-    second = [c for c in (3, 2) if c <= n_devices and c != top][:1]
-    return (top, *second)
-
 
 @checker
 def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
@@ -717,12 +444,12 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
     [T, D] partial output (no gathered weights or activations, no second sum). An answer calling
     :mod:`course_lib.splits` is refused."""
     rng = np.random.default_rng(4)
-    d, f = _MLP_D, _MLP_F
+    d, f = MLP_D, MLP_F
     spec = {
         "w1": {"kernel": P(None, MODEL), "bias": P(MODEL)},
         "w2": {"kernel": P(MODEL), "bias": P()},
     }
-    counts = _mlp_counts(len(devices))
+    counts = mlp_counts(len(devices))
     for n in counts:
         mesh = mesh_of({MODEL: n}, list(devices)[:n], axis_type="auto")
         with jax.enable_x64(True):
@@ -731,7 +458,7 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
                 "w2": {"kernel": rng.standard_normal((f, d)), "bias": rng.standard_normal(d)},
             }
             p = jax.tree.map(jnp.asarray, p)
-            x = jnp.asarray(rng.standard_normal((_MLP_T, d)))
+            x = jnp.asarray(rng.standard_normal((MLP_T, d)))
             mapped = jax.shard_map(
                 lambda x, p: tp_mlp(x, p, MODEL), mesh=mesh, in_specs=(P(), spec), out_specs=P()
             )
@@ -740,9 +467,9 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
             want = np.asarray(transformer.mlp(x, p))
             jaxpr = jax.make_jaxpr(mapped)(x, p) if n > 1 else None
         if not np.allclose(got, want, rtol=0, atol=1e-10):
-            _mlp_hint(got, want, np.asarray(p["w2"]["bias"]), n)
+            mlp_hint(got, want, np.asarray(p["w2"]["bias"]), n)
         if jaxpr is not None:
-            _mlp_collectives(jaxpr, n)
+            mlp_collectives(jaxpr, n)
     return passed(
         f"the tensor-parallel MLP equals the MLP on {' and '.join(map(str, counts))} device(s) with "
         "random biases, and sends only the [T, D] partial output through one psum"

@@ -1,0 +1,100 @@
+"""The tensor-parallel MLP's judge for :func:`course_tools.checks.lesson10.check_tp_mlp`
+(``notebooks/10_transformers.ipynb``, exercise 1): the MLP's shapes, the device counts it runs on, the hint
+for an output that is not the MLP's, and the collectives read from its jaxpr (one ``psum`` of the [T, D]
+partial output, no other)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ._common import fail
+from ._lesson10_ring import counted
+
+__all__ = ["MLP_D", "MLP_F", "MLP_T", "mlp_collectives", "mlp_counts", "mlp_hint"]
+
+
+def _rounded(got, want, rtol) -> bool:
+    return bool(np.allclose(got, want, rtol=rtol, atol=rtol))
+
+
+MLP_D, MLP_F, MLP_T = 16, 48, 5  # F divides by 2, 3, 4 and 8; T is no shard's length
+
+
+def mlp_hint(got, want, b2, n):
+    """A true hint for a tensor-parallel MLP's output ``got`` on ``n`` devices (``want``: the MLP's)."""
+    if _rounded(got, want, 1e-4):
+        fail(
+            f"on {n} device(s) the output is near the MLP's but off by "
+            f"{float(np.abs(got - want).max()):.1e}: something is computed in float32",
+            "the inputs here are float64: compute in their dtype and cast nothing",
+        )
+    extra = float(np.sum((got - want).mean(0) * b2) / np.sum(b2 * b2))  # got = want + extra·b2?
+    if abs(extra) > 1e-3 and np.allclose(got, want + extra * b2, rtol=0, atol=1e-8):
+        fail(
+            f"on {n} device(s) the output has w2's bias {round(extra + 1, 6) + 0.0:.3g} times",
+            "the partial sums are added by the psum: w2's (replicated) bias must end up in the "
+            "output exactly once, on any number of devices",
+        )
+    if n > 1 and np.allclose(got, (want - b2) / n + b2, rtol=0, atol=1e-8):
+        fail(
+            f"on {n} devices the output is the average of the devices' partial sums, not their sum",
+            "each device's rows of w2 give one part of the product: the parts add up (lax.psum, not pmean)",
+        )
+    fail(
+        f"on {n} device(s) the output differs from the MLP by {float(np.abs(got - want).max()):.2e} "
+        "(random, non-zero biases here)",
+        "check each step against transformer.mlp: w1's bias is this device's part of it, gelu comes "
+        "before the row-parallel w2, and the bias of w2 is added once",
+    )
+
+
+_COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", "reduce_scatter")
+"""Prefixes of the jaxpr's collective primitives (``psum_invariant``, ``all_gather_invariant``, …;
+``lax.pmean`` traces to a ``psum`` and a division, ``lax.psum_scatter`` to ``reduce_scatter``)."""
+
+
+def mlp_collectives(jaxpr, n):
+    """Refuse any collective but one ``psum`` of the [T, D] partial output (scalars aside)."""
+    psums, others = 0, []
+    for eqn, times in counted(jaxpr):
+        name = eqn.primitive.name
+        shapes = [tuple(v.aval.shape) for v in eqn.invars if getattr(v.aval, "size", 1) > 1]
+        if not name.startswith(_COLLECTIVES) or not shapes:
+            continue
+        if (
+            name.startswith("psum")
+            and not name.startswith("psum_scatter")
+            and shapes == [(MLP_T, MLP_D)]
+        ):
+            psums += times or 2
+        else:
+            others.append(f"{name} of {', '.join(f'[{", ".join(map(str, s))}]' for s in shapes)}")
+    want = (
+        f"a tensor-parallel MLP (T={MLP_T}, D={MLP_D}, F={MLP_F}) sends one thing: the [T, D] "
+        "partial output, summed over the devices by one lax.psum"
+    )
+    if others:
+        fail(
+            f"on {n} devices the program calls {'; '.join(others[:4])}; {want}, and moves no weights "
+            "(with gathered weights every device computes the whole MLP)",
+            "multiply by this device's shards only (x @ its columns of w1, + its part of w1's bias, "
+            "gelu, @ its rows of w2) and add the devices' [T, D] partial outputs with one lax.psum",
+        )
+    if psums != 1:
+        fail(
+            f"on {n} devices the program sums [T, D] arrays over the devices {psums} times; {want}",
+            "add the partial outputs of the row-parallel w2 with a single lax.psum (w2's bias once, "
+            "after it)"
+            if psums
+            else "add the devices' [T, D] partial outputs with lax.psum",
+        )
+
+
+@functools.cache
+def mlp_counts(n_devices: int) -> tuple[int, ...]:
+    """Two device counts (the most of 8, 4, 2 present, and 3 or 2) so that a constant fitted to one fails."""
+    top = max(c for c in (8, 4, 2, 1) if c <= n_devices)
+    second = [c for c in (3, 2) if c <= n_devices and c != top][:1]
+    return (top, *second)

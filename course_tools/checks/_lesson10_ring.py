@@ -1,0 +1,233 @@
+"""Ring attention's judge for :func:`course_tools.checks.lesson10.check_ring_attention`
+(``notebooks/10_transformers.ipynb``, exercise 3): the rings' shapes, causal attention in NumPy and the hint
+for values that are not its, and the reading of a program's jaxpr: every equation with how many times it
+runs (a ``scan`` body ``length`` times, a ``while_loop`` body as many times as its counter allows, found by
+running the counter) and the most bytes the program holds at once, its equations run in the order written.
+The tensor-parallel MLP's checker reads its collectives with :func:`counted` too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from course_lib.programs import jaxpr_equations
+
+from ._common import fail
+
+__all__ = [
+    "RINGS",
+    "RING_B",
+    "RING_DH",
+    "RING_H",
+    "RING_S",
+    "counted",
+    "device_program",
+    "held_bytes",
+    "masked_attention",
+    "nbytes",
+    "ring_diagnose",
+]
+
+# all different; S = 8·7 = 56 (blocks of 28, 14, 7 on 2, 4, 8 devices)
+RING_B, RING_H, RING_DH, RING_BLK8 = 3, 2, 5, 7
+RING_S = 8 * RING_BLK8
+RINGS = (2, 4, 8)
+
+
+def _rounded(got, want, rtol) -> bool:
+    return bool(np.allclose(got, want, rtol=rtol, atol=rtol))
+
+
+def masked_attention(q, k, v, visible):
+    """Softmax attention of every query against every key where ``visible`` [S, S] (NumPy, float64)."""
+    s = np.einsum("bqhk,bthk->bhqt", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(visible, s, -np.inf)
+    mx = s.max(-1, keepdims=True)
+    w = np.exp(s - np.where(np.isfinite(mx), mx, 0.0))
+    w = w / np.maximum(w.sum(-1, keepdims=True), 1e-300)
+    return np.einsum("bhqt,bthk->bqhk", w, v)
+
+
+def ring_diagnose(got, q, k, v, c):
+    """A true hint for ring attention's values ``got`` on ``c`` devices that are not causal attention's."""
+    i, j = np.arange(RING_S)[:, None], np.arange(RING_S)[None, :]
+    blk = RING_S // c
+    want = masked_attention(q, k, v, i >= j)
+    if np.allclose(got, masked_attention(q, k, v, np.ones_like(i >= j)), atol=1e-8):
+        fail(
+            f"on {c} devices every query attends to every key: the causal mask is missing",
+            "mask key j for query i where i < j, with the blocks' global positions",
+        )
+    if c > 1 and np.allclose(got, masked_attention(q, k, v, (i % blk) >= (j % blk)), atol=1e-8):
+        fail(
+            f"on {c} devices the mask compares positions within a block, the same for every block",
+            "compare global positions: a query's and a key's index in the whole sequence, from the "
+            "device that holds the block and the position in it",
+        )
+    if c > 1 and np.allclose(
+        got, masked_attention(q, k, v, (i >= j) | (i // blk != j // blk)), atol=1e-8
+    ):
+        fail(
+            f"on {c} devices the queries see keys of later blocks: only the diagonal block is masked",
+            "the blocks that reach a device by wrapping round the ring (from later devices) are in "
+            "its future: mask them entirely, not only the diagonal block",
+        )
+    if np.allclose(got, masked_attention(q, k, v, i > j), atol=1e-8, equal_nan=True):
+        fail(
+            f"on {c} device(s) no query sees its own key: the mask hides the diagonal",
+            "query i sees key j where j <= i, its own position included",
+        )
+    if _rounded(got, want, 1e-4):
+        fail(
+            f"on {c} device(s) the values are near causal attention's but off by "
+            f"{float(np.abs(got - want).max()):.1e}: something is computed in float32",
+            "the inputs here are float64: make every array you create with q.dtype (jnp.full, "
+            "jnp.zeros) and cast nothing",
+        )
+    block = [np.allclose(got[:, r * blk : (r + 1) * blk], want[:, r * blk : (r + 1) * blk], atol=1e-10)
+             for r in range(c)]  # fmt: skip
+    if c > 1 and block[0] and not all(block[1:]):
+        fail(
+            f"on {c} devices the first device's queries (they see only their own block) are right, "
+            "later devices' are not",
+            "check how blocks received from other devices are masked (their global positions) and "
+            "combined: one softmax over all keys (running maximum and sum, rescaled when the maximum "
+            "grows, divided once at the end)",
+        )
+    fail(
+        f"on {c} device(s) the values differ from single-device causal attention by "
+        f"{float(np.nanmax(np.abs(got - want))):.2e}",
+        "check the scale 1/sqrt(Dh), the mask and the running softmax on a 2-device mesh",
+    )
+
+
+_LOOP_CAP = 10_000
+"""The most iterations :func:`_while_trips` runs a ``while_loop``'s counter for."""
+
+
+def _is_var(v) -> bool:
+    return not hasattr(v, "val")  # a Literal carries its value
+
+
+def _slice(jaxpr, wanted: set) -> tuple[list, set]:
+    """The equations of ``jaxpr`` that ``wanted`` (its variables) depend on, and the inputs they read."""
+    need, kept = set(wanted), []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in need for v in eqn.outvars):
+            kept.append(eqn)
+            need |= {v for v in eqn.invars if _is_var(v)}
+    return kept[::-1], need
+
+
+def _run(eqns, env: dict) -> dict:
+    for eqn in eqns:
+        args = [env[v] if _is_var(v) else v.val for v in eqn.invars]
+        out = eqn.primitive.bind(*args, **eqn.params)
+        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
+    return env
+
+
+def _static(v, outer) -> Any:
+    """The value of ``v`` (an operand in ``outer``) if it is computed from constants only, else raises."""
+    if not _is_var(v):
+        return v.val
+    eqns, need = _slice(outer, {v})
+    if need & set(outer.invars):
+        raise ValueError("depends on the program's inputs")
+    return _run(eqns, {})[v]
+
+
+def _while_trips(eqn, outer) -> int | None:
+    """How many times a ``while`` equation's body runs, when its condition depends only on loop-carried
+    values that start from constants and that the body computes from each other (a counter): run that
+    part of the loop. None when it cannot be read."""
+    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    ops = eqn.invars
+    cond_consts, body_consts, init = ops[:nc], ops[nc : nc + nb], ops[nc + nb :]
+    carry_in = body.jaxpr.invars[nb:]
+    try:
+        c_eqns, c_need = _slice(cond.jaxpr, set(cond.jaxpr.outvars))
+        used = {i for i, v in enumerate(cond.jaxpr.invars[nc:]) if v in c_need}
+        while True:
+            b_eqns, b_need = _slice(body.jaxpr, {body.jaxpr.outvars[i] for i in used})
+            more = used | {i for i, v in enumerate(carry_in) if v in b_need}
+            if more == used:
+                break
+            used = more
+        env_c = dict(zip(cond.jaxpr.constvars, cond.consts))
+        env_c |= {v: _static(o, outer) for v, o in zip(cond.jaxpr.invars[:nc], cond_consts)
+                  if v in c_need}  # fmt: skip
+        env_b = dict(zip(body.jaxpr.constvars, body.consts))
+        env_b |= {v: _static(o, outer) for v, o in zip(body.jaxpr.invars[:nb], body_consts)
+                  if v in b_need}  # fmt: skip
+        carry = {i: _static(init[i], outer) for i in used}
+        for trips in range(_LOOP_CAP):
+            env = env_c | {cond.jaxpr.invars[nc + i]: x for i, x in carry.items()}
+            if not bool(_run(c_eqns, env)[cond.jaxpr.outvars[0]]):
+                return trips
+            env = _run(b_eqns, env_b | {carry_in[i]: x for i, x in carry.items()})
+            carry = {i: env[body.jaxpr.outvars[i]] for i in used}
+    except Exception:  # noqa: BLE001 - a condition that is not a plain counter
+        return None
+    return None
+
+
+def counted(jaxpr, times: int | None = 1):
+    """Every equation of ``jaxpr`` (nested ones included) with how many times it runs: a ``scan`` body
+    ``length`` times, a ``while_loop`` body as many times as its counter allows (None: not readable)."""
+    jx = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jx.eqns:
+        yield eqn, times
+        name, reps = eqn.primitive.name, times
+        if name == "scan" and times is not None:
+            reps = times * int(eqn.params["length"])
+        elif name == "while":
+            trips = _while_trips(eqn, jx)
+            reps = None if times is None or trips is None else times * trips
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                    yield from counted(sub, reps)
+
+
+def nbytes(v) -> int:
+    aval = getattr(v, "aval", None)
+    return int(getattr(aval, "size", 0)) * getattr(getattr(aval, "dtype", None), "itemsize", 0)
+
+
+def held_bytes(jaxpr) -> int:
+    """The most bytes a program holds at once when it runs its equations in the order written: each value
+    from the equation that makes it to its last use (a loop's or call's body adds its own peak)."""
+    jx = getattr(jaxpr, "jaxpr", jaxpr)
+    last = {}
+    for i, eqn in enumerate(jx.eqns):
+        last |= {v: i for v in eqn.invars if _is_var(v)}
+    last |= {v: len(jx.eqns) for v in jx.outvars if _is_var(v)}
+    live = {v for v in (*jx.constvars, *jx.invars)}
+    now = peak = sum(map(nbytes, live))
+    for i, eqn in enumerate(jx.eqns):
+        inner = 0
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sj = getattr(sub, "jaxpr", sub)
+                if hasattr(sj, "eqns"):
+                    edge = sum(map(nbytes, (*sj.invars, *sj.outvars)))
+                    inner = max(inner, held_bytes(sj) - edge)
+        made = sum(nbytes(v) for v in eqn.outvars)
+        peak = max(peak, now + made + inner)
+        now += made
+        live |= set(eqn.outvars)
+        dead = {v for v in live if last.get(v, -1) <= i}
+        now -= sum(map(nbytes, dead))
+        live -= dead
+    return peak
+
+
+def device_program(jaxpr):
+    """The body of the first ``shard_map`` in ``jaxpr``: the program one device runs."""
+    for eqn, _ in jaxpr_equations(jaxpr):
+        if eqn.primitive.name == "shard_map":
+            return eqn.params["jaxpr"]
+    return jaxpr
