@@ -324,7 +324,7 @@ def _fake_lab12(tmp_path):
         tmp_path / "notebooks" / "12_transformer_lab.ipynb",
         "import pathlib\npathlib.Path(results_dir).mkdir(parents=True, exist_ok=True)\n"
         "pathlib.Path(results_dir, 'lm_results.csv').write_text(f'layout,n_devices\\ndp,{n_devices}\\n')",
-        parameters="n_devices = 8\nplatform = 'auto'\nresults_dir = 'auto'\noverwrite = False",
+        parameters="n_devices = 8\nplatform = 'auto'\nresults_dir = 'auto'\nglobal_batch = 16\noverwrite = False",
     )
 
 
