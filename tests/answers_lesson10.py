@@ -44,7 +44,7 @@ def _ring(q, k, v, axis, *, per_block=False, mask_wrapped=True, mask=True, send_
             if not mask_wrapped:
                 visible = visible | (src < me)  # only the diagonal block is masked by position
                 visible = jnp.where(t == 0, qi >= kj, jnp.ones_like(visible))
-            s = jnp.where(visible, s, -jnp.inf)
+            s = jnp.where(visible, s, how.get("fill", -jnp.inf))
         if per_block:
             w = jax.nn.softmax(s, -1)
             w = jnp.where(jnp.isnan(w), 0.0, w)
@@ -313,6 +313,48 @@ def ring_two_rounds(q, k, v, axis):
         if t < n - 1:
             k, v = lax.ppermute((k, v), axis, ring)
     return (o / denom[..., None]).transpose(0, 2, 1, 3)
+
+
+def ring_fill_big(q, k, v, axis):
+    """Another correct form: masked scores filled with -1e30 instead of -inf."""
+    return _ring(q, k, v, axis, fill=-1e30)
+
+
+def ring_max_from_zero(q, k, v, axis):
+    """The running maximum starts at 0, not -inf: where every score is far below 0, exp underflows to 0
+    and the result is 0/0."""
+    n, me, blk = lax.axis_size(axis), lax.axis_index(axis), q.shape[1]
+    qi = me * blk + jnp.arange(blk)[:, None]
+    m = jnp.zeros((q.shape[0], q.shape[2], blk), q.dtype)
+    denom, o = jnp.zeros_like(m), jnp.zeros((q.shape[0], q.shape[2], blk, q.shape[3]), q.dtype)
+    for t in range(n):
+        kj = ((me - t) % n) * blk + jnp.arange(blk)[None, :]
+        s = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(q.shape[-1])
+        s = jnp.where(qi >= kj, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        w, corr = jnp.exp(s - m_new[..., None]), jnp.exp(m - m_new)
+        denom = denom * corr + w.sum(-1)
+        o = o * corr[..., None] + jnp.einsum("bhqt,bthk->bhqk", w, v)
+        m = m_new
+        if t < n - 1:
+            k, v = lax.ppermute((k, v), axis, [(i, (i + 1) % n) for i in range(n)])
+    return (o / denom[..., None]).transpose(0, 2, 1, 3)
+
+
+def ring_scan_cond_send(q, k, v, axis):
+    """Right values: lax.scan over n steps, each receiving the next block under lax.cond(t > 0) first, so
+    that it sends n - 1 times when run; the checker cannot tell how often a cond branch runs."""
+    n = lax.axis_size(axis)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def body(carry, t):
+        k, v, m, denom, o = carry
+        send = functools.partial(lax.ppermute, axis_name=axis, perm=ring)
+        k, v = lax.cond(t > 0, send, lambda kv: kv, (k, v))
+        return (k, v, *_fold(q, k, v, m, denom, o, t, axis)), None
+
+    (k, v, m, denom, o), _ = lax.scan(body, (k, v, *_start(q, axis)), jnp.arange(n))
+    return _finish(denom, o)
 
 
 # ---- ZeRO-3 -----------------------------------------------------------------------------------------------

@@ -336,6 +336,22 @@ def route_tuple(logits, k, capacity):
     return expert, slot, slot < capacity, gate
 
 
+def route_keep_int(logits, k, capacity):
+    """Another correct form: keep as 0/1 integers (moe.dispatch's and combine's where and product take
+    them)."""
+    expert, slot, keep, gate = moe.route(logits, k, capacity)
+    return expert, slot, keep.astype(jnp.int32), gate
+
+
+def route_slot_float(logits, k, capacity):
+    """Right values, but slot as float32: it cannot index the experts' buffers."""
+    top_p, expert = lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    flat = jax.nn.one_hot(expert.T, logits.shape[1], dtype=jnp.int32).reshape(-1, logits.shape[1])
+    before = jnp.cumsum(flat, axis=0) - flat
+    place = (before * flat).sum(-1).reshape(k, -1).T
+    return expert, place.astype(jnp.float32), place < capacity, top_p / top_p.sum(-1, keepdims=True)
+
+
 def route_given(logits, k, capacity):
     """The notebook's silent bug: an inclusive cumulative count, so places start at 1."""
     n, e = logits.shape

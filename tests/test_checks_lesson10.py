@@ -34,11 +34,24 @@ def test_ring_accepts_rows_flattened(report):
     assert lesson10.check_ring_attention(a.ring_flat, report.devices[:4])
 
 
+def test_ring_accepts_masked_scores_filled_finite(report):
+    assert lesson10.check_ring_attention(a.ring_fill_big, report.devices)
+
+
 @pytest.mark.parametrize(
     "answer, match",
     [
         (a.ring_library, "calls course_lib.splits.ring_attention.*without course_lib.splits"),
         (a.ring_no_max, "scores near 1,000 the result is not finite.*running maximum"),
+        (
+            a.ring_max_from_zero,
+            "scores near \\+1,000, but where every score a query sees is near -1,000 the result is "
+            "not finite.*running maximum started at a constant such as 0.*-inf",
+        ),
+        (
+            a.ring_scan_cond_send,
+            "on 2 devices a ppermute sits inside lax.cond.*13,440 bytes.*6,720 bytes.*n - 1 times",
+        ),
         (a.ring_per_block, "first device's queries .* are right.*running maximum"),
         (a.ring_no_wrap_mask, "only the diagonal block is masked.*wrapping round the ring"),
         (a.ring_no_mask, "causal mask is missing"),

@@ -5,9 +5,13 @@ the student stub (8 simulated CPU devices from conftest.py; subsets for other de
 from functools import partial
 
 import answers_lesson11 as a
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from checking import not_written, rejects, stub
 
+from course_lib import moe
 from course_tools.checks import ExerciseError, lesson11
 
 
@@ -142,6 +146,16 @@ def test_predict_pipeline_cannot_be_fitted_case_by_case():
 def test_router():
     assert lesson11.check_router(a.route)
     assert lesson11.check_router(a.route_tuple)
+    assert lesson11.check_router(a.route_keep_int)
+
+
+def test_router_keep_int_runs_in_moe_output():
+    """keep as 0/1 integers, accepted, gives moe_output the reference router's values."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 16)), jnp.float32)
+    p = moe.init_moe(jax.random.key(0), 16, 32, 4)
+    want = lesson11.moe_output(a.route, x, p, k=2, capacity_factor=1.0)
+    got = lesson11.moe_output(a.route_keep_int, x, p, k=2, capacity_factor=1.0)
+    assert np.allclose(got, want)
 
 
 @pytest.mark.parametrize(
@@ -165,6 +179,7 @@ def test_router():
         (a.route_keep_le, "keeps a choice whose place equals the capacity"),
         (a.route_softmax_tokens, "chooses other experts"),
         (lambda lg, k, c: (1, 2), "returned tuple"),
+        (a.route_slot_float, "returned slot as float32.*index.*integer"),
         (
             a.route_eight_experts,
             r"logits \[48, 12\].*expert\(s\) \[8, 9, 10, 11\] places.*E = 12 experts",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from course_lib.programs import jaxpr_equations
@@ -27,6 +29,8 @@ __all__ = [
     "masked_attention",
     "nbytes",
     "ring_diagnose",
+    "ring_low_scores",
+    "sends_in_cond",
 ]
 
 # all different; S = 8·7 = 56 (blocks of 28, 14, 7 on 2, 4, 8 devices)
@@ -99,6 +103,52 @@ def ring_diagnose(got, q, k, v, c):
         f"on {c} device(s) the values differ from single-device causal attention by "
         f"{float(np.nanmax(np.abs(got - want))):.2e}",
         "check the scale 1/sqrt(Dh), the mask and the running softmax on a 2-device mesh",
+    )
+
+
+def ring_low_scores(mapped, what, rng, call):
+    """The ring ``mapped`` on inputs where every score is near -1,000 (q near a·u, k near -a·u): exp of
+    a score minus anything far above it (a running maximum started at 0) underflows to 0 in float64
+    (below ~-745); an online softmax from -inf subtracts a score the query sees and stays exact."""
+    u = np.ones(RING_DH) / np.sqrt(RING_DH)
+    a = np.sqrt(1000.0 * np.sqrt(RING_DH))
+    q, k = (
+        s * a * u + 0.2 * rng.standard_normal((RING_B, RING_S, RING_H, RING_DH)) for s in (1, -1)
+    )
+    v = rng.standard_normal(q.shape)
+    with jax.enable_x64(True):
+        got = np.asarray(call(what, mapped, *map(jnp.asarray, (q, k, v)), name="ring_attention"))
+    want = masked_attention(q, k, v, np.tri(RING_S, dtype=bool))
+    if np.allclose(got, want, rtol=0, atol=1e-8):
+        return
+    under = (
+        "exp(s - m) underflows to 0 when m is far above every score, as a running maximum started "
+        "at a constant such as 0 is"
+    )
+    start = "start the running maximum at -inf, or at the first block's maximum"
+    if not np.isfinite(got).all():
+        fail(
+            f"{what}: right on ordinary inputs and with scores near +1,000, but where every score a "
+            "query sees is near -1,000 the result is not finite",
+            f"{under}: the weights then sum to 0, and 0/0 is NaN; {start}",
+        )
+    fail(
+        f"{what}: right on ordinary inputs and with scores near +1,000, but where every score a query "
+        f"sees is near -1,000 the result is off by {float(np.abs(got - want).max()):.2e}",
+        f"{under} ({start}); and masked scores must weigh nothing next to scores near -1,000: fill "
+        "them with -inf, or a value far below any score such as -1e30",
+    )
+
+
+def sends_in_cond(jaxpr) -> bool:
+    """Whether a ``ppermute`` of ``jaxpr`` sits inside a ``lax.cond`` branch (:func:`counted` counts it
+    on every run of the code around the ``cond``, whichever branch runs)."""
+    return any(
+        e.primitive.name == "ppermute"
+        for eqn, _ in counted(jaxpr)
+        if eqn.primitive.name == "cond"
+        for branch in eqn.params["branches"]
+        for e, _ in counted(branch)
     )
 
 

@@ -45,6 +45,8 @@ from ._lesson10_ring import (
     masked_attention,
     nbytes,
     ring_diagnose,
+    ring_low_scores,
+    sends_in_cond,
 )
 from ._lesson10_zero3 import dp_compiled, z_setup, z_step, z_upfront, z_values, z_wire
 from ._spmd import abstract
@@ -150,6 +152,7 @@ def _ring_values(fn, devices, rng) -> list[int]:
             ring_diagnose(got, q, k, v, c)
         if c == present[-1]:
             _ring_large_scores(mapped, what, q, k, v)
+            ring_low_scores(mapped, what, rng, _call_unaided)
         ran.append(c)
     return ran
 
@@ -180,10 +183,10 @@ def _ring_jaxpr(fn, c, shape):
                          explain=functools.partial(_explain_ring, what))  # fmt: skip
 
 
-def _ring_structure(fn, c) -> tuple[float | None, int, str | None]:
+def _ring_structure(fn, c) -> tuple[float | None, int, str | None, bool]:
     """Bytes sent by ppermute (loop bodies counted per trip; None where a while_loop's trip count cannot
-    be read), the largest intermediate's elements and any other collective moving arrays, from the jaxpr
-    on an abstract ring of ``c`` devices (float32)."""
+    be read), the largest intermediate's elements, any other collective moving arrays and whether a
+    ppermute sits inside a ``lax.cond``, from the jaxpr on an abstract ring of ``c`` devices (float32)."""
     jaxpr = _ring_jaxpr(fn, c, (_B, _S, _H, _DH))
     sent, other, biggest = 0.0, None, 0
     for eqn, times in counted(jaxpr):
@@ -199,7 +202,7 @@ def _ring_structure(fn, c) -> tuple[float | None, int, str | None]:
         if name == "ppermute" and sent is not None:
             sent = None if times is None else sent + times * sum(map(nbytes, eqn.invars))
         biggest = max([biggest, *(int(getattr(v.aval, "size", 0)) for v in eqn.outvars)])
-    return sent, biggest, other
+    return sent, biggest, other, sends_in_cond(jaxpr)
 
 
 _MEM_RING, _MEM_B, _MEM_BLK, _MEM_H, _MEM_DH = 32, 1, 8, 2, 4
@@ -226,7 +229,11 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
     ``ring_attention(q, k, v, axis_name)`` with q/k/v [B, S/n, H, Dh] (sequence split over
     ``axis_name``) must return causal attention's output for this device's queries, [B, S/n, H, Dh],
     sending only key/value blocks round the ring (``n - 1`` of each, no other collective) and holding
-    nothing of the full sequence's size. Values on rings of 2 and 8 devices (or 4, or 1: those present);
+    nothing of the full sequence's size. Values on rings of 2 and 8 devices (or 4, or 1: those present;
+    on the largest also with scores near +1,000 and with every score near -1,000, where exp overflows or
+    underflows unless the running maximum of the scores is subtracted); a ``ppermute`` inside
+    ``lax.cond`` is counted on every iteration (which branch runs is not read) and, sending too much so,
+    refused with a hint that says so;
     structure on abstract rings of 2, 4 and 8 from the jaxpr (a ``scan`` or ``fori_loop`` body's sends
     counted ``length`` times, a ``while_loop``'s as many times as its counter runs; one whose counter
     cannot be run is refused); the bytes one device holds at once, its operations run in the order
@@ -237,7 +244,7 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
     :mod:`course_lib.splits` is refused."""
     ran = _ring_values(ring_attention, list(devices), np.random.default_rng(10))
     for c in _RINGS:
-        sent, biggest, other = _ring_structure(ring_attention, c)
+        sent, biggest, other, in_cond = _ring_structure(ring_attention, c)
         blk = _S // c
         kv = 2 * _B * blk * _H * _DH * 4  # one K and one V block, float32
         if other:
@@ -263,6 +270,15 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
                 f"(n - 1) × {kv:,} = {(c - 1) * kv:,} bytes (one K and one V block a step, float32)",
                 "loop over range(n - 1) in Python, or with lax.fori_loop(0, n - 1, …) or lax.scan, "
                 "or a while_loop whose counter starts from a constant",
+            )
+        if sent > (c - 1) * kv and in_cond:
+            fail(
+                f"on {c} devices a ppermute sits inside lax.cond: the checker cannot tell how often a "
+                "branch runs, so it counts the send on every iteration of the loop around it, "
+                f"{sent:,.0f} bytes, more than the (n - 1) × {kv:,} = {(c - 1) * kv:,} bytes each device "
+                "must send (one K and one V block a step, float32)",
+                "write the loop so that it sends n - 1 times without lax.cond: n - 1 iterations that "
+                "fold a block and send it, the last block folded after the loop",
             )
         if sent != (c - 1) * kv:
             more = "more" if sent > (c - 1) * kv else "fewer"

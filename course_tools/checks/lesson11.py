@@ -296,6 +296,22 @@ def _router_hint(r, ref, logits, k, cap) -> tuple[str, str]:
     )
 
 
+def _router_dtypes(r: moe.Routing, what: str) -> None:
+    """expert and slot index the experts' buffers (integers); keep selects choices (bool, or 0/1 integers)."""
+    for name in ("expert", "slot", "keep"):
+        dt = getattr(r, name).dtype
+        if jnp.issubdtype(dt, jnp.integer) or (name == "keep" and dt == jnp.bool_):
+            continue
+        fail(
+            f"{what} returned {name} as {dt}: "
+            + ("keep is a yes/no per choice" if name == "keep" else f"{name} is used as an index"),
+            "return keep as bool (such as slot < capacity)"
+            if name == "keep"
+            else f"{name} picks places in the experts' buffers (expert × capacity + slot), and an index "
+            "must be an integer: return it as an integer array (such as int32), cast nothing to float",
+        )
+
+
 @checker
 def check_router(route: Callable) -> bool:
     """``route(logits [N, E], k, capacity) -> (expert, slot, keep, gate)`` as :func:`course_lib.moe.route`,
@@ -312,6 +328,7 @@ def check_router(route: Callable) -> bool:
                 f"{what} returned shapes {[tuple(a.shape) for a in r]}",
                 f"each is [N, k] = [{n}, {k}]",
             )
+        _router_dtypes(r, what)
         same = (
             np.array_equal(r.expert, ref.expert)
             and np.array_equal(r.keep, ref.keep)
