@@ -343,6 +343,12 @@ def route_keep_int(logits, k, capacity):
     return expert, slot, keep.astype(jnp.int32), gate
 
 
+def route_keep_float(logits, k, capacity):
+    """Another correct form: keep as 0.0/1.0 floats (the MoE layer only multiplies by it)."""
+    expert, slot, keep, gate = moe.route(logits, k, capacity)
+    return expert, slot, keep.astype(jnp.float32), gate
+
+
 def route_slot_float(logits, k, capacity):
     """Right values, but slot as float32: it cannot index the experts' buffers."""
     top_p, expert = lax.top_k(jax.nn.softmax(logits, axis=-1), k)

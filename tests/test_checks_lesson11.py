@@ -147,14 +147,17 @@ def test_router():
     assert lesson11.check_router(a.route)
     assert lesson11.check_router(a.route_tuple)
     assert lesson11.check_router(a.route_keep_int)
+    assert lesson11.check_router(a.route_keep_float)
 
 
-def test_router_keep_int_runs_in_moe_output():
-    """keep as 0/1 integers, accepted, gives moe_output the reference router's values."""
+@pytest.mark.parametrize("form", ["route_keep_int", "route_keep_float"])
+def test_router_keep_as_numbers_runs_in_moe_output(form):
+    """keep as 0/1 integers or floats, accepted, gives moe_output the reference router's values (a capacity
+    that drops choices, so keep matters)."""
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 16)), jnp.float32)
     p = moe.init_moe(jax.random.key(0), 16, 32, 4)
-    want = lesson11.moe_output(a.route, x, p, k=2, capacity_factor=1.0)
-    got = lesson11.moe_output(a.route_keep_int, x, p, k=2, capacity_factor=1.0)
+    want = lesson11.moe_output(a.route, x, p, k=2, capacity_factor=0.5)
+    got = lesson11.moe_output(getattr(a, form), x, p, k=2, capacity_factor=0.5)
     assert np.allclose(got, want)
 
 

@@ -297,19 +297,16 @@ def _router_hint(r, ref, logits, k, cap) -> tuple[str, str]:
 
 
 def _router_dtypes(r: moe.Routing, what: str) -> None:
-    """expert and slot index the experts' buffers (integers); keep selects choices (bool, or 0/1 integers)."""
-    for name in ("expert", "slot", "keep"):
+    """expert and slot index the experts' buffers: integers. (keep may be bool, or 0/1 in any dtype: the MoE
+    layer only multiplies by it, and its values are checked.)"""
+    for name in ("expert", "slot"):
         dt = getattr(r, name).dtype
-        if jnp.issubdtype(dt, jnp.integer) or (name == "keep" and dt == jnp.bool_):
-            continue
-        fail(
-            f"{what} returned {name} as {dt}: "
-            + ("keep is a yes/no per choice" if name == "keep" else f"{name} is used as an index"),
-            "return keep as bool (such as slot < capacity)"
-            if name == "keep"
-            else f"{name} picks places in the experts' buffers (expert × capacity + slot), and an index "
-            "must be an integer: return it as an integer array (such as int32), cast nothing to float",
-        )
+        if not jnp.issubdtype(dt, jnp.integer):
+            fail(
+                f"{what} returned {name} as {dt}: {name} is used as an index",
+                f"{name} picks places in the experts' buffers (expert × capacity + slot), and an index "
+                "must be an integer: return it as an integer array (such as int32), cast nothing to float",
+            )
 
 
 @checker
