@@ -173,3 +173,21 @@ def test_fsdp_keeps_the_parameters_it_gathers_in_the_memory_model():
     )
     mem = lm_costs.predict_memory("fsdp_tp", CFG, 16, sizes)
     assert mem["activations"] == lm_costs.activation_bytes("fsdp_tp", CFG, 16, sizes) > whole
+
+
+def test_the_roofline_model_counts_hbm_traffic_only_where_a_step_is_memory_bound():
+    gpu, h100, h200 = transformer.GPU, lm_costs.PROFILES["H100"], lm_costs.PROFILES["H200"]
+    sizes = lm_layouts.mesh_axes("dp", 8)
+    prm = lm_costs.param_bytes("dp", gpu, sizes, 2)
+    acts = lm_costs.activation_bytes("dp", gpu, 8, sizes, 2)
+    # no FSDP: nothing gathered, so 2 parameter reads, 6 parameter-sized update terms, activations twice
+    assert lm_costs.hbm_bytes("dp", gpu, 8, sizes) == 8 * prm + 2 * acts
+    plain = lm_costs.step_time("dp", gpu, 256, h100)
+    big = [lm_costs.step_time("dp", gpu, 256, p, roofline=True) for p in (h100, h200)]
+    assert all(r["flop_s"] > r["hbm_s"] for r in big)  # compute-bound: the roofline changes nothing
+    assert big[0]["step_s"] == big[1]["step_s"] == plain["step_s"]
+    short = dataclasses.replace(gpu, seq_len=256)
+    small = [lm_costs.step_time("dp", short, 8, p, roofline=True) for p in (h100, h200)]
+    assert all(r["hbm_s"] > r["flop_s"] for r in small)  # memory-bound: the faster HBM counts
+    assert small[1]["step_s"] < small[0]["step_s"]
+    assert small[0]["hbm_s"] / small[1]["hbm_s"] == pytest.approx(4.8 / 3.35)
