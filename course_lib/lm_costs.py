@@ -6,7 +6,7 @@
   activations) and the two figures ``memory_analysis()`` reports exactly (arguments, outputs).
 - :func:`step_time`, :func:`rank_layouts`, :func:`largest_layers`: a step-time MODEL for 8 GPUs of one NVLink
   server (H100, H200: datasheet figures), not a measurement — what the lab's exercises ask the learner to
-  predict; with ``roofline=True`` its compute part is a roofline over :func:`hbm_bytes` (HBM traffic).
+  predict; its compute part is a roofline over :func:`hbm_bytes` (HBM traffic; ``roofline=False``: FLOPs only).
 - :func:`by_kind`, :func:`plot_bytes`, :func:`plot_step_times`: the lab's tables and plots.
 
 Taught in ``notebooks/12_transformer_lab.ipynb``; tested in ``tests/test_lm_layouts.py``.
@@ -307,26 +307,29 @@ def hbm_bytes(key: str, config, global_batch: int, sizes: dict[str, int], itemsi
               n_micro: int = 2) -> int:  # fmt: skip
     """Bytes one device reads and writes in HBM per training step of layout ``key`` — a MODEL, no caches, no
     fusion, every value in ``itemsize`` bytes (2: bfloat16). With ``W`` the parameter bytes the device's
-    matmuls read (its shard, plus under FSDP the gathered copy, :func:`gathered_bytes`), ``p`` its
-    parameter shard (:func:`param_bytes`) and ``A`` its activations (:func:`activation_bytes` less the
-    gathered copy): parameters read forward and backward ``2·W``; gradients written ``p``; the update reads
-    gradients, parameters and momentum and writes parameters and momentum ``5·p``; activations written
-    forward and read backward ``2·A``. Total ``2·W + 6·p + 2·A`` bytes per device per step."""
-    prm = param_bytes(key, config, sizes, itemsize)
-    gathered = gathered_bytes(key, config, sizes, itemsize)
-    acts = activation_bytes(key, config, global_batch, sizes, itemsize, n_micro) - gathered
-    return 2 * (prm + gathered) + 6 * prm + 2 * acts
+    matmuls read (its shard ``p``, :func:`param_bytes`, plus under FSDP the gathered copy ``G``,
+    :func:`gathered_bytes`) and ``A`` its activations (:func:`activation_bytes`, which holds ``G`` too):
+    parameters read forward and backward ``2·W``; gradients written ``p``; the update reads gradients,
+    parameters and momentum and writes parameters and momentum ``5·p``; activations written forward and read
+    backward ``2·(A - G)``. Total ``2·W + 6·p + 2·(A - G) = 8·p + 2·A`` (:func:`predict_memory`'s
+    ``params`` and ``activations``)."""
+    return _hbm(predict_memory(key, config, global_batch, sizes, itemsize, n_micro))
+
+
+def _hbm(mem: dict[str, int]) -> int:
+    return 8 * mem["params"] + 2 * mem["activations"]
 
 
 def step_time(key: str, config, global_batch: int, profile: costs.DeviceProfile, n_devices: int = 8, *,
               precision: str = "bfloat16", n_micro: int | None = None,
-              roofline: bool = False) -> dict[str, Any]:  # fmt: skip
+              roofline: bool = True) -> dict[str, Any]:  # fmt: skip
     """Layout ``key``'s step time on ``profile`` — a MODEL: the training FLOPs (3 × the forward's,
     :func:`course_lib.transformer.flops_per_token`) split over the devices at the peak rate, stretched by the
     pipeline's bubble ``(m + p - 1)/m``, plus per mesh axis the predicted bytes (:func:`predict_bytes`) at
-    the link bandwidth and a fixed latency per collective; no overlap of compute and communication. With
-    ``roofline=True`` the compute part is ``max(FLOPs / peak, HBM bytes / HBM bandwidth)`` (:func:`hbm_bytes`
-    at ``profile.hbm_bytes_per_s``), stretched by the bubble: the H200's faster HBM counts there.
+    the link bandwidth and a fixed latency per collective; no overlap of compute and communication. The
+    compute part is a roofline, ``max(FLOPs / peak, HBM bytes / HBM bandwidth)`` (:func:`hbm_bytes` at
+    ``profile.hbm_bytes_per_s``), stretched by the bubble: the H200's faster HBM counts where a step is
+    memory-bound (``roofline=False``: the FLOPs' time only).
 
     Returns:
       ``{"layout", "sizes", "compute_s", "comm_s" (per axis), "step_s", "sent_bytes" (per device),
@@ -341,9 +344,10 @@ def step_time(key: str, config, global_batch: int, profile: costs.DeviceProfile,
     m = n_micro or (4 * sizes[lay.stage_axis] if lay.stage_axis else 1)
     flops = 3 * transformer.flops_per_token(config) * global_batch * config.seq_len / n_devices
     peak = costs.rate(profile.peak, precision)
+    mem = predict_memory(key, config, global_batch, sizes, itemsize, m)
     compute, extra = flops / peak, {}
     if roofline:
-        moved = hbm_bytes(key, config, global_batch, sizes, itemsize, m)
+        moved = _hbm(mem)
         extra = {"flop_s": compute, "hbm_s": moved / profile.hbm_bytes_per_s, "hbm_bytes": moved}
         compute = max(compute, extra["hbm_s"])
     if lay.stage_axis:
@@ -356,7 +360,6 @@ def step_time(key: str, config, global_batch: int, profile: costs.DeviceProfile,
             + t.sent_bytes / profile.link_bytes_per_s
             + costs.COLLECTIVE_LATENCY_S
         )
-    mem = predict_memory(key, config, global_batch, sizes, itemsize, m)
     memory = mem["params"] + mem["optimizer"] + mem["gradients"] + mem["activations"]
     return {
         "layout": key, "sizes": sizes, "compute_s": compute, "comm_s": comm,
@@ -367,7 +370,7 @@ def step_time(key: str, config, global_batch: int, profile: costs.DeviceProfile,
 
 def rank_layouts(config, global_batch: int, profile: costs.DeviceProfile, n_devices: int = 8, *,
                  memory_limit: float | None = None, precision: str = "bfloat16",
-                 roofline: bool = False) -> list[dict]:  # fmt: skip
+                 roofline: bool = True) -> list[dict]:  # fmt: skip
     """Every layout that fits ``n_devices`` (and, given ``memory_limit``, whose predicted memory per device
     is at most it), fastest first by :func:`step_time` (``roofline`` passed on) — the model's ranking, not a
     measurement. A layout whose batch or heads do not split is left out."""

@@ -24,9 +24,13 @@ def _memory(
     return sum(mem[kind] for kind in kinds)
 
 
-def _step(k, cfg, global_batch, sizes, p, m, profile, bubble=True, latency=True, per_axis=False):
+def _step(k, cfg, global_batch, sizes, p, m, profile, bubble=True, latency=True, per_axis=False,
+          roofline=True):  # fmt: skip
     flops = 3 * transformer.flops_per_token(cfg) * global_batch * cfg.seq_len / 8
     compute = flops / costs.rate(profile.peak, "bfloat16")
+    if roofline:  # the HBM traffic's time, when it exceeds the FLOPs'
+        moved = lm_costs.hbm_bytes(k, cfg, global_batch, sizes, itemsize=2, n_micro=m)
+        compute = max(compute, moved / profile.hbm_bytes_per_s)
     if bubble and p > 1:
         compute *= (m + p - 1) / m
     sent = lm_costs.predict_bytes(k, cfg, global_batch, sizes, itemsize=2, n_micro=m)
@@ -82,7 +86,7 @@ def _variant(**kw):
                 continue
             step, total = _step(
                 k, cfg, global_batch, sizes, p, m, profile, kw.get("bubble", True),
-                kw.get("latency", True), kw.get("latency_per_axis", False),
+                kw.get("latency", True), kw.get("latency_per_axis", False), kw.get("roofline", True),
             )  # fmt: skip
             if kw.get("comm_only"):
                 step = memory if kw.get("rank_memory") else total
@@ -126,8 +130,10 @@ choose_two_micro = _variant(n_micro=2)
 choose_any_split = _variant(any_split=True)
 """Wrong: every layout ranked, whether its batch and model split or not."""
 choose_h100_always = _variant(profile=lm_costs.PROFILES["H100"])
-"""Wrong: the lab's H100 whatever the profile given (right for the H200 too: the model gives them the same
-peak and link)."""
+"""Wrong: the lab's H100 whatever the profile given (right for the H200 too where a step is compute-bound:
+the model gives them the same peak and link, and only the HBM bandwidth differs)."""
+choose_no_roofline = _variant(roofline=False)
+"""Wrong: compute at the peak only, the HBM traffic's time left out (right wherever FLOPs dominate)."""
 
 
 choose_near_tie = _variant(tie=0.01)

@@ -45,6 +45,7 @@ def test_layout_decision_accepts_correct_forms(seed):
         (a.choose_any_split, "layout"),
         (a.choose_h100_always, "layout"),
         (a.choose_near_tie, "layout"),
+        (a.choose_no_roofline, "layout"),
     ],
 )
 def test_layout_decision_rejects(answer, part, seed):

@@ -180,10 +180,15 @@ def test_the_roofline_model_counts_hbm_traffic_only_where_a_step_is_memory_bound
     sizes = lm_layouts.mesh_axes("dp", 8)
     prm = lm_costs.param_bytes("dp", gpu, sizes, 2)
     acts = lm_costs.activation_bytes("dp", gpu, 8, sizes, 2)
-    # no FSDP: nothing gathered, so 2 parameter reads, 6 parameter-sized update terms, activations twice
+    # 2 parameter reads, 6 parameter-sized gradient and update terms, the activations written and read
     assert lm_costs.hbm_bytes("dp", gpu, 8, sizes) == 8 * prm + 2 * acts
-    plain = lm_costs.step_time("dp", gpu, 256, h100)
-    big = [lm_costs.step_time("dp", gpu, 256, p, roofline=True) for p in (h100, h200)]
+    # FSDP: the gathered copy is read twice, and activation_bytes holds it once: 8 p + 2 A all the same
+    sizes = lm_layouts.mesh_axes("fsdp_tp", 8)
+    mem = lm_costs.predict_memory("fsdp_tp", gpu, 8, sizes, 2)
+    expected = 8 * mem["params"] + 2 * mem["activations"]
+    assert lm_costs.hbm_bytes("fsdp_tp", gpu, 8, sizes) == expected
+    plain = lm_costs.step_time("dp", gpu, 256, h100, roofline=False)
+    big = [lm_costs.step_time("dp", gpu, 256, p) for p in (h100, h200)]  # the roofline: the default
     assert all(r["flop_s"] > r["hbm_s"] for r in big)  # compute-bound: the roofline changes nothing
     assert big[0]["step_s"] == big[1]["step_s"] == plain["step_s"]
     short = dataclasses.replace(gpu, seq_len=256)

@@ -77,7 +77,8 @@ _CONFIGS = {
 # micro-batches (it wins under a limit just below the fastest's memory), its bubble (DP first, the pipeline
 # second), the latency of every collective (the tiny model; fsdp_tp ahead of 3d by one collective on the
 # width-2046 model, a tie only to an answer that rounds), the profile (an A100 ranks otherwise), the
-# splits (batch 16: the pipeline does not split), the model axis's share of the compute (batch 8)
+# splits (batch 16: the pipeline does not split), the model axis's share of the compute (batch 8), the
+# roofline (a faster peak leaves batch 16 memory-bound: fsdp_tp, which reads the fewest bytes, ahead of DP)
 _FAMILIES = (
     (("gpu", "32 layers", "seq 1024", "seq 4096"), (32, 64), ("H100", "H200"), "below"),
     (("gpu", "8 layers", "32 layers", "seq 1024", "seq 4096"), (32, 64), ("H100", "H200"), "roomy"),
@@ -86,6 +87,7 @@ _FAMILIES = (
     (("gpu", "32 layers", "seq 1024"), (32, 64), ("A100",), "below"),
     (("gpu", "32 layers", "seq 4096"), (16,), ("H100", "H200"), "below"),
     (("gpu", "8 layers", "32 layers"), (8,), ("H100", "H200", "A100"), "roomy"),
+    (("gpu", "8 layers", "32 layers"), (16,), ("fast peak",), "roomy"),
     (("width 2046",), (4, 8, 12, 20), ("H100", "H200", "A100"), "roomy"),
     (
         tuple(_CONFIGS),
@@ -253,8 +255,8 @@ def check_layout_decision(choose: Callable, *, seed: int | None = None) -> bool:
         what = f"choose_layout({_config_expr(cfg)}, {batch}, {_profile_expr(profile)}, {limit!r})"
         got = _call_unaided(
             what, choose, _MODEL,
-            "build the step time from its pieces (FLOPs, predict_bytes, predict_memory, the profile's peak "
-            "and link): step_time and rank_layouts are what the checker compares with",
+            "build the step time from its pieces (FLOPs, hbm_bytes, predict_bytes, predict_memory, the "
+            "profile's peak, HBM and link): step_time and rank_layouts are what the checker compares with",
             cfg, batch, profile, limit,
             explain=lambda e, what=what: (
                 f"{what} raised {type(e).__name__}: {str(e)[:300]}",
@@ -280,9 +282,10 @@ def check_layout_decision(choose: Callable, *, seed: int | None = None) -> bool:
                 "layout",
                 "another layout first",
                 "rank every layout that splits (lm_costs.splits) and whose memory is at most the limit by "
-                "compute (3 x forward FLOPs of the global batch / 8 devices at the profile's bfloat16 peak, "
-                "x (m + p - 1)/m for the pipeline, m = 4 x stages) + predicted bytes / the profile's link "
-                "bandwidth + the latency of every collective",
+                "compute (the larger of 3 x forward FLOPs of the global batch / 8 devices at the profile's "
+                "bfloat16 peak and hbm_bytes / the profile's HBM bandwidth, x (m + p - 1)/m for the pipeline, "
+                "m = 4 x stages) + predicted bytes / the profile's link bandwidth + the latency of every "
+                "collective",
             ),
             (
                 "bytes",
