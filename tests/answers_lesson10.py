@@ -554,6 +554,12 @@ def tp_mlp_pmean(x, p, axis):
     return lax.pmean(h @ p["w2"]["kernel"], axis) + p["w2"]["bias"]
 
 
+def tp_mlp_pmean_bias(x, p, axis):
+    """Right values, one extra collective: a pmean of w2's (already replicated) bias."""
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    return lax.psum(h @ p["w2"]["kernel"], axis) + lax.pmean(p["w2"]["bias"], axis)
+
+
 def tp_mlp_float32(x, p, axis):
     h = jax.nn.gelu(x.astype(jnp.float32) @ p["w1"]["kernel"].astype(jnp.float32) + p["w1"]["bias"])
     return lax.psum(h @ p["w2"]["kernel"], axis) + p["w2"]["bias"]

@@ -7,7 +7,7 @@ import answers_lesson10 as a
 import pytest
 from checking import not_written, rejects, stub
 
-from course_tools.checks import lesson10
+from course_tools.checks import ExerciseError, lesson10
 
 
 def test_stubs_print_not_written(report, monkeypatch, capsys):
@@ -181,4 +181,7 @@ def test_tp_mlp(report):
     )
     rejects(check, a.tp_mlp_psum_weights, devices, match=r"calls psum\w* of \[16, 48\];.*" + moves)
     rejects(check, a.tp_mlp_gather_hidden, devices, match=r"calls all_gather\w* of \[5, 6\];")
+    with pytest.raises(ExerciseError, match=r"calls psum\w* of \[16\];.*moves no weights") as e:
+        check(a.tp_mlp_pmean_bias, devices)  # a bias averaged: no gathered weights to speak of
+    assert "gathered weights" not in str(e.value)
     rejects(check, a.tp_mlp_two_psums, devices, match="sums \\[T, D\\] arrays .* 2 times")

@@ -77,8 +77,12 @@ def mlp_collectives(jaxpr, n):
     )
     if others:
         fail(
-            f"on {n} devices the program calls {'; '.join(others[:4])}; {want}, and moves no weights "
-            "(with gathered weights every device computes the whole MLP)",
+            f"on {n} devices the program calls {'; '.join(others[:4])}; {want}, and moves no weights"
+            + (
+                " (with gathered weights every device computes the whole MLP)"
+                if any(o.startswith("all_gather") for o in others)
+                else ""
+            ),
             "multiply by this device's shards only (x @ its columns of w1, + its part of w1's bias, "
             "gelu, @ its rows of w2) and add the devices' [T, D] partial outputs with one lax.psum",
         )
