@@ -280,7 +280,7 @@ def execute(
     Args:
       notebook: the notebook to run (its folder is the kernel's working folder).
       output: where the executed notebook goes (saved after every cell); the kernel's own output goes to
-        ``output`` with the suffix ``.kernel.log``.
+        ``output`` with the suffix ``.kernel.log`` (removed after a run that ended well if it is empty).
       parameters: papermill parameters; every name must be declared in the notebook.
       progress: show papermill's progress bar.
       env: environment variables to set (a value of None removes one) for the kernel only.
@@ -349,6 +349,8 @@ def execute(
         handler.close()
         with ignoring_sigint():
             run.stop_kernels()
+    if run.log_path.exists() and run.log_path.stat().st_size == 0:
+        run.log_path.unlink()  # the run ended well and the kernel said nothing: no empty file left
     return time.perf_counter() - t0
 
 

@@ -347,14 +347,24 @@ def newest_run(build: str | os.PathLike, name: str) -> RunInfo:
 
 
 def notes_on(info: RunInfo, name: str) -> list[str]:
-    """What a reader of the run in ``info`` should know: a newer run of the same kind beside it, a run
-    of another commit than the course's checkout now, a run that did not end ``ok``."""
+    """What a reader of the run in ``info`` should know: a newer run of the same kind beside it, an older
+    one that ended ``ok`` with notebooks this one lacks (e.g. after ``make course ONLY="12"``), a run of
+    another commit than the course's checkout now, a run that did not end ``ok``."""
     notes = []
     newer = [
         r for r in runs_beside(info.folder.parent, name) if r.started > info.started and r != info
     ]
     if newer:
         notes.append(f"a newer {name} run exists: {describe(newer[-1])}")
+    mine = {p.name for p in info.folder.glob("*.ipynb")}
+    for older in reversed(runs_beside(info.folder.parent, name)):  # the newest first
+        extra = sorted({p.name for p in older.folder.glob("*.ipynb")} - mine)
+        if older.started < info.started and older.status == "ok" and extra:
+            notes.append(
+                f"this run has no {', '.join(extra)}; the older run {describe(older)} has: "
+                f"make site COURSE={older.folder} makes the book of that one"
+            )
+            break
     now = source_version()
     if info.commit and now["commit"] and info.commit != now["commit"]:
         notes.append(

@@ -143,6 +143,24 @@ def course_notebooks() -> list[Path]:
     return sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 
 
+def chosen_notebooks(notebooks: Sequence[Path], only: Sequence[str]) -> list[Path]:
+    """The notebooks of ``notebooks`` that ``only`` names (``make course ONLY="10 11"`` or ``ONLY="10,11"``):
+    number or name prefixes of two characters or more.
+
+    Raises:
+      ValueError: a prefix names no notebook (``"0"`` or ``"88"`` would silently run others or fewer).
+    """
+    only = [part.strip() for o in only for part in str(o).split(",") if part.strip()]
+    numbers = sorted({p.name[:2] for p in notebooks})
+    for o in only:
+        if len(o) < 2 or not any(p.name.startswith(o) for p in notebooks):
+            raise ValueError(
+                f"--only {o!r} names no notebook: give their numbers ({' '.join(numbers)}) or names, "
+                'separated by spaces or commas (ONLY="10 11")'
+            )
+    return [p for p in notebooks if any(p.name.startswith(o) for o in only)]
+
+
 def run_course(
     n_devices,
     platform: str = "auto",
@@ -160,13 +178,7 @@ def run_course(
     n, platform = coerce(N_DEVICES, n_devices), coerce(PLATFORM, platform)
     notebooks = course_notebooks()
     if only:
-        numbers = sorted({p.name[:2] for p in notebooks})
-        for o in only:  # each one names a notebook: "0" or "88" would silently run others or fewer
-            if len(o) < 2 or not any(p.name.startswith(o) for p in notebooks):
-                raise ValueError(
-                    f"--only {o!r} names no notebook: give their numbers ({' '.join(numbers)}) or names"
-                )
-        notebooks = [p for p in notebooks if any(p.name.startswith(o) for o in only)]
+        notebooks = chosen_notebooks(notebooks, only)
     plan = [(nb, nb_params.course_params(nb, n, platform, Path(), lab_params)) for nb in notebooks]
     for nb, params in plan:
         check_parameters(nb, params)

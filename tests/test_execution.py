@@ -37,6 +37,14 @@ def test_a_run_keeps_the_kernel_output_out_of_the_terminal(tmp_path, capfd):
     ]  # no temp files
 
 
+def test_a_run_whose_kernel_said_nothing_leaves_no_empty_log(tmp_path):
+    nb = faults.make_notebook(tmp_path / "quiet.ipynb", "x = 1")
+    out = tmp_path / "out" / "quiet.ipynb"
+    out.parent.mkdir()
+    execute(nb, out, {"n_devices": 2}, progress=False)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["quiet.ipynb"]
+
+
 def test_a_failing_cell_names_the_notebook_and_the_cell(tmp_path):
     nb = faults.make_notebook(tmp_path / "bad.ipynb", "x = 1", "raise ValueError('global batch 9')")
     with pytest.raises(

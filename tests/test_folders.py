@@ -139,6 +139,21 @@ def test_the_newest_finished_run_is_found_and_a_newer_failed_one_is_named(tmp_pa
     assert any("the run ended FAILED" in n for n in failed)
 
 
+def test_an_older_run_with_notebooks_the_newest_lacks_is_named(tmp_path):
+    now = folders.source_version()["commit"]
+    full = _fake_run(tmp_path, "course", "2026-05-01T10:00:00+0000", commit=now)
+    part = _fake_run(tmp_path, "course-2", "2026-05-02T10:00:00+0000", commit=now)
+    for nb in ("10_transformers", "11_pipeline_experts", "12_transformer_lab"):
+        (full / f"{nb}.ipynb").write_text("{}")
+    (part / "12_transformer_lab.ipynb").write_text("{}")
+    notes = folders.notes_on(folders.newest_run(tmp_path, "course"), "course")
+    assert notes == [
+        "this run has no 10_transformers.ipynb, 11_pipeline_experts.ipynb; the older run "
+        f"{folders.describe(folders.read_run(full))} has: make site COURSE={full} makes the book of that one"
+    ]
+    assert folders.notes_on(folders.read_run(full), "course")[0].startswith("a newer course run")
+
+
 def test_a_run_of_another_commit_is_said_to_be_one(tmp_path):
     if folders.source_version()["commit"] is None:
         pytest.skip("not a git checkout")

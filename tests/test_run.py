@@ -624,6 +624,26 @@ def test_only_names_notebooks_or_is_refused(tmp_path, capsys, only):
     assert "names no notebook: give their numbers (00 01" in err and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "only, chosen",
+    [
+        (["10", "11"], ["10", "11"]),
+        (["10,11"], ["10", "11"]),
+        (["10, 12", "00"], ["00", "10", "12"]),
+    ],
+)
+def test_only_takes_numbers_separated_by_spaces_or_commas(only, chosen):
+    got = run.chosen_notebooks(run.course_notebooks(), only)
+    assert [p.name[:2] for p in got] == chosen
+
+
+def test_only_with_commas_names_the_part_that_names_no_notebook(tmp_path, capsys):
+    assert run.main(["course", "--only", "00,88", "--build", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "--only '88' names no notebook" in err and "spaces or commas" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("n", range(1, 9))
 def test_the_transformer_labs_batch_splits_over_every_layout_that_fits(n, capsys):
     from course_lib import lm_layouts, strategies

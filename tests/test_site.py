@@ -294,7 +294,7 @@ def test_run_pages_state_the_devices_and_the_failed_and_missing_notebooks(tmp_pa
     assert (staging / "02_jit.md").read_text().startswith("# 02 · jit (not in this run)")
     report_page = (staging / "lab-report.md").read_text()
     assert (
-        "The lab was not part of this course run" in report_page
+        "The CNN lab (08) was not part of this course run" in report_page
         and "## Reference run" in report_page
     )
     assert (staging / "reference" / "comparison.png").stat().st_size > 10_000
