@@ -29,6 +29,8 @@ def lab12_batch(n: int) -> int:
     course`` and ``make scaling`` pass it: a run at an odd count trains (``lm_layouts.check_run``)."""
     from course_lib import lm_layouts, strategies
 
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n_devices={n!r}: the transformer lab needs 1 device or more")
     needs = [lm_layouts.batch_divisor(k, n) for k in strategies.LAYOUT_KEYS]
     lcm = math.lcm(*[d for d in needs if d]) if any(needs) else 1
     if LAB12_BATCH % lcm == 0:

@@ -15,6 +15,8 @@ Ctrl-C, 143 SIGTERM.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import signal
 import sys
@@ -179,7 +181,12 @@ def run_course(
     notebooks = course_notebooks()
     if only:
         notebooks = chosen_notebooks(notebooks, only)
-    plan = [(nb, nb_params.course_params(nb, n, platform, Path(), lab_params)) for nb in notebooks]
+    with contextlib.redirect_stdout(
+        io.StringIO()
+    ):  # checked here; their notes print when each runs
+        plan = [
+            (nb, nb_params.course_params(nb, n, platform, Path(), lab_params)) for nb in notebooks
+        ]
     for nb, params in plan:
         check_parameters(nb, params)
     check_kernel()

@@ -560,6 +560,22 @@ def tp_mlp_pmean_bias(x, p, axis):
     return lax.psum(h @ p["w2"]["kernel"], axis) + lax.pmean(p["w2"]["bias"], axis)
 
 
+def tp_mlp_no_return(x, p, axis):
+    """Forgets the return."""
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    lax.psum(h @ p["w2"]["kernel"], axis) + p["w2"]["bias"]
+
+
+def tp_mlp_dict(x, p, axis):
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    return {"out": lax.psum(h @ p["w2"]["kernel"], axis) + p["w2"]["bias"]}
+
+
+def tp_mlp_hidden(x, p, axis):
+    """Returns the hidden activations, [T, F/n], summed over the devices."""
+    return lax.psum(jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"]), axis)
+
+
 def tp_mlp_float32(x, p, axis):
     h = jax.nn.gelu(x.astype(jnp.float32) @ p["w1"]["kernel"].astype(jnp.float32) + p["w1"]["bias"])
     return lax.psum(h @ p["w2"]["kernel"], axis) + p["w2"]["bias"]

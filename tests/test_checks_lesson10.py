@@ -181,6 +181,11 @@ def test_tp_mlp(report):
     )
     rejects(check, a.tp_mlp_psum_weights, devices, match=r"calls psum\w* of \[16, 48\];.*" + moves)
     rejects(check, a.tp_mlp_gather_hidden, devices, match=r"calls all_gather\w* of \[5, 6\];")
+    rejects(check, a.tp_mlp_no_return, devices, match=r"returned None \(is a return missing\?\)")
+    rejects(
+        check, a.tp_mlp_dict, devices, match="returned a dict; want .* one \\[T, D\\] = \\[5, 16\\]"
+    )
+    rejects(check, a.tp_mlp_hidden, devices, match=r"returned an array of shape \(5, 6\)")
     with pytest.raises(ExerciseError, match=r"calls psum\w* of \[16\];.*moves no weights") as e:
         check(a.tp_mlp_pmean_bias, devices)  # a bias averaged: no gathered weights to speak of
     assert "gathered weights" not in str(e.value)

@@ -182,6 +182,10 @@ def test_router_keep_as_numbers_runs_in_moe_output(form):
         (a.route_keep_le, "keeps a choice whose place equals the capacity"),
         (a.route_softmax_tokens, "chooses other experts"),
         (lambda lg, k, c: (1, 2), "returned tuple"),
+        (
+            lambda lg, k, c: ("e", "s", "k", "g"),
+            r"returned tuple \(ValueError.*an array of numbers",
+        ),
         (a.route_slot_float, "returned slot as float32.*index.*integer"),
         (
             a.route_eight_experts,

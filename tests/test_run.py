@@ -653,3 +653,38 @@ def test_the_transformer_labs_batch_splits_over_every_layout_that_fits(n, capsys
     lm_layouts.check_run(keys, n, batch, 1)  # raises where a layout cannot split the batch
     assert (batch == nb_params.LAB12_BATCH) == (n in (1, 2, 4, 8)), (n, batch)
     assert ("note:" in capsys.readouterr().out) == (batch != nb_params.LAB12_BATCH)
+
+
+@pytest.mark.parametrize("n_micro", [0, "x"])
+def test_lesson_11_refuses_a_micro_batch_count_in_its_setup_cell(tmp_path, n_micro):
+    # papermill -p n_micro 0 (or -r n_micro x): refused in the cell that reads it, before any program runs
+    out = tmp_path / "11.ipynb"
+    with pytest.raises(run.NotebookFailed) as e:
+        run.execute(
+            run.NOTEBOOKS / "11_pipeline_experts.ipynb",
+            out,
+            {"n_devices": 2, "platform": "cpu", "n_micro": n_micro},
+            progress=False,
+        )
+    assert (
+        f"ValueError: n_micro={n_micro!r}: the pipeline needs a positive whole multiple of its 2 "
+        "stages; use n_micro=" in str(e.value)
+    )
+    assert len([c for c in faults.cells(out) if c["count"]]) <= 4
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.5])
+def test_the_transformer_labs_batch_needs_a_device_count(n):
+    with pytest.raises(
+        ValueError, match=f"n_devices={n!r}: the transformer lab needs 1 device or more"
+    ):
+        nb_params.lab12_batch(n)
+
+
+def test_a_course_run_prints_the_transformer_labs_batch_note_once(tmp_path, monkeypatch, capsys):
+    ran = []
+    monkeypatch.setattr(run, "execute", lambda nb, out, params, progress: ran.append(params) or 1.0)
+    run.run_course(3, platform="cpu", build=str(tmp_path), only=["12"], progress=False)
+    out = capsys.readouterr().out
+    assert out.count("note: the transformer lab's global batch 16") == 1, out
+    assert [p["global_batch"] for p in ran] == [18]

@@ -12,7 +12,7 @@ import numpy as np
 from ._common import fail
 from ._lesson10_ring import counted
 
-__all__ = ["MLP_D", "MLP_F", "MLP_T", "mlp_collectives", "mlp_counts", "mlp_hint"]
+__all__ = ["MLP_D", "MLP_F", "MLP_T", "mlp_collectives", "mlp_counts", "mlp_hint", "mlp_shape"]
 
 
 def _rounded(got, want, rtol) -> bool:
@@ -102,3 +102,21 @@ def mlp_counts(n_devices: int) -> tuple[int, ...]:
     top = max(c for c in (8, 4, 2, 1) if c <= n_devices)
     second = [c for c in (3, 2) if c <= n_devices and c != top][:1]
     return (top, *second)
+
+
+def mlp_shape(got, n: int) -> None:
+    """Refuse a tensor-parallel MLP's result that is not one [T, D] array (None, a dict, another shape)."""
+    shape = getattr(got, "shape", None)
+    if shape == (MLP_T, MLP_D) and np.issubdtype(np.asarray(got).dtype, np.number):
+        return
+    if got is None:
+        said = "None (is a return missing?)"
+    elif shape is None:
+        said = f"a {type(got).__name__}"
+    else:
+        said = f"an array of shape {tuple(shape)}"
+    fail(
+        f"on {n} device(s) tp_mlp returned {said}; want the MLP's output, one [T, D] = "
+        f"[{MLP_T}, {MLP_D}] array, the same on every device",
+        "return the devices' summed partial outputs (lax.psum over the axis) plus w2's bias",
+    )

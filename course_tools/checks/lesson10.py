@@ -32,7 +32,7 @@ from course_lib.meshes import CONTEXT, DATA, MODEL, mesh_of
 from course_lib.programs import jaxpr_equations
 
 from ._common import call_answer, checker, fail, passed, require
-from ._lesson10_mlp import MLP_D, MLP_F, MLP_T, mlp_collectives, mlp_counts, mlp_hint
+from ._lesson10_mlp import MLP_D, MLP_F, MLP_T, mlp_collectives, mlp_counts, mlp_hint, mlp_shape
 from ._lesson10_ring import RING_B as _B
 from ._lesson10_ring import RING_DH as _DH
 from ._lesson10_ring import RING_H as _H
@@ -479,8 +479,9 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
                 lambda x, p: tp_mlp(x, p, MODEL), mesh=mesh, in_specs=(P(), spec), out_specs=P()
             )
             what = f"tp_mlp on {n} device(s)"
-            got = np.asarray(_call_unaided(what, _jit(mapped), x, p, name="tp_mlp"))
-            want = np.asarray(transformer.mlp(x, p))
+            got = _call_unaided(what, _jit(mapped), x, p, name="tp_mlp")
+            mlp_shape(got, n)
+            got, want = np.asarray(got), np.asarray(transformer.mlp(x, p))
             jaxpr = jax.make_jaxpr(mapped)(x, p) if n > 1 else None
         if not np.allclose(got, want, rtol=0, atol=1e-10):
             mlp_hint(got, want, np.asarray(p["w2"]["bias"]), n)

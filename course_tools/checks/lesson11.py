@@ -198,10 +198,14 @@ fails."""
 def _routing(got, what) -> moe.Routing:
     try:
         return moe.Routing(*(jnp.asarray(a) for a in got))
-    except TypeError:
+    except (
+        TypeError,
+        ValueError,
+    ) as e:  # not four parts; a part that is not numbers (strings, ragged)
+        parts = f" ({type(e).__name__}: {str(e)[:80]})" if isinstance(e, ValueError) else ""
         fail(
-            f"{what} returned {type(got).__name__}",
-            "return (expert, slot, keep, gate), each [N, k]",
+            f"{what} returned {type(got).__name__}{parts}",
+            "return (expert, slot, keep, gate), each an array of numbers [N, k]",
         )
 
 
