@@ -422,6 +422,35 @@ def _total_via_host(x, devices, device):
     return parts, [p.sum(0) for p in parts], jax.device_put(np.asarray(x).sum(0), device)
 
 
+def _total_added_to_zeros(x, devices, device):  # the red team's W1: x's sum copied by an addition
+    parts = _split(x, devices)
+    total = jnp.zeros(x.shape[1:], x.dtype, device=device) + x.sum(0)
+    return parts, [p.sum(0) for p in parts], total
+
+
+def _total_added_from_the_host(x, devices, device):  # W2: the same through the host
+    parts = _split(x, devices)
+    total = jnp.zeros(x.shape[1:], x.dtype, device=device) + np.asarray(x.sum(0))
+    return parts, [p.sum(0) for p in parts], total
+
+
+def _sums_added_to_zeros(parts, device):  # a correct form: zeros on the target plus moved partials
+    partials = [p.sum(axis=0) for p in parts]
+    total = jnp.zeros(parts[0].shape[1:], parts[0].dtype, device=device)
+    for s in partials:
+        total = total + np.asarray(s)
+    return partials, total
+
+
+def test_split_and_sum_refuses_a_total_copied_by_an_operation(report):
+    check = lesson00.check_split_and_sum
+    for devices in (report.devices, report.devices[:2]):
+        rejects(check, _total_added_to_zeros, devices, match="sum of all the rows.*implicitly")
+        rejects(check, _total_added_from_the_host, devices, match="sum of all the rows.*host")
+        for _ in range(2):  # also once the operations are compiled and cached
+            assert check(answer(_split, _sums_added_to_zeros), devices)
+
+
 def _parts_after_moving_x(x, devices, device):  # every device gets every row, then slices its own
     k = x.shape[0] // len(devices)
     parts = [jax.device_put(x, d)[i * k : (i + 1) * k] for i, d in enumerate(devices)]
