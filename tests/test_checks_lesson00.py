@@ -217,6 +217,21 @@ def test_cpu_env_wrong_answers():
     )
 
 
+def _variable_hard_coded(n, env):  # the red team's H2: both settings, as the constant 4
+    fresh = dict(env)
+    kept = [f for f in fresh.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] != FLAG]
+    fresh["XLA_FLAGS"] = " ".join([*kept, f"{FLAG}=4"])
+    return {**fresh, "JAX_NUM_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu"}
+
+
+def test_cpu_env_names_a_constant_count_variable():
+    with pytest.raises(ExerciseError) as e:
+        lesson00.check_cpu_env(_variable_hard_coded)
+    assert "decided by JAX_NUM_CPU_DEVICES" in str(e.value)
+    assert "'4' for every n" in str(e.value) and "does not follow n" in str(e.value)
+    assert "from before" not in str(e.value)
+
+
 def test_the_count_rule_is_what_a_fresh_process_sees():
     """effective_count (JAX_NUM_CPU_DEVICES wins, else the last flag) against real processes."""
     stale = {**clean_environ(), **CASES[2][1]}  # a stale count flag and JAX_NUM_CPU_DEVICES=2
