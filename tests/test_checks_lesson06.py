@@ -56,8 +56,9 @@ def test_ring_all_reduce():
 @pytest.mark.parametrize(
     "answer, match",
     [
-        (a.ring_uses_psum, r"uses \['psum.*ppermute"),
-        (a.ring_scatter_gather, r"uses \['all_gather.*reduce_scatter"),
+        (a.ring_uses_psum, r"uses \['lax\.psum'\].*ppermute"),
+        (a.ring_scatter_gather, r"uses \['lax\.all_gather', 'lax\.psum_scatter'\]"),
+        (a.ring_only_on_eight, r"on 4 devices each device sends 3\.00× its block.*1\.50×"),
         (a.ring_whole_blocks, r"sends 7\.00× its block.*1\.75×"),
         (a.ring_whole_blocks_while, "while_loop sends with ppermute.*fori_loop"),
         (a.ring_whole_blocks_scan, r"sends 7\.00× its block"),
