@@ -23,7 +23,7 @@ from course_lib.programs import jaxpr_equations
 
 from ._common import call_answer, checker, fail, passed
 from ._lesson06_halo import check_halo_stencil as _check_halo
-from ._lesson06_tp import check_tp_cross_entropy
+from ._lesson06_tp import check_tp_cross_entropy, public_name
 from ._spmd import abstract, communicates, narrow_floats, precision_hint, run_mapped
 
 __all__ = [
@@ -245,7 +245,7 @@ def check_ring_all_reduce(fn: Callable) -> bool:
         sent, used = _ring_traffic(fn, n, block)
         if used - {"ppermute"}:
             fail(
-                f"the ring uses {sorted({_public_name(u) for u in used - {'ppermute'}})}",
+                f"the ring uses {sorted({public_name(u) for u in used - {'ppermute'}})}",
                 "build it from lax.ppermute (and local arithmetic) only: psum, psum_scatter and "
                 "all_gather are what you are re-implementing",
             )
@@ -264,22 +264,6 @@ def check_ring_all_reduce(fn: Callable) -> bool:
         + ", ".join(f"{share:.3f}× its block on {n}" for n, share in shares.items())
         + " devices (shard_map, check_vma=True), by ppermute only"
     )
-
-
-def _public_name(primitive: str) -> str:
-    """The lax function a collective primitive comes from (psum's primitive is psum_invariant, …)."""
-    for prefix, public in (
-        ("psum_scatter", "lax.psum_scatter"),
-        ("reduce_scatter", "lax.psum_scatter"),
-        ("psum", "lax.psum"),
-        ("all_gather", "lax.all_gather"),
-        ("all_to_all", "lax.all_to_all"),
-        ("pmax", "lax.pmax"),
-        ("pmin", "lax.pmin"),
-    ):
-        if primitive.startswith(prefix):
-            return public
-    return primitive
 
 
 # ---- exercise 4: a stencil with a halo exchange ---------------------------------------------------------
