@@ -261,7 +261,9 @@ def check_ring_all_reduce(fn: Callable) -> bool:
         shares[n] = sent / block_bytes
     return passed(
         "equals psum on rings of 3, 4 and 8; each device sends "
-        + ", ".join(f"{share:.3f}× its block on {n}" for n, share in shares.items())
+        + " / ".join(f"{share:.3f}×" for share in shares.values())
+        + " its block on "
+        + " / ".join(str(n) for n in shares)
         + " devices (shard_map, check_vma=True), by ppermute only"
     )
 
