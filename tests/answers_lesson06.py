@@ -130,6 +130,12 @@ def ring_whole_blocks(x_block, axis_name):  # wrong: right values, (n-1)x the bl
     return total
 
 
+def ring_only_on_eight(x_block, axis_name):  # wrong: a chunked ring at n = 8 only (red team W4)
+    if lax.axis_size(axis_name) == 8:
+        return ring_all_reduce(x_block, axis_name)
+    return ring_whole_blocks(x_block, axis_name)
+
+
 def ring_whole_blocks_while(
     x_block, axis_name
 ):  # wrong: the whole block n-1 times, in a while_loop
@@ -274,6 +280,12 @@ def tp_cross_entropy_local_max(
     z = logits_block - lax.stop_gradient(jnp.max(logits_block, axis=-1, keepdims=True))
     log_norm = jnp.log(lax.psum(jnp.sum(jnp.exp(z), axis=-1), axis_name))
     return log_norm - lax.psum(_target(z, labels, axis_name), axis_name)
+
+
+def tp_cross_entropy_batch_max(logits_block, labels, axis_name):  # wrong: one shift for all rows
+    m = lax.pmax(lax.stop_gradient(jnp.max(logits_block)), axis_name)  # no axis=-1 (red team W3)
+    log_norm = jnp.log(lax.psum(jnp.sum(jnp.exp(logits_block - m), -1), axis_name)) + m
+    return log_norm - lax.psum(_target(logits_block, labels, axis_name), axis_name)
 
 
 def tp_cross_entropy_no_stop_gradient(

@@ -130,6 +130,23 @@ def remat_loss_scan(weights, x):  # wrong: a scan with a checkpointed body keeps
     return jnp.mean(h**2)
 
 
+def remat_loss_scan_blocks(weights, x):  # wrong here: a scan over checkpointed blocks of √L layers
+    n_layers = weights.shape[0]
+    k = max(1, round(n_layers**0.5))
+    n = n_layers // k
+
+    def block(h, w_block):
+        for i in range(k):
+            h = layer(h, w_block[i])
+        return h, None
+
+    blocks = weights[: n * k].reshape((n, k) + weights.shape[1:])
+    h, _ = lax.scan(jax.checkpoint(block), x, blocks)
+    for i in range(n * k, n_layers):  # the layers left over
+        h = layer(h, weights[i])
+    return jnp.mean(h**2)
+
+
 def remat_loss_skips_a_layer(weights, x):  # wrong: the last layer left out
     return remat_loss(weights[:-1], x) if weights.shape[0] > 1 else jnp.mean(x**2)
 

@@ -217,6 +217,21 @@ def test_cpu_env_wrong_answers():
     )
 
 
+def _variable_hard_coded(n, env):  # the red team's H2: both settings, as the constant 4
+    fresh = dict(env)
+    kept = [f for f in fresh.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] != FLAG]
+    fresh["XLA_FLAGS"] = " ".join([*kept, f"{FLAG}=4"])
+    return {**fresh, "JAX_NUM_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu"}
+
+
+def test_cpu_env_names_a_constant_count_variable():
+    with pytest.raises(ExerciseError) as e:
+        lesson00.check_cpu_env(_variable_hard_coded)
+    assert "decided by JAX_NUM_CPU_DEVICES" in str(e.value)
+    assert "'4' for every n" in str(e.value) and "does not follow n" in str(e.value)
+    assert "from before" not in str(e.value)
+
+
 def test_the_count_rule_is_what_a_fresh_process_sees():
     """effective_count (JAX_NUM_CPU_DEVICES wins, else the last flag) against real processes."""
     stale = {**clean_environ(), **CASES[2][1]}  # a stale count flag and JAX_NUM_CPU_DEVICES=2
@@ -420,6 +435,35 @@ def _total_by_jit(x, devices, device):  # an implicit copy: jit with out_shardin
 def _total_via_host(x, devices, device):
     parts = _split(x, devices)
     return parts, [p.sum(0) for p in parts], jax.device_put(np.asarray(x).sum(0), device)
+
+
+def _total_added_to_zeros(x, devices, device):  # the red team's W1: x's sum copied by an addition
+    parts = _split(x, devices)
+    total = jnp.zeros(x.shape[1:], x.dtype, device=device) + x.sum(0)
+    return parts, [p.sum(0) for p in parts], total
+
+
+def _total_added_from_the_host(x, devices, device):  # W2: the same through the host
+    parts = _split(x, devices)
+    total = jnp.zeros(x.shape[1:], x.dtype, device=device) + np.asarray(x.sum(0))
+    return parts, [p.sum(0) for p in parts], total
+
+
+def _sums_added_to_zeros(parts, device):  # a correct form: zeros on the target plus moved partials
+    partials = [p.sum(axis=0) for p in parts]
+    total = jnp.zeros(parts[0].shape[1:], parts[0].dtype, device=device)
+    for s in partials:
+        total = total + np.asarray(s)
+    return partials, total
+
+
+def test_split_and_sum_refuses_a_total_copied_by_an_operation(report):
+    check = lesson00.check_split_and_sum
+    for devices in (report.devices, report.devices[:2]):
+        rejects(check, _total_added_to_zeros, devices, match="sum of all the rows.*implicitly")
+        rejects(check, _total_added_from_the_host, devices, match="sum of all the rows.*host")
+        for _ in range(2):  # also once the operations are compiled and cached
+            assert check(answer(_split, _sums_added_to_zeros), devices)
 
 
 def _parts_after_moving_x(x, devices, device):  # every device gets every row, then slices its own

@@ -42,6 +42,9 @@ def test_recompiles_accept_correct_forms():
     assert lesson02.check_recompiles(
         {k: (" Error " if v == "error" else np.int64(v)) for k, v in RIGHT.items()}
     )
+    # red team H1: case is ignored, as in lesson 00's predictions
+    for spelled in ("Error", "ERROR"):
+        assert lesson02.check_recompiles({**RIGHT, "plain dataclass config": spelled})
 
 
 def test_recompiles_stub(monkeypatch, capsys):

@@ -57,6 +57,10 @@ def test_remat_loss_accepts(answer):
         (a.remat_loss_whole, "with 4 layers .* without any checkpoint 5.2.*around the whole loss"),
         (a.remat_loss_dots, "with 4 layers .* the best split into checkpointed blocks .* 4.3"),
         (a.remat_loss_scan, "with 4 layers the gradient's temporaries are 7.1"),
+        (
+            a.remat_loss_scan_blocks,
+            "(?s)with 4 layers .*loop .*of 2 iterations of 2 layer.*Python for loop need 4.3",
+        ),
         (a.remat_loss_fixed_4, "with 4 layers .*as a function of k, and choose k from L"),
         (a.remat_loss_pairs, "with 25 layers .* the best split into checkpointed blocks"),
         (a.remat_loss_fixed_3, "with 25 layers .* the best split into checkpointed blocks"),

@@ -144,10 +144,17 @@ def _judge_count(
     if got == str(n):
         return
     stale = count_flags(env)
-    if source == "JAX_NUM_CPU_DEVICES":
+    if source == "JAX_NUM_CPU_DEVICES" and env.get("JAX_NUM_CPU_DEVICES") == got:
         hint = (
             "JAX_NUM_CPU_DEVICES is still set from before, and it silently wins over XLA_FLAGS: drop it, "
             "or set it to n"
+        )
+    elif source == "JAX_NUM_CPU_DEVICES":
+        same = len(set(counts.values())) == 1 and len(counts) > 1
+        hint = (
+            f"your JAX_NUM_CPU_DEVICES is {got!r}"
+            + (" for every n you were given" if same else f" for n = {n}")
+            + ": its value does not follow n; set it from the argument, str(n)"
         )
     elif len(count_flags(out)) > 1:
         hint = (

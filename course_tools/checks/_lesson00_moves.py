@@ -15,6 +15,10 @@ each moved sum is built from partial sums that are already where it is moved fro
   (``np.asarray``, ``np.array`` on the CPU: ``ArrayImpl.__buffer__`` is wrapped). What comes back from the
   host (``device_put`` of a NumPy value) is judged like any other move, with the host as its source, where
   only the partial sums (and sums of them) are that were copied there;
+- the copies an operation makes of its operands, with their values: an array on another device, or a
+  NumPy value, added to (or otherwise combined with) an array committed to the target is copied to where
+  the operation runs (``pxla.shard_args``; JAX's C++ fast path, which would skip it, is switched off and
+  its cache cleared while the answer runs);
 - every device-to-device copy, also the implicit ones (a jitted call with ``out_shardings``, an
   uncommitted array moved to a committed one's device) and any explicit path not named above: JAX's
   transfer guard at level ``"log_explicit"`` reports each one on the process's stderr (file descriptor 2),
@@ -43,7 +47,8 @@ from ._common import fail
 
 @dataclass
 class Move:
-    """One transfer: ``kind`` is "explicit", "host" (to the host) or "implicit" (no value known)."""
+    """One transfer: ``kind`` is "explicit", "host" (to the host), "copied" (an operation copied its
+    operand, value known) or "implicit" (from the log: no value known)."""
 
     kind: str
     shape: tuple[int, ...]
@@ -102,8 +107,18 @@ class RecordMoves:
         self._saved = (api.device_put, jax.device_put, lax_internal._convert_element_type)
         self._value = array.ArrayImpl._value
         put, convert, value = self._saved[0], self._saved[2], self._value
+        self._inside = (
+            0  # > 0 while an explicit move runs: its own operand copies are not recorded again
+        )
 
         def device_put(x, device=None, *args, **kwargs):
+            self._inside += 1
+            try:
+                return _device_put(x, device, *args, **kwargs)
+            finally:
+                self._inside -= 1
+
+        def _device_put(x, device=None, *args, **kwargs):
             if device is not None:
                 leaves = jax.tree.leaves(x)
                 # a list of devices matching a list of arrays: leaf i goes to device i
@@ -120,8 +135,12 @@ class RecordMoves:
             if sharding is None:
                 return convert(operand, *args, **kwargs)
             self._explicit(operand, sharding)
-            with jax.transfer_guard_device_to_device("allow"):  # recorded here, not in the log
-                return convert(operand, *args, sharding=sharding, **kwargs)
+            self._inside += 1
+            try:
+                with jax.transfer_guard_device_to_device("allow"):  # recorded here, not in the log
+                    return convert(operand, *args, sharding=sharding, **kwargs)
+            finally:
+                self._inside -= 1
 
         def to_host(arr):
             out = value.fget(arr)
@@ -140,6 +159,8 @@ class RecordMoves:
         )  # absent: NumPy goes through _value
         api.device_put = jax.device_put = device_put
         lax_internal._convert_element_type = convert_element_type
+        self._operands = _OperandCopies(self)
+        self._operands.__enter__()
         array.ArrayImpl._value = property(to_host)
         if self._buffer is not None:
             array.ArrayImpl.__buffer__ = buffer
@@ -167,6 +188,7 @@ class RecordMoves:
         array.ArrayImpl._value = self._value
         if self._buffer is not None:
             array.ArrayImpl.__buffer__ = self._buffer
+        self._operands.__exit__(*exc)
         self._log.__exit__(*exc)
         by_id = {d.id: d for d in jax.devices()}
         logged = parse_transfer_log(self._log.text, by_id)
@@ -175,9 +197,57 @@ class RecordMoves:
         ) in self.moves:  # a recorded explicit copy also has its log line: keep one of the two
             dst = _single(move.dst)
             match = [m for m in logged if m.shape == move.shape and m.dst == dst]
-            if move.kind == "explicit" and dst != move.src and match:
+            if move.kind in ("explicit", "copied") and move.src not in (dst, "host") and match:
                 logged.remove(match[0])
         self.moves += logged
+
+
+class _OperandCopies:
+    """Record, with its value, every operand an operation copies to where it runs (an array from another
+    device, a NumPy value from the host). Eager operations reach ``pxla.shard_args`` only off JAX's C++
+    fast path, so that path is switched off (and its cache cleared) meanwhile."""
+
+    def __init__(self, record: RecordMoves):
+        self.record = record
+
+    def __enter__(self):
+        import jax
+        from jax._src import pjit
+        from jax._src.interpreters import pxla
+
+        self._saved = (pxla.shard_args, pjit._get_fastpath_data)
+        shard_args, record = self._saved[0], self.record
+
+        def recording(shardings, layouts, copy_semantics, args, *rest, **kwargs):
+            if not record._inside:
+                for arg, sharding in zip(args, shardings):
+                    self._copied(arg, _single(sharding))
+            return shard_args(shardings, layouts, copy_semantics, args, *rest, **kwargs)
+
+        jax.clear_caches()
+        pxla.shard_args = recording
+        pjit._get_fastpath_data = lambda *args, **kwargs: None
+        return self
+
+    def _copied(self, arg, dst) -> None:
+        import jax
+
+        if isinstance(arg, jax.core.Tracer) or not hasattr(arg, "shape"):
+            return
+        src = _device_of(arg)
+        if src == dst:
+            return
+        with contextlib.suppress(Exception):
+            value = np.array(self.record._value.fget(arg) if isinstance(arg, jax.Array) else arg)
+            self.record.moves.append(Move("copied", tuple(np.shape(arg)), src, dst, value))
+
+    def __exit__(self, *exc):
+        import jax
+        from jax._src import pjit
+        from jax._src.interpreters import pxla
+
+        pxla.shard_args, pjit._get_fastpath_data = self._saved
+        jax.clear_caches()  # no entry without its fast path is left behind
 
 
 class _TransferLog:
@@ -262,9 +332,15 @@ def _judge_row(move: Move, partials: _Partials, devices, name) -> None:
         return
     whole = sum(partials.values)
     if np.allclose(np.asarray(move.value, np.float64), whole, rtol=1e-5, atol=1e-5):
+        how = (
+            f", implicitly: an operation on {name(move.dst)} took it as an operand"
+            if move.kind == "copied"
+            else ""
+        )
+        where = "before it was copied there" if move.src == "host" else "there"
         fail(
-            f"a sum of all the rows was moved from {name(move.src)} to {name(move.dst)}: it was computed "
-            "from x there, not from the partial sums",
+            f"a sum of all the rows was moved from {name(move.src)} to {name(move.dst)}{how}; it was "
+            f"computed from x {where}, not from the partial sums",
             "build the total only from the partial sums: move each one to the target device, then add",
         )
     same = [
@@ -309,7 +385,7 @@ def judge_moves(moves, x_np, parts, partials, devices) -> None:
             found = available.decompose(move.value, move.src) if move.shape == row_shape else None
             available.arrive(found or frozenset(), "host")
         elif move.shape == tuple(x_np.shape) and len(devices) > 1:
-            if not (move.kind == "explicit" and _blocks_of(move.dst, move.shape, devices)):
+            if not (move.kind != "implicit" and _blocks_of(move.dst, move.shape, devices)):
                 fail(
                     f"every row of x was moved to {name(move.dst)}",
                     "move each block of rows to its own device only; after that, move only partial sums",
@@ -317,7 +393,7 @@ def judge_moves(moves, x_np, parts, partials, devices) -> None:
         elif move.shape == blocks[0].shape and k < rows:
             _judge_block(move, blocks, devices, name)
         elif move.shape == row_shape:
-            if move.kind == "explicit":
+            if move.value is not None:
                 _judge_row(move, available, devices, name)
         elif size > row_size:
             fail(
@@ -328,7 +404,7 @@ def judge_moves(moves, x_np, parts, partials, devices) -> None:
 
 def _judge_block(move: Move, blocks, devices, name) -> None:
     dst = _single(move.dst)
-    if move.kind == "implicit":
+    if move.value is None:
         if dst not in devices:
             fail(
                 f"a block of rows was copied to {name(dst)}, which holds no part",

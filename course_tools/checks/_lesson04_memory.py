@@ -132,10 +132,30 @@ def judge_memory(fn: Callable, device, loss_fn: Callable) -> str:
     if device.platform != "cpu":
         return f"{summary} (XLA:{device.platform.upper()}'s schedule, not judged)"
     if t_many > 0.6 * t_few:
+        unroll = unrolled(fn, device, loss_fn, many)
         fail(
             f"the compiled program needs {t_few:,} temporary bytes with n_micro={few} and {t_many:,} with "
             f"n_micro={many} (XLA:CPU): the memory does not shrink with smaller micro-batches",
-            "keep only the running sum of gradients between micro-batches: nothing that grows with the "
-            "number of micro-batches may be carried or stacked by the loop",
+            f"your loop over micro-batches is unrolled ({unroll} micro-batches per iteration with "
+            f"n_micro={many}): unroll copies the body into straight-line code, where the copies' "
+            "activations may be alive at once; leave unroll at its default, 1"
+            if unroll > 1
+            else "keep only the running sum of gradients between micro-batches: nothing that grows with "
+            "the number of micro-batches may be carried or stacked by the loop",
         )
     return summary
+
+
+def unrolled(fn: Callable, device, loss_fn: Callable, n_micro: int) -> int:
+    """The largest ``unroll`` of the loops over micro-batches (a scan's parameter: ``unroll=True`` is its
+    length; ``lax.fori_loop(..., unroll=)`` traces to such a scan); 1 when none is unrolled."""
+    params, batch = _inputs()
+    jaxpr = jax.make_jaxpr(_mapped(fn, device, loss_fn, n_micro))(params, batch)
+    return max(
+        (
+            int(e.params.get("unroll", 1))
+            for e, in_loop in _walk(jaxpr)
+            if e.primitive.name in LOOPS and not in_loop and _has_forward(e)
+        ),
+        default=1,
+    )

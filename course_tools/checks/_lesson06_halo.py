@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from course_lib.programs import jaxpr_equations
 
 from ._common import fail
+from ._lesson06_tp import public_name
 from ._spmd import abstract, communicates, narrow_floats, precision_hint, run_mapped
 
 _AXIS = "seq"
@@ -138,7 +139,7 @@ def _judge_traffic(fn: Callable) -> tuple[float, int]:
             other.add(eqn.primitive.name)
     if other:
         fail(
-            f"the stencil uses {sorted(other)}",
+            f"the stencil uses {sorted({public_name(o) for o in other})}",
             "gathering or summing over the axis moves far more than the halo: send each neighbour "
             "only the rows it needs, with lax.ppermute",
         )

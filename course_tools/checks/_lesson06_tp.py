@@ -26,6 +26,23 @@ from ._spmd import VMA_WORDS, abstract, auto_mesh, communicates
 # ---- exercise 3: debug the vocabulary-parallel cross-entropy ---------------------------------------------
 
 _B, _K = 6, 5  # examples; classes per model shard
+_SIZE = {"apart": "on different scales per row (near +100 and near -100)"}
+
+
+def public_name(primitive: str) -> str:
+    """The lax function a collective primitive comes from (psum's primitive is psum_invariant, …)."""
+    for prefix, public in (
+        ("psum_scatter", "lax.psum_scatter"),
+        ("reduce_scatter", "lax.psum_scatter"),
+        ("psum", "lax.psum"),
+        ("all_gather", "lax.all_gather"),
+        ("all_to_all", "lax.all_to_all"),
+        ("pmax", "lax.pmax"),
+        ("pmin", "lax.pmin"),
+    ):
+        if primitive.startswith(prefix):
+            return public
+    return primitive
 
 
 def _xent(logits, labels) -> np.ndarray:
@@ -42,11 +59,17 @@ def _xent_local_bug(logits: np.ndarray, labels: np.ndarray, m: int) -> np.ndarra
 
 
 def _xent_values(fn: Callable, rng) -> None:
-    """The per-example loss for 4 model shards (simulated with vmap), small and large logits."""
+    """The per-example loss for 4 model shards (simulated with vmap): small and large logits, then rows
+    on very different scales (half near +100, half near -100), where one shift for the whole batch leaves
+    exp() of every class of a low row at 0."""
     for m in (4,):
         per_shard = jax.jit(jax.vmap(partial(fn, axis_name=MODEL), (0, None), axis_name=MODEL))
-        for scale in (1.0, 100.0):  # large logits overflow exp() without the max shift
-            logits = (scale * rng.standard_normal((_B, m * _K))).astype(np.float32)
+        for scale in (1.0, 100.0, "apart"):  # large logits overflow exp() without the max shift
+            if scale == "apart":
+                offsets = np.where(np.arange(_B) % 2, -100.0, 100.0)[:, None]
+                logits = (offsets + 5 * rng.standard_normal((_B, m * _K))).astype(np.float32)
+            else:
+                logits = (scale * rng.standard_normal((_B, m * _K))).astype(np.float32)
             labels = rng.integers(0, m * _K, size=_B).astype(np.int32)
             labels[0], labels[1] = 0, m * _K - 1  # the first and the last class
             blocks = jnp.asarray(logits.reshape(_B, m, _K).transpose(1, 0, 2))  # [m, b, V/m]
@@ -56,6 +79,15 @@ def _xent_values(fn: Callable, rng) -> None:
                 fail(
                     f"the result has shape {got.shape[1:]} per shard",
                     "return f32[b], one loss per example",
+                )
+            if not np.all(np.isfinite(got)) and scale == "apart":
+                fail(
+                    "inf or nan for a batch whose rows lie on different scales (half near +100, half "
+                    "near -100), though logits of size ~1 and ~100 drawn alike for every row were fine",
+                    "the shift must be per example: a max over the whole batch (no axis=-1) is ~200 above "
+                    "every logit of a low row, whose exp() are then all 0, and log(0) = -inf; shift each "
+                    "example by its own maximum over the classes (max over the last axis), then lax.pmax "
+                    "across the shards",
                 )
             if not np.all(np.isfinite(got)):
                 fail(
@@ -72,7 +104,8 @@ def _xent_values(fn: Callable, rng) -> None:
                     "over every shard's classes: lax.psum of the local sums",
                 )
             fail(
-                f"with {m} model shards and logits of size ~{scale:g} the loss differs from the full "
+                f"with {m} model shards and logits {_SIZE.get(scale, f'of size ~{scale:g}')} the loss "
+                "differs from the full "
                 f"softmax cross-entropy by up to {np.abs(got - want).max():.3g}",
                 "every shard must shift by the same global max (lax.pmax), sum exp over all shards "
                 "(lax.psum), and only the shard that owns a label contributes its logit (mask, then psum)",
@@ -137,7 +170,7 @@ def _xent_traffic(fn: Callable) -> None:
     }
     if big:
         fail(
-            f"the logits travel: {sorted(big)} moves more than one value per example",
+            f"the logits travel: {sorted({public_name(b) for b in big})} moves more than one value per example",
             "no device should hold all the classes: communicate only [b]-sized maxima, sums and target logits",
         )
 
@@ -152,7 +185,8 @@ def check_tp_cross_entropy(fn: Callable, devices: Sequence[Any]) -> bool:
     - returns the per-example cross-entropy f32[b] over all V classes
       (``optax.softmax_cross_entropy_with_integer_labels`` on the whole logits), to 1e-4, on 4 model
       shards (simulated with ``vmap``), for logits of size ~1 and ~100 (where ``exp`` overflows without a
-      global max shift), labels including the first and the last class;
+      global max shift) and for a batch whose rows lie near +100 and near -100 (where one shift for the
+      whole batch leaves every exp() of a low row at 0), labels including the first and the last class;
     - under ``shard_map(check_vma=True)`` on a data × model mesh of ``devices``: is the same on every model
       shard (``out_specs=P(data)``) and differentiable, with the gradient w.r.t. the logits
       ``softmax - one_hot`` to 1e-5;
@@ -163,6 +197,7 @@ def check_tp_cross_entropy(fn: Callable, devices: Sequence[Any]) -> bool:
     _xent_traffic(fn)  # before the gradient: a gathered answer's grad fails with an obscure message
     mesh = _xent_gradient(fn, devices, rng)
     return passed(
-        "the full-vocabulary cross-entropy with 4 model shards (logits up to ~100), its gradient "
+        "the full-vocabulary cross-entropy with 4 model shards (logits up to ~100, rows on "
+        "different scales), its gradient "
         f"on a {mesh} mesh, and only per-example values communicated"
     )

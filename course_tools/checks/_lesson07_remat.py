@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from course_lib.programs import jaxpr_equations
+
 from ._common import call_answer, fail
 
 DEPTHS = (4, 9, 25)
@@ -143,7 +145,8 @@ def check_remat_loss(fn: Callable) -> list[tuple[int, float, float]]:
                 f"with {depth} layers the gradient's temporaries are {mine / act:.1f} activations "
                 f"([512, 32] float32 each); without any checkpoint {plain / act:.1f}; the best split "
                 f"into checkpointed blocks of consecutive layers {best / act:.1f}",
-                "jax.checkpoint keeps its function's inputs and recomputes the rest in the backward "
+                _loop_hint(fn, depth, best)
+                or "jax.checkpoint keeps its function's inputs and recomputes the rest in the backward "
                 "pass. Around one layer it keeps that layer's input, which plain autodiff kept anyway; "
                 "around the whole loss it keeps only the inputs, but the backward pass then recomputes "
                 "the whole forward pass and needs all its activations at once again. Checkpoint blocks of "
@@ -151,3 +154,33 @@ def check_remat_loss(fn: Callable) -> list[tuple[int, float, float]]:
                 "block's k activations: count what it holds as a function of k, and choose k from L",
             )
     return rows
+
+
+def _loop_hint(fn: Callable, depth: int, best: int) -> str | None:
+    """When the layers run in a loop (``lax.scan``, ``fori_loop``) of blocks whose size does as well as the
+    best one in a Python loop: a hint naming the loop; otherwise None."""
+    weights, x = problem(depth)
+    loops = [
+        (times, e)
+        for e, times in jaxpr_equations(jax.make_jaxpr(fn)(weights, x))
+        if e.primitive.name == "scan"
+        and any(i.primitive.name == "tanh" for i, _ in jaxpr_equations(e.params["jaxpr"]))
+    ]
+    outer = [e for times, e in loops if times == min((t for t, _ in loops), default=0)]
+    if len(outer) != 1:
+        return None
+    length = int(outer[0].params["length"])
+    k = depth // length
+    if k < 1:
+        return None
+    python_loop = temp_bytes(compiled_grad(functools.partial(blocks_loss, k=k), weights, x))
+    if python_loop > 1.05 * best:
+        return None
+    act = activation_bytes()
+    return (
+        f"your layers run in a loop (lax.scan or fori_loop) of {length} iterations of {k} layer(s); "
+        f"the same checkpointed blocks of {k} in a Python for loop need {python_loop / act:.1f} "
+        "activations here. For its backward pass a scan stacks what every iteration saves into "
+        "arrays of its own, and here that compiled loop keeps more: write the blocks as a Python "
+        "for loop, each block under jax.checkpoint"
+    )

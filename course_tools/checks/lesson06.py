@@ -23,7 +23,7 @@ from course_lib.programs import jaxpr_equations
 
 from ._common import call_answer, checker, fail, passed
 from ._lesson06_halo import check_halo_stencil as _check_halo
-from ._lesson06_tp import check_tp_cross_entropy
+from ._lesson06_tp import check_tp_cross_entropy, public_name
 from ._spmd import abstract, communicates, narrow_floats, precision_hint, run_mapped
 
 __all__ = [
@@ -227,36 +227,44 @@ def check_ring_all_reduce(fn: Callable) -> bool:
 
     - returns ``lax.psum(x_block, axis_name)`` — every device the sum of all blocks — on rings of 3, 4 and
       8 (simulated with ``vmap``), to 1e-5;
-    - under ``shard_map(check_vma=True)`` on an abstract 8-device ring uses no collective but
+    - under ``shard_map(check_vma=True)`` on abstract rings of 8, 4 and 3 devices uses no collective but
       ``ppermute`` (``psum``, ``psum_scatter``, ``all_gather``… are what it re-implements);
-    - sends at most ``2 (n-1)/n`` of its block per device (bytes of every ``ppermute`` operand, times the
+    - sends at most ``2 (n-1)/n`` of its block per device on each of those rings (bytes of every
+      ``ppermute`` operand, times the
       trip count of the ``scan`` holding it; a ``while_loop`` that sends is refused, its trip count is not
       in the program).
     """
     _ring_values(fn, np.random.default_rng(6))
-    block = (
-        16,
+    shares = {}
+    for n in (
+        8,
+        4,
         3,
-    )  # shard_map's vma check and the communication, from the program on an 8-device ring
-    sent, used = _ring_traffic(fn, 8, block)
-    if used - {"ppermute"}:
-        fail(
-            f"the ring uses {sorted(used - {'ppermute'})}",
-            "build it from lax.ppermute (and local arithmetic) only: psum, psum_scatter and all_gather "
-            "are what you are re-implementing",
-        )
-    block_bytes = int(np.prod(block)) * 4
-    ideal = 2 * 7 / 8 * block_bytes
-    if sent > ideal * 1.01:
-        fail(
-            f"on 8 devices each device sends {sent / block_bytes:.2f}× its block; a ring all-reduce sends "
-            f"2·(n-1)/n = {ideal / block_bytes:.2f}×",
-            "split the block into n chunks and send one chunk per step: n-1 steps to sum "
-            "(reduce-scatter), n-1 steps to share the sums (all-gather)",
-        )
+    ):  # shard_map's vma check and the communication, from the program on each ring
+        block = (2 * n, 3)
+        sent, used = _ring_traffic(fn, n, block)
+        if used - {"ppermute"}:
+            fail(
+                f"the ring uses {sorted({public_name(u) for u in used - {'ppermute'}})}",
+                "build it from lax.ppermute (and local arithmetic) only: psum, psum_scatter and "
+                "all_gather are what you are re-implementing",
+            )
+        block_bytes = int(np.prod(block)) * 4
+        ideal = 2 * (n - 1) / n * block_bytes
+        if sent > ideal * 1.01:
+            fail(
+                f"on {n} devices each device sends {sent / block_bytes:.2f}× its block; a ring all-reduce "
+                f"sends 2·(n-1)/n = {ideal / block_bytes:.2f}×",
+                "split the block into n chunks and send one chunk per step: n-1 steps to sum "
+                "(reduce-scatter), n-1 steps to share the sums (all-gather)",
+            )
+        shares[n] = sent / block_bytes
     return passed(
-        f"equals psum on rings of 3, 4 and 8; on 8 devices (shard_map, check_vma=True) each sends "
-        f"{sent / block_bytes:.3f}× its block, by ppermute only"
+        "equals psum on rings of 3, 4 and 8; each device sends "
+        + " / ".join(f"{share:.3f}×" for share in shares.values())
+        + " its block on "
+        + " / ".join(str(n) for n in shares)
+        + " devices (shard_map, check_vma=True), by ppermute only"
     )
 
 
