@@ -282,21 +282,22 @@ def predict_tp_sp(kind: str, b: int, s: int, d: int, n: int, itemsize: int = 4) 
     return {"sent": sent, "ln_elements": full if kind == "tp" else full // n}
 
 
-def loop_sent(hlo_text: str, mesh, trips: int) -> dict[str, dict[str, float]]:
-    """Collectives of a compiled program that runs its layers as one ``while`` loop of ``trips``
-    iterations: ``{kind: {"count": …, "sent": bytes per device}}``, an instruction inside a loop body
-    counted ``trips`` times (the HLO lists a loop body once, as ``cost_analysis()`` counts it once).
+def loop_sent(hlo_text: str, mesh) -> dict[str, dict[str, float]]:
+    """Collectives of a compiled program, each counted as often as it runs:
+    ``{kind: {"count": …, "sent": bytes per device}}``. An instruction inside a ``while`` body counts
+    once per iteration, by the ``known_trip_count`` XLA wrote on the loop (the HLO lists a body once,
+    and ``cost_analysis()`` counts it once); a body XLA unrolled holds each copy and runs fewer trips.
 
-    Every ``while`` loop of the program must have ``trips`` iterations (a scan over the layers and its
-    transpose); :func:`course_lib.comms.collectives` refuses loops instead.
+    Raises:
+      ValueError: a collective inside a loop whose trip count the program does not state.
     """
-    from .programs import collective_ops, while_bodies
+    from .programs import collective_ops
 
-    loops = while_bodies(hlo_text)
     out: dict[str, dict[str, float]] = {}
     for op in collective_ops(hlo_text, mesh):
-        times = trips if op.computation in loops else 1
+        if op.runs is None:
+            raise ValueError(f"{op.op} {op.name} is in a while loop of unknown trip count")
         row = out.setdefault(op.op, {"count": 0, "sent": 0.0})
-        row["count"] += times
-        row["sent"] += times * op.bytes_sent
+        row["count"] += op.runs
+        row["sent"] += op.runs * op.bytes_sent
     return out

@@ -69,7 +69,7 @@ def test_tp_and_sp_equal_one_device_and_send_the_same_bytes(report):
             f = jax.shard_map(fn, mesh=mesh, in_specs=(specs, P()), out_specs=out)
             c = jax.jit(f, compiler_options=ONCE).lower(params, tokens).compile()
             assert float(jnp.abs(c(params, tokens) - want).max()) < 1e-10
-            sent[name] = SP.loop_sent(c.as_text(), mesh, CFG.n_layers)
+            sent[name] = SP.loop_sent(c.as_text(), mesh)
     assert set(sent["tp"]) == {"all-reduce"} and set(sent["sp"]) == {"all-gather", "reduce-scatter"}
     act = 2 * CFG.seq_len * CFG.d_model * 8
     total = {k: sum(r["sent"] for r in v.values()) for k, v in sent.items()}

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from course_lib import transformer
 from course_lib.meshes import DATA, mesh_of
-from course_lib.programs import collective_ops, jaxpr_equations, while_bodies
+from course_lib.programs import collective_ops, jaxpr_equations
 
 from ._common import call_answer, fail
 
@@ -118,14 +118,12 @@ def z_upfront(jaxpr, blocks, n):
                 )
 
 
-def z_wire(text, mesh, n, p_bytes, layers):
-    """Trip-weighted bytes per device of each collective kind in the compiled step."""
-    loops = while_bodies(text)
+def z_wire(text, mesh, n, p_bytes):
+    """Bytes per device of each collective kind in the compiled step, each instruction weighted by how
+    often it runs (the trip counts XLA wrote on the loops around it; an unknown count as 1)."""
     out: dict[str, float] = {}
     for op in collective_ops(text, mesh):
-        out[op.op] = (
-            out.get(op.op, 0.0) + (layers if op.computation in loops else 1) * op.bytes_sent
-        )
+        out[op.op] = out.get(op.op, 0.0) + (op.runs or 1) * op.bytes_sent
     f = (n - 1) / n
     if out.get("all-reduce", 0.0) > 64:  # more than the loss's scalar
         fail(

@@ -340,7 +340,7 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
         )
     z_upfront(traced.jaxpr, blocks, n)
     p_bytes = splits.block_bytes(blocks)
-    wire = z_wire(zc.as_text(), mesh, n, p_bytes, cfg.n_layers)
+    wire = z_wire(zc.as_text(), mesh, n, p_bytes)
     mz, md = zc.memory_analysis(), dpc.memory_analysis()
     peak_z = mz.argument_size_in_bytes + mz.temp_size_in_bytes
     peak_dp = md.argument_size_in_bytes + md.temp_size_in_bytes
