@@ -18,7 +18,16 @@ from course_lib.programs import collective_ops, jaxpr_equations
 
 from ._common import call_answer, fail
 
-__all__ = ["Z_CONFIG", "dp_compiled", "z_setup", "z_step", "z_upfront", "z_values", "z_wire"]
+__all__ = [
+    "Z_CONFIG",
+    "dp_compiled",
+    "z_held",
+    "z_setup",
+    "z_step",
+    "z_upfront",
+    "z_values",
+    "z_wire",
+]
 
 
 def _jit(fn):
@@ -116,6 +125,14 @@ def z_upfront(jaxpr, blocks, n):
                     "gather inside the step over the layers, one layer's shards at a time, so a device "
                     "holds one gathered layer, not all of them",
                 )
+
+
+def z_held(ma) -> int:
+    """Bytes a compiled step's ``memory_analysis()`` lists as arguments + temporaries: what it holds
+    beside its outputs, a sum of allocations, not a timed peak. The outputs (the loss and gradients,
+    ``(n-1)/n`` of the block gradients smaller under ZeRO-3) are left out: counted, they hide a layer
+    kept whole too long (an answer with one checkpoint around every layer would pass)."""
+    return ma.argument_size_in_bytes + ma.temp_size_in_bytes
 
 
 def z_wire(text, mesh, n, p_bytes):
