@@ -329,7 +329,8 @@ def computation_runs(hlo_text: str) -> dict[str, int | None]:
 
 def while_bodies(hlo_text: str) -> set[str]:
     """Names of the computations a compiled program runs as ``while`` loop bodies: a collective whose
-    :attr:`CollectiveOp.computation` is one of them runs once per iteration (the trip count is not read)."""
+    :attr:`CollectiveOp.computation` is one of them runs once per iteration (:attr:`CollectiveOp.runs` reads
+    the trip counts)."""
     return set(_WHILE.findall(hlo_text))
 
 
