@@ -50,6 +50,12 @@ _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?
 _LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _WHILE = re.compile(r"\bwhile\(.*?\bbody=%?([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLED = re.compile(
+    r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+    r"|\bbranch_computations=\{([^}]*)\}"
+)
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s")
 
 
 # --- jaxprs ----------------------------------------------------------------------------------------------
@@ -121,6 +127,9 @@ class CollectiveOp:
       line: the instruction as printed.
       computation: the HLO computation it sits in (``""`` for a bare instruction); a collective in one of
         :func:`while_bodies` runs once per loop iteration.
+      runs: how many times it runs when the program runs once: the product of the ``known_trip_count``
+        XLA wrote on each ``while`` loop around it (:func:`computation_runs`); 1 outside loops; None when
+        a loop around it has no known trip count.
     """
 
     op: str
@@ -131,6 +140,7 @@ class CollectiveOp:
     name: str
     line: str
     computation: str = ""
+    runs: int | None = 1
 
     @property
     def bytes_sent(self) -> float:
@@ -223,6 +233,7 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
       ValueError: replica groups over sub-axes of the mesh (``{'data':(1)2}``), which it cannot name.
     """
     shape_of_mesh = _mesh_shape(mesh)
+    runs = computation_runs(hlo_text)
     done = {m.group("start"): m.group("shape").strip() for m in _DONE.finditer(hlo_text)}
     ops, computation = [], ""
     for line in hlo_text.splitlines():
@@ -257,14 +268,69 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
                 m.group("name"),
                 line.strip(),
                 computation,
+                runs.get(computation, 1),
             )
         )
     return ops
 
 
+def _computations(hlo_text: str) -> list[tuple[str, list[str]]]:
+    """``[(name, instruction lines)]`` of each computation of an HLO module, in text order."""
+    out: list[tuple[str, list[str]]] = []
+    for line in hlo_text.splitlines():
+        if line[:1] not in ("", " ", "\t") and line.rstrip().endswith("{"):
+            m = _HEADER.match(line)
+            out.append((m.group(1) if m else "", []))
+        elif out and line.strip() and line.strip() != "}":
+            out[-1][1].append(line)
+    return out
+
+
+def computation_runs(hlo_text: str) -> dict[str, int | None]:
+    """How many times each computation of a compiled program runs when the program runs once.
+
+    The ``ENTRY`` computation runs once. A ``while`` loop's body runs its loop's ``known_trip_count``
+    times (XLA writes it in the loop's ``backend_config`` when it can prove the count, as for every
+    ``lax.scan`` and ``fori_loop`` with constant bounds) times what runs the loop; a computation called
+    from several places adds them up. This is what the compiled program does, whatever XLA did to the
+    loops: a body unrolled by 2 (XLA:GPU's default for loops that hold collectives) holds two copies of
+    each instruction and reports half the trips. A ``conditional``'s branch counts as if taken.
+
+    Returns:
+      ``{computation: runs}``; None for a body whose loop (or an enclosing one) has no known trip count.
+      Computations not reached from ``ENTRY`` (or text without one) are absent.
+    """
+    comps = _computations(hlo_text)
+    names = {name for name, _ in comps}
+    entry = next((name for name, _ in comps if f"ENTRY %{name} " in hlo_text), None)
+    if entry is None:
+        entry = next((name for name, _ in comps if f"ENTRY {name} " in hlo_text), None)
+    if entry is None:
+        return {}
+    runs: dict[str, int | None] = {entry: 1}
+    for name, lines in reversed(comps):  # HLO text lists callees before their callers
+        if name not in runs:
+            continue
+        for line in lines:
+            trips = _TRIPS.search(line) if " while(" in line else None
+            for m in _CALLED.finditer(line):
+                for callee in (m.group(1),) if m.group(1) else re.findall(r"[\w.\-]+", m.group(2)):
+                    callee = callee.lstrip("%")
+                    if callee not in names:
+                        continue
+                    factor = 1
+                    if " while(" in line and line[m.start() : m.start() + 5] == "body=":
+                        factor = int(trips.group(1)) if trips else None
+                    here = None if runs[name] is None or factor is None else runs[name] * factor
+                    before = runs.get(callee, 0)
+                    runs[callee] = None if before is None or here is None else before + here
+    return runs
+
+
 def while_bodies(hlo_text: str) -> set[str]:
     """Names of the computations a compiled program runs as ``while`` loop bodies: a collective whose
-    :attr:`CollectiveOp.computation` is one of them runs once per iteration (the trip count is not read)."""
+    :attr:`CollectiveOp.computation` is one of them runs once per iteration (:attr:`CollectiveOp.runs` reads
+    the trip counts)."""
     return set(_WHILE.findall(hlo_text))
 
 

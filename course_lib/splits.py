@@ -150,24 +150,24 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str) -> jax.A
 
     Device ``r`` holds query block ``r`` and starts with key/value block ``r``. At step ``t`` it holds
     block ``(r - t) mod n``; it scores its queries against it (the causal mask from the blocks' global
-    positions: a block after ``r`` is masked entirely, the diagonal block by position), folds the scores into
-    an online softmax (running maximum ``m``, normaliser ``denom``, unnormalised output ``o``), and passes
-    the block on to device ``r + 1`` with ``ppermute``: ``n - 1`` sends of K and V, each
-    ``2·B·(S/n)·H·Dh`` elements. Nothing of the full sequence's length is held. Equal to
-    :func:`course_lib.transformer.causal_attention` on the whole sequence (float64: to 1e-10).
+    positions: a block after ``r`` is masked entirely, the diagonal block by position) and folds the
+    scores into an online softmax (running maximum ``m``, normaliser ``denom``, unnormalised output
+    ``o``). Steps ``1 … n-1`` are one ``lax.fori_loop`` whose body first receives the next block from
+    device ``r - 1`` with ``ppermute``: ``n - 1`` sends of K and V, each ``2·B·(S/n)·H·Dh`` elements. A
+    loop body holds one step, so what the program allocates does not grow with ``n`` (measured in
+    ``notebooks/10_transformers.ipynb``); written unrolled, a scheduler may issue every ``ppermute``
+    first and hold every block. Equal to :func:`course_lib.transformer.causal_attention` on the whole
+    sequence (float64: to 1e-10).
     """
     n = lax.axis_size(axis)
     me = lax.axis_index(axis)
     block = q.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     qi = me * block + jnp.arange(block)[:, None]  # global query positions
-    m = jnp.full(q.shape[:1] + (q.shape[2], block), -jnp.inf, q.dtype)  # [B, H, Sq]
-    denom = jnp.zeros_like(m)
-    o = jnp.zeros(q.shape[:1] + (q.shape[2], block, q.shape[3]), q.dtype)  # [B, H, Sq, Dh]
     ring = [(i, (i + 1) % n) for i in range(n)]
-    for t in range(n):
-        src = (me - t) % n
-        kj = src * block + jnp.arange(block)[None, :]
+
+    def fold(t, k, v, m, denom, o):  # one step: block (me - t) mod n folded into the softmax
+        kj = ((me - t) % n) * block + jnp.arange(block)[None, :]
         s = jnp.einsum("bqhk,bthk->bhqt", q, k) * scale
         s = jnp.where(qi >= kj, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
@@ -176,9 +176,18 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str) -> jax.A
         corr = jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf))
         denom = denom * corr + w.sum(-1)
         o = o * corr[..., None] + jnp.einsum("bhqt,bthk->bhqk", w, v)
-        m = m_new
-        if t < n - 1:
-            k, v = lax.ppermute((k, v), axis, ring)
+        return m_new, denom, o
+
+    def step(t, carry):
+        k, v = lax.ppermute(carry[:2], axis, ring)
+        return (k, v, *fold(t, k, v, *carry[2:]))
+
+    m = jnp.full(q.shape[:1] + (q.shape[2], block), -jnp.inf, q.dtype)  # [B, H, Sq]
+    o = jnp.zeros(q.shape[:1] + (q.shape[2], block, q.shape[3]), q.dtype)  # [B, H, Sq, Dh]
+    # the carries vary over the ring (scores of this device's queries)
+    m, o = lax.pcast((m, o), axis, to="varying")
+    carry = (k, v, *fold(0, k, v, m, jnp.zeros_like(m), o))
+    _, _, _, denom, o = lax.fori_loop(1, n, step, carry)
     out = o / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.transpose(0, 2, 1, 3)
 
@@ -282,21 +291,22 @@ def predict_tp_sp(kind: str, b: int, s: int, d: int, n: int, itemsize: int = 4) 
     return {"sent": sent, "ln_elements": full if kind == "tp" else full // n}
 
 
-def loop_sent(hlo_text: str, mesh, trips: int) -> dict[str, dict[str, float]]:
-    """Collectives of a compiled program that runs its layers as one ``while`` loop of ``trips``
-    iterations: ``{kind: {"count": …, "sent": bytes per device}}``, an instruction inside a loop body
-    counted ``trips`` times (the HLO lists a loop body once, as ``cost_analysis()`` counts it once).
+def loop_sent(hlo_text: str, mesh) -> dict[str, dict[str, float]]:
+    """Collectives of a compiled program, each counted as often as it runs:
+    ``{kind: {"count": …, "sent": bytes per device}}``. An instruction inside a ``while`` body counts
+    once per iteration, by the ``known_trip_count`` XLA wrote on the loop (the HLO lists a body once,
+    and ``cost_analysis()`` counts it once); a body XLA unrolled holds each copy and runs fewer trips.
 
-    Every ``while`` loop of the program must have ``trips`` iterations (a scan over the layers and its
-    transpose); :func:`course_lib.comms.collectives` refuses loops instead.
+    Raises:
+      ValueError: a collective inside a loop whose trip count the program does not state.
     """
-    from .programs import collective_ops, while_bodies
+    from .programs import collective_ops
 
-    loops = while_bodies(hlo_text)
     out: dict[str, dict[str, float]] = {}
     for op in collective_ops(hlo_text, mesh):
-        times = trips if op.computation in loops else 1
+        if op.runs is None:
+            raise ValueError(f"{op.op} {op.name} is in a while loop of unknown trip count")
         row = out.setdefault(op.op, {"count": 0, "sent": 0.0})
-        row["count"] += times
-        row["sent"] += times * op.bytes_sent
+        row["count"] += op.runs
+        row["sent"] += op.runs * op.bytes_sent
     return out

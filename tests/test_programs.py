@@ -273,3 +273,42 @@ def test_arrays_of_an_hlo_type():
         ("bf16", (3, 4)),
         ("f32", ()),
     )
+
+
+def test_runs_multiply_the_trip_counts_of_nested_loops(report):
+    """A psum in a scan of 5 inside a scan of 3 runs 15 times, forward and backward, read from the
+    ``known_trip_count`` XLA writes on each compiled loop."""
+    mesh = jax.make_mesh((2,), (DATA,), devices=report.devices[:2], axis_types=(AxisType.Auto,))
+
+    def loss(x, ws):
+        def step(h, w):
+            return lax.psum(jnp.tanh(h @ w), DATA) @ jnp.ones((2, 8)), None
+
+        return lax.scan(lambda h, w3: (lax.scan(step, h, w3)[0], None), x, ws)[0].sum()
+
+    f = jax.shard_map(
+        jax.grad(loss, argnums=1),
+        mesh=mesh,
+        in_specs=(P(), P(None, None, None, DATA)),
+        out_specs=P(None, None, None, DATA),
+    )
+    text = jax.jit(f).lower(jnp.ones((4, 8)), jnp.ones((3, 5, 8, 4))).compile().as_text()
+    ops = programs.collective_ops(text, mesh)
+    assert [o.runs for o in ops] == [15, 15]
+
+
+def test_an_unrolled_body_counts_each_copy_at_its_trips():
+    """A loop of 4 unrolled by 2 (XLA:GPU's default for loops with collectives): two copies, 2 trips."""
+    loop = '"known_trip_count":{"n":"2"}'
+    text = (
+        "%body (q: f32[8]) -> f32[8] {\n"
+        "  %a = f32[8]{0} all-reduce(%q), replica_groups=[1,8]<=[8], to_apply=%add\n"
+        "  %b = f32[8]{0} all-reduce(%a), replica_groups=[1,8]<=[8], to_apply=%add\n}\n"
+        "%nobound (q: f32[8]) -> f32[8] {\n"
+        "  %c = f32[8]{0} all-reduce(%q), replica_groups=[1,8]<=[8], to_apply=%add\n}\n"
+        "ENTRY %main (p: f32[8]) -> f32[8] {\n"
+        f"  %w = f32[8] while(%p), condition=%cond, body=%body, backend_config={{{loop}}}\n"
+        "  %v = f32[8] while(%w), condition=%cond, body=%nobound\n}\n"
+    )
+    assert [o.runs for o in programs.collective_ops(text, {DATA: 8})] == [2, 2, None]
+    assert programs.computation_runs(text)["main"] == 1

@@ -14,11 +14,20 @@ from jax.sharding import PartitionSpec as P
 
 from course_lib import transformer
 from course_lib.meshes import DATA, mesh_of
-from course_lib.programs import collective_ops, jaxpr_equations, while_bodies
+from course_lib.programs import collective_ops, jaxpr_equations
 
 from ._common import call_answer, fail
 
-__all__ = ["Z_CONFIG", "dp_compiled", "z_setup", "z_step", "z_upfront", "z_values", "z_wire"]
+__all__ = [
+    "Z_CONFIG",
+    "dp_compiled",
+    "z_held",
+    "z_setup",
+    "z_step",
+    "z_upfront",
+    "z_values",
+    "z_wire",
+]
 
 
 def _jit(fn):
@@ -118,14 +127,20 @@ def z_upfront(jaxpr, blocks, n):
                 )
 
 
-def z_wire(text, mesh, n, p_bytes, layers):
-    """Trip-weighted bytes per device of each collective kind in the compiled step."""
-    loops = while_bodies(text)
+def z_held(ma) -> int:
+    """Bytes a compiled step's ``memory_analysis()`` lists as arguments + temporaries: what it holds
+    beside its outputs, a sum of allocations, not a timed peak. The outputs (the loss and gradients,
+    ``(n-1)/n`` of the block gradients smaller under ZeRO-3) are left out: counted, they hide a layer
+    kept whole too long (an answer with one checkpoint around every layer would pass)."""
+    return ma.argument_size_in_bytes + ma.temp_size_in_bytes
+
+
+def z_wire(text, mesh, n, p_bytes):
+    """Bytes per device of each collective kind in the compiled step, each instruction weighted by how
+    often it runs (the trip counts XLA wrote on the loops around it; an unknown count as 1)."""
     out: dict[str, float] = {}
     for op in collective_ops(text, mesh):
-        out[op.op] = (
-            out.get(op.op, 0.0) + (layers if op.computation in loops else 1) * op.bytes_sent
-        )
+        out[op.op] = out.get(op.op, 0.0) + (op.runs or 1) * op.bytes_sent
     f = (n - 1) / n
     if out.get("all-reduce", 0.0) > 64:  # more than the loss's scalar
         fail(

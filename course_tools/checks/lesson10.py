@@ -48,7 +48,7 @@ from ._lesson10_ring import (
     ring_low_scores,
     sends_in_cond,
 )
-from ._lesson10_zero3 import dp_compiled, z_setup, z_step, z_upfront, z_values, z_wire
+from ._lesson10_zero3 import dp_compiled, z_held, z_setup, z_step, z_upfront, z_values, z_wire
 from ._spmd import abstract
 
 __all__ = ["check_tp_mlp", "check_predict_tp_sp", "check_ring_attention", "check_zero3"]
@@ -322,9 +322,11 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
     layers at once; in the compiled gradient step (loop bodies counted per layer) no all-reduce but the
     loss's, the gradients reduce-scattered ((n-1)/n of the parameter bytes) and the parameters gathered
     twice (forward and backward: 3(n-1)/n on the wire in all, less what the backward needs no more); and
-    its peak memory (arguments + temporaries) below data parallelism's with each block under
-    ``jax.checkpoint`` saving nothing (an answer with another policy, such as ``dots_saveable``, is
-    compared with the same and told so). An answer calling :mod:`course_lib.splits` is refused."""
+    what it holds beside its outputs — ``memory_analysis()``'s arguments + temporaries (:func:`z_held`;
+    the outputs, smaller under ZeRO-3, are left out) — below data parallelism's with each block under
+    ``jax.checkpoint`` saving nothing (an answer with any policy, such as ``dots_saveable``, is
+    compared with that same data-parallel step, and its hint names the answer's policy).
+    An answer calling :mod:`course_lib.splits` is refused."""
     n = max(c for c in (4, 2, 1) if c <= len(devices))
     blocks, x, cfg = z_setup(n)
     mesh = mesh_of({DATA: n}, list(devices)[:n], axis_type="auto")
@@ -340,10 +342,9 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
         )
     z_upfront(traced.jaxpr, blocks, n)
     p_bytes = splits.block_bytes(blocks)
-    wire = z_wire(zc.as_text(), mesh, n, p_bytes, cfg.n_layers)
+    wire = z_wire(zc.as_text(), mesh, n, p_bytes)
     mz, md = zc.memory_analysis(), dpc.memory_analysis()
-    peak_z = mz.argument_size_in_bytes + mz.temp_size_in_bytes
-    peak_dp = md.argument_size_in_bytes + md.temp_size_in_bytes
+    held_z, held_dp = z_held(mz), z_held(md)
     policies = sorted(
         {
             getattr(eqn.params["policy"], "__name__", "a custom policy")
@@ -352,7 +353,7 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
         }
     )
     dp = "data parallelism's, each block under jax.checkpoint saving nothing"
-    if peak_z >= peak_dp:
+    if held_z >= held_dp:
         yours = (
             f" (your jax.checkpoint's policy, {', '.join(policies)}, keeps what it saves for the "
             "backward pass)"
@@ -360,8 +361,8 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
             else ""
         )
         fail(
-            f"on {n} devices the ZeRO-3 step holds {peak_z:,} bytes (arguments + temporaries), no less "
-            f"than {dp} ({peak_dp:,}), although its arguments are {mz.argument_size_in_bytes:,} bytes "
+            f"on {n} devices the ZeRO-3 step holds {held_z:,} bytes (arguments + temporaries), no less "
+            f"than {dp} ({held_dp:,}), although its arguments are {mz.argument_size_in_bytes:,} bytes "
             f"to {md.argument_size_in_bytes:,}: more than one gathered layer is whole at once, or more "
             f"activations are kept{yours}",
             "gather one layer at a time inside the step over the layers, each layer's gather and block "
@@ -372,8 +373,8 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
         f"ZeRO-3 on {n} devices: gradients equal data parallelism's; per device "
         f"{wire.get('all-gather', 0):,.0f} bytes all-gathered and {wire.get('reduce-scatter', 0):,.0f} "
         f"reduce-scattered; arguments {mz.argument_size_in_bytes:,} bytes vs {md.argument_size_in_bytes:,}, "
-        f"peak {peak_z:,} vs {peak_dp:,} for data parallelism with each block under jax.checkpoint "
-        f"saving nothing{mine}"
+        f"arguments + temporaries {held_z:,} vs {held_dp:,} for data parallelism with each "
+        f"block under jax.checkpoint saving nothing{mine}"
     )
 
 
