@@ -60,6 +60,19 @@ def test_no_outputs_committed(nb):
         )
 
 
+def test_every_cell_has_a_unique_id(nb):
+    # nbformat >= 4.5 warns "Cell is missing an id field, this will become a hard error" on every command
+    # that reads a notebook without them (make course, make student, papermill)
+    path, d = nb
+    ids = [c.get("id") for c in d["cells"]]
+    missing = [i for i, x in enumerate(ids) if not x]
+    assert not missing, (
+        f"{path.name}: cells {missing} have no id (nbformat.validator.normalize adds them)"
+    )
+    assert len(set(ids)) == len(ids), f"{path.name}: cell ids repeat"
+    assert (d["nbformat"], d["nbformat_minor"]) >= (4, 5), f"{path.name}: ids need nbformat 4.5"
+
+
 def test_generic_kernelspec(nb):
     path, d = nb
     assert d["metadata"]["kernelspec"]["name"] == "python3", (
