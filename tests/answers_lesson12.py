@@ -1,6 +1,9 @@
 """Answers to the exercises of lesson 12, right and wrong, for tests/test_checks_lesson12.py."""
 
 import dataclasses
+import sys
+import types
+from concurrent.futures import ThreadPoolExecutor
 
 from course_lib import costs, lm_costs, lm_layouts, transformer
 
@@ -152,6 +155,51 @@ def choose_by_lookup(cfg, global_batch, profile, memory_limit):
     """Wrong: reads the model's ranking instead of building it."""
     row = lm_costs.rank_layouts(cfg, global_batch, profile, 8, memory_limit=memory_limit)[0]
     return row["layout"], row["sent_bytes"], row["memory_bytes"]
+
+
+def choose_in_a_thread(cfg, global_batch, profile, memory_limit):
+    """Wrong: the lookup, run in a thread pool (a profile hook sees only its own thread)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(choose_by_lookup, cfg, global_batch, profile, memory_limit).result()
+
+
+def choose_without_the_hook(cfg, global_batch, profile, memory_limit):
+    """Wrong: switches the profile hook off, then computes the layout from the model's own loop, by hand
+    (no call the stubs would see: the row of every layout from :func:`choose_layout` itself is right)."""
+    sys.setprofile(None)
+    return choose_layout(cfg, global_batch, profile, memory_limit)
+
+
+def choose_by_code_copy(cfg, global_batch, profile, memory_limit):
+    """Wrong: the model's ``step_time`` run as a copy of its code under another name, made at import."""
+    rows = []
+    for k, *_ in _candidates(cfg, global_batch):
+        row = _step_time_copy(k, cfg, global_batch, profile, 8)
+        if row["memory_bytes"] <= memory_limit:
+            rows.append(row)
+    r = min(rows, key=lambda r: r["step_s"])
+    return r["layout"], r["sent_bytes"], r["memory_bytes"]
+
+
+_step_time_copy = types.FunctionType(
+    lm_costs.step_time.__code__.replace(co_name="mine"), lm_costs.step_time.__globals__, "mine",
+    lm_costs.step_time.__defaults__,
+)  # fmt: skip
+_step_time_copy.__kwdefaults__ = lm_costs.step_time.__kwdefaults__
+
+
+def largest_in_a_thread(layout_key, cfg, global_batch, memory_limit):
+    """Wrong: ``largest_layers`` run in a thread pool."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(largest_by_lookup, layout_key, cfg, global_batch, memory_limit).result()
+
+
+def choose_catching_the_refusal(cfg, global_batch, profile, memory_limit):
+    """Wrong: tries the lookup, and falls back on the reference when it raises."""
+    try:
+        return choose_by_lookup(cfg, global_batch, profile, memory_limit)
+    except Exception:  # noqa: BLE001
+        return choose_layout(cfg, global_batch, profile, memory_limit)
 
 
 # ---- exercise 2: the largest model that fits ---------------------------------------------------------------

@@ -8,21 +8,23 @@ checks against the compiled programs), the memory model (:func:`~course_lib.lm_c
 :func:`~course_lib.lm_costs.predict_bytes`, which equals the compiled pipeline's bytes (asserted in the
 notebook). Each says how many cases are wrong, and in which part, never which case (an answer that raises
 is shown the call that raised, to rerun it). An answer that calls the function the checker compares with
-is refused: the exercise is to build it from its pieces.
+is refused (:mod:`._unaided`: from any thread, under any alias, or as a copy of its code; a copied and
+edited source cannot be detected — the checkers are a self-test): the exercise is to build it from its
+pieces.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from collections.abc import Callable
 
 import numpy as np
 
 from course_lib import comms, costs, lm_costs, lm_layouts, transformer
 
-from ._common import call_answer, checker, fail, passed, plain
+from ._common import checker, fail, passed, plain
+from ._unaided import call_unaided as _call_unaided
 
 __all__ = ["check_layout_decision", "check_largest_model", "check_pipeline_bytes"]
 
@@ -34,27 +36,6 @@ _MODEL = (lm_costs.step_time, lm_costs.rank_layouts, lm_costs.largest_layers)
 """What the layout and largest-model checkers compare with: an answer must not call them."""
 _BYTES = (lm_costs.predict_bytes, lm_costs._pipeline_transfers)
 """What the pipeline checker compares with."""
-
-
-def _call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args, explain=None):
-    """``fn(*args)``, refused if it calls one of ``forbidden`` (the functions the checker compares with);
-    ``explain``: :func:`call_answer`'s, for an answer that raises."""
-    codes = {f.__code__: f.__name__ for f in forbidden}
-    seen: list[str] = []
-
-    def watch(frame, event, arg):
-        if event == "call" and frame.f_code in codes:
-            seen.append(codes[frame.f_code])
-
-    old = sys.getprofile()
-    sys.setprofile(watch)
-    try:
-        got = call_answer(what, fn, *args, explain=explain)
-    finally:
-        sys.setprofile(old)
-    if seen:
-        fail(f"{what} calls lm_costs.{seen[0]}: the function this checker compares with", hint)
-    return got
 
 
 # ---- exercise 1: the layout decision ----------------------------------------------------------------------
