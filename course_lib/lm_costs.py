@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -25,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import comms, costs, transformer
 from .lm_layouts import LAYOUTS, _path, layout, local_bytes, mesh_axes, param_specs
-from .lm_plots import plot_bytes, plot_step_times
+from .lm_plots import by_kind, plot_bytes, plot_step_times
 from .meshes import DATA, MODEL, STAGE
 
 __all__ = [
@@ -321,12 +320,15 @@ def _hbm(mem: dict[str, int]) -> int:
 
 
 def step_time(key: str, config, global_batch: int, profile: costs.DeviceProfile, n_devices: int = 8, *,
-              precision: str = "bfloat16", n_micro: int | None = None,
-              roofline: bool = True) -> dict[str, Any]:  # fmt: skip
+              precision: str = "bfloat16", n_micro: int | None = None, roofline: bool = True,
+              mfu: float = 1.0) -> dict[str, Any]:  # fmt: skip
     """Layout ``key``'s step time on ``profile`` — a MODEL: the training FLOPs (3 × the forward's,
-    :func:`course_lib.transformer.flops_per_token`) split over the devices at the peak rate, stretched by the
+    :func:`course_lib.transformer.flops_per_token`) split over the devices at ``mfu`` (the fraction of the
+    peak a step reaches; 1.0: the datasheet's peak, an upper bound of the speed), stretched by the
     pipeline's bubble ``(m + p - 1)/m``, plus per mesh axis the predicted bytes (:func:`predict_bytes`) at
-    the link bandwidth and a fixed latency per collective; no overlap of compute and communication. The
+    the link bandwidth and a fixed latency (:data:`course_lib.costs.COLLECTIVE_LATENCY_S`) per predicted
+    transfer (a line of :func:`predict_bytes`; FSDP's gathers of all parameters count as one), not per
+    collective the program runs; no overlap of compute and communication. The
     compute part is a roofline, ``max(FLOPs / peak, HBM bytes / HBM bandwidth)`` (:func:`hbm_bytes` at
     ``profile.hbm_bytes_per_s``), stretched by the bubble: the H200's faster HBM counts where a step is
     memory-bound (``roofline=False``: the FLOPs' time only).
@@ -345,7 +347,7 @@ def step_time(key: str, config, global_batch: int, profile: costs.DeviceProfile,
     flops = 3 * transformer.flops_per_token(config) * global_batch * config.seq_len / n_devices
     peak = costs.rate(profile.peak, precision)
     mem = predict_memory(key, config, global_batch, sizes, itemsize, m)
-    compute, extra = flops / peak, {}
+    compute, extra = flops / (peak * mfu), {}
     if roofline:
         moved = _hbm(mem)
         extra = {"flop_s": compute, "hbm_s": moved / profile.hbm_bytes_per_s, "hbm_bytes": moved}
@@ -370,18 +372,17 @@ def step_time(key: str, config, global_batch: int, profile: costs.DeviceProfile,
 
 def rank_layouts(config, global_batch: int, profile: costs.DeviceProfile, n_devices: int = 8, *,
                  memory_limit: float | None = None, precision: str = "bfloat16",
-                 roofline: bool = True) -> list[dict]:  # fmt: skip
+                 roofline: bool = True, mfu: float = 1.0) -> list[dict]:  # fmt: skip
     """Every layout that fits ``n_devices`` (and, given ``memory_limit``, whose predicted memory per device
-    is at most it), fastest first by :func:`step_time` (``roofline`` passed on) — the model's ranking, not a
+    is at most it), fastest first by :func:`step_time` (``roofline`` and ``mfu`` passed on) — the model's ranking, not a
     measurement. A layout whose batch or heads do not split is left out."""
     rows = []
     for key in LAYOUTS:
         sizes = mesh_axes(key, n_devices)
         if sizes is None or not splits(key, config, global_batch, sizes):
             continue
-        row = step_time(
-            key, config, global_batch, profile, n_devices, precision=precision, roofline=roofline
-        )
+        row = step_time(key, config, global_batch, profile, n_devices, precision=precision,
+                        roofline=roofline, mfu=mfu)  # fmt: skip
         if memory_limit is None or row["memory_bytes"] <= memory_limit:
             rows.append(row)
     return sorted(rows, key=lambda r: r["step_s"])
@@ -428,22 +429,3 @@ def largest_layers(key: str, config, global_batch: int, memory_limit: float, n_d
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo * step
-
-
-# ---- tables and the plot of the lab --------------------------------------------------------------------------
-
-
-def by_kind(predicted: Sequence, measured: Sequence) -> list[dict]:
-    """Predicted and measured collectives side by side, one row per (mesh axis, kind): how many and the
-    bytes each device sends (:class:`course_lib.comms.Transfer` / :class:`course_lib.comms.Collective`)."""
-    rows: dict[tuple[str, str], dict] = {}
-    for source, items in (("predicted", predicted), ("measured", measured)):
-        for t in items:
-            row = rows.setdefault(
-                (t.axis, t.kind),
-                {"axis": t.axis, "kind": t.kind, "predicted_n": 0, "predicted_bytes": 0.0,
-                 "measured_n": 0, "measured_bytes": 0.0},
-            )  # fmt: skip
-            row[f"{source}_n"] += 1
-            row[f"{source}_bytes"] += t.sent_bytes
-    return sorted(rows.values(), key=lambda r: (r["axis"], r["kind"]))

@@ -1,6 +1,8 @@
-"""The transformer lab's plots: a step-time model's stacked bars and the bytes predicted beside measured.
+"""The transformer lab's tables and plots: collectives predicted beside read from the program, a step-time
+model's stacked bars and the bytes predicted beside measured.
 
-Re-exported by :mod:`course_lib.lm_costs` (``lm_costs.plot_step_times``, ``lm_costs.plot_bytes``). Taught in
+Re-exported by :mod:`course_lib.lm_costs` (``lm_costs.by_kind``, ``lm_costs.plot_step_times``,
+``lm_costs.plot_bytes``). Taught in
 ``notebooks/12_transformer_lab.ipynb``.
 """
 
@@ -10,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["plot_step_times", "plot_bytes"]
+__all__ = ["by_kind", "plot_step_times", "plot_bytes"]
 
 
 def plot_step_times(rows: Sequence[dict], ax=None, title: str = ""):
@@ -54,3 +56,19 @@ def plot_bytes(rows: Sequence[dict], ax=None):
     ax.set_ylabel("kB sent per device per step")
     ax.legend(fontsize=7)
     return ax
+
+
+def by_kind(predicted: Sequence, measured: Sequence) -> list[dict]:
+    """Predicted and measured collectives side by side, one row per (mesh axis, kind): how many and the
+    bytes each device sends (:class:`course_lib.comms.Transfer` / :class:`course_lib.comms.Collective`)."""
+    rows: dict[tuple[str, str], dict] = {}
+    for source, items in (("predicted", predicted), ("measured", measured)):
+        for t in items:
+            row = rows.setdefault(
+                (t.axis, t.kind),
+                {"axis": t.axis, "kind": t.kind, "predicted_n": 0, "predicted_bytes": 0.0,
+                 "measured_n": 0, "measured_bytes": 0.0},
+            )  # fmt: skip
+            row[f"{source}_n"] += 1
+            row[f"{source}_bytes"] += t.sent_bytes
+    return sorted(rows.values(), key=lambda r: (r["axis"], r["kind"]))

@@ -1,6 +1,11 @@
 """Answers to the exercises of lesson 12, right and wrong, for tests/test_checks_lesson12.py."""
 
 import dataclasses
+import sys
+import types
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
 
 from course_lib import costs, lm_costs, lm_layouts, transformer
 
@@ -24,7 +29,7 @@ def _memory(
     return sum(mem[kind] for kind in kinds)
 
 
-def _step(k, cfg, global_batch, sizes, p, m, profile, bubble=True, latency=True, per_axis=False,
+def _step(k, cfg, global_batch, sizes, p, m, profile, bubble=True, latency=True, latency_count=None,
           roofline=True):  # fmt: skip
     flops = 3 * transformer.flops_per_token(cfg) * global_batch * cfg.seq_len / 8
     compute = flops / costs.rate(profile.peak, "bfloat16")
@@ -35,7 +40,13 @@ def _step(k, cfg, global_batch, sizes, p, m, profile, bubble=True, latency=True,
         compute *= (m + p - 1) / m
     sent = lm_costs.predict_bytes(k, cfg, global_batch, sizes, itemsize=2, n_micro=m)
     total = sum(t.sent_bytes for t in sent)
-    n = len({t.axis for t in sent}) if per_axis else len(sent)
+    n = len({t.axis for t in sent}) if latency_count == "axis" else len(sent)
+    fsdp = lm_layouts.layout(k).fsdp_axis
+    if (
+        latency_count == "program" and fsdp
+    ):  # a gather and a reduce-scatter per sharded leaf, not one line each
+        specs = lm_layouts.param_specs(k, lm_costs._abstract_params(cfg, k), sizes)
+        n += 2 * (sum(fsdp in tuple(s) for s in jax.tree.leaves(specs, is_leaf=_is_spec)) - 1)
     lat = n * costs.COLLECTIVE_LATENCY_S if latency else 0.0
     return compute + total / profile.link_bytes_per_s + lat, total
 
@@ -86,7 +97,7 @@ def _variant(**kw):
                 continue
             step, total = _step(
                 k, cfg, global_batch, sizes, p, m, profile, kw.get("bubble", True),
-                kw.get("latency", True), kw.get("latency_per_axis", False), kw.get("roofline", True),
+                kw.get("latency", True), kw.get("latency_count", False), kw.get("roofline", True),
             )  # fmt: skip
             if kw.get("comm_only"):
                 step = memory if kw.get("rank_memory") else total
@@ -123,8 +134,19 @@ choose_with_batch = _variant(kinds=("params", "optimizer", "gradients", "batch",
 """Wrong: memory with the batch too (the exercise counts four kinds)."""
 choose_strict_limit = _variant(strict=True)
 """Wrong: a layout whose memory equals the limit left out (``<`` for "at most")."""
-choose_latency_per_axis = _variant(latency_per_axis=True)
-"""Wrong: one latency per mesh axis, not per collective."""
+choose_latency_per_axis = _variant(latency_count="axis")
+"""Right by the checker, though not the model's bookkeeping: one latency per mesh axis, not per predicted
+transfer (the checker's cases are not decided by how the 10 µs are counted)."""
+choose_latency_per_program_collective = _variant(latency_count="program")
+"""Right by the checker: the latency per collective the compiled program runs (FSDP: per sharded leaf)."""
+choose_no_latency = _variant(latency=False)
+"""Right by the checker: no latency at all (10 µs against steps of milliseconds)."""
+
+
+def _is_spec(x):
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
 choose_two_micro = _variant(n_micro=2)
 """Wrong: the pipeline with predict_bytes' default 2 micro-batches, not 4 x stages."""
 choose_any_split = _variant(any_split=True)
@@ -138,7 +160,7 @@ choose_no_roofline = _variant(roofline=False)
 
 choose_near_tie = _variant(tie=0.01)
 """Wrong: calls layouts within 1 % of the fastest a tie and takes the one that holds least (fsdp_tp is
-ahead of 3d by one collective's latency on the width-2046 model: not a tie)."""
+ahead of 3d by one predicted transfer's latency on the width-2046 model: not a tie)."""
 
 
 def choose_without(layout_key):
@@ -152,6 +174,51 @@ def choose_by_lookup(cfg, global_batch, profile, memory_limit):
     """Wrong: reads the model's ranking instead of building it."""
     row = lm_costs.rank_layouts(cfg, global_batch, profile, 8, memory_limit=memory_limit)[0]
     return row["layout"], row["sent_bytes"], row["memory_bytes"]
+
+
+def choose_in_a_thread(cfg, global_batch, profile, memory_limit):
+    """Wrong: the lookup, run in a thread pool (a profile hook sees only its own thread)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(choose_by_lookup, cfg, global_batch, profile, memory_limit).result()
+
+
+def choose_without_the_hook(cfg, global_batch, profile, memory_limit):
+    """Wrong: switches the profile hook off, then computes the layout from the model's own loop, by hand
+    (no call the stubs would see: the row of every layout from :func:`choose_layout` itself is right)."""
+    sys.setprofile(None)
+    return choose_layout(cfg, global_batch, profile, memory_limit)
+
+
+def choose_by_code_copy(cfg, global_batch, profile, memory_limit):
+    """Wrong: the model's ``step_time`` run as a copy of its code under another name, made at import."""
+    rows = []
+    for k, *_ in _candidates(cfg, global_batch):
+        row = _step_time_copy(k, cfg, global_batch, profile, 8)
+        if row["memory_bytes"] <= memory_limit:
+            rows.append(row)
+    r = min(rows, key=lambda r: r["step_s"])
+    return r["layout"], r["sent_bytes"], r["memory_bytes"]
+
+
+_step_time_copy = types.FunctionType(
+    lm_costs.step_time.__code__.replace(co_name="mine"), lm_costs.step_time.__globals__, "mine",
+    lm_costs.step_time.__defaults__,
+)  # fmt: skip
+_step_time_copy.__kwdefaults__ = lm_costs.step_time.__kwdefaults__
+
+
+def largest_in_a_thread(layout_key, cfg, global_batch, memory_limit):
+    """Wrong: ``largest_layers`` run in a thread pool."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(largest_by_lookup, layout_key, cfg, global_batch, memory_limit).result()
+
+
+def choose_catching_the_refusal(cfg, global_batch, profile, memory_limit):
+    """Wrong: tries the lookup, and falls back on the reference when it raises."""
+    try:
+        return choose_by_lookup(cfg, global_batch, profile, memory_limit)
+    except Exception:  # noqa: BLE001
+        return choose_layout(cfg, global_batch, profile, memory_limit)
 
 
 # ---- exercise 2: the largest model that fits ---------------------------------------------------------------

@@ -4,6 +4,7 @@ compares with among them), and prints "not written yet" for the student stub. Ev
 compile) and draws its cases afresh; the tests fix the seed. The whole file runs in well under a minute."""
 
 import dataclasses
+import sys
 from functools import partial
 
 import answers_lesson12 as a
@@ -40,7 +41,6 @@ def test_layout_decision_accepts_correct_forms(seed):
         (a.choose_no_activations, "memory"),
         (a.choose_with_batch, "memory"),
         (a.choose_strict_limit, "layout"),
-        (a.choose_latency_per_axis, "layout"),
         (a.choose_two_micro, "layout"),
         (a.choose_any_split, "layout"),
         (a.choose_h100_always, "layout"),
@@ -54,6 +54,15 @@ def test_layout_decision_rejects(answer, part, seed):
         answer,
         match=rf"\d+ of {N_CASES} cases are wrong.*hint: .*{part}: ",
     )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_layout_decision_does_not_grade_how_the_latency_is_counted(seed):
+    # the model charges 10 µs per predicted transfer (a line of predict_bytes); no case is decided by that
+    # bookkeeping: per mesh axis, per collective the program runs, or none at all pick the same layouts
+    assert lesson12.check_layout_decision(a.choose_latency_per_axis, seed=seed)
+    assert lesson12.check_layout_decision(a.choose_latency_per_program_collective, seed=seed)
+    assert lesson12.check_layout_decision(a.choose_no_latency, seed=seed)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -134,6 +143,42 @@ def test_layout_decision_refuses_a_lookup():
         a.choose_by_lookup,
         match="calls lm_costs.rank_layouts.*hint: build the step time from its pieces",
     )
+
+
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (a.choose_in_a_thread, "calls lm_costs.rank_layouts.*hint: build the step time"),
+        (a.choose_catching_the_refusal, "calls lm_costs.rank_layouts.*hint: build the step time"),
+        (a.choose_by_code_copy, "calls lm_costs.step_time.*hint: build the step time"),
+        (a.choose_without_the_hook, "switched off or replaced the checker's profile hook"),
+    ],
+)
+def test_layout_decision_refuses_the_bypasses(answer, match):
+    rejects(lesson12.check_layout_decision, answer, match=match)
+    # the real functions are back, and the profile hook the caller had
+    assert lm_costs.rank_layouts.__code__.co_name == "rank_layouts"
+    assert lm_costs.step_time("dp", transformer.TINY, 8, lm_costs.PROFILES["H100"])
+    assert sys.getprofile() is None and not hasattr(lm_costs, "_course_refused_call_")
+
+
+def test_largest_model_refuses_a_lookup_in_a_thread():
+    rejects(
+        lesson12.check_largest_model, a.largest_in_a_thread, match="calls lm_costs.largest_layers"
+    )
+
+
+def test_the_guard_keeps_a_callers_profile_hook():
+    def hook(frame, event, arg):
+        pass
+
+    sys.setprofile(hook)
+    try:
+        assert lesson12.check_layout_decision(a.choose_layout, seed=0)
+    finally:
+        restored = sys.getprofile()
+        sys.setprofile(None)
+    assert restored is hook
 
 
 def test_layout_decision_says_how_many_not_which():

@@ -162,6 +162,20 @@ def test_the_step_time_model_ranks_fitting_layouts_and_the_memory_model_is_monot
     )
 
 
+def test_the_step_time_model_at_a_fraction_of_the_peak():
+    gpu, h100 = transformer.GPU, lm_costs.PROFILES["H100"]
+    full = lm_costs.step_time("dp", gpu, 64, h100)
+    half = lm_costs.step_time("dp", gpu, 64, h100, mfu=0.5)
+    assert half["flop_s"] == pytest.approx(2 * full["flop_s"]) and half["hbm_s"] == full["hbm_s"]
+    assert half["comm_s"] == full["comm_s"] and half["step_s"] > full["step_s"]
+    # the pipeline's bubble grows with the compute: at half the peak it falls from second to last
+    at = {
+        mfu: [r["layout"] for r in lm_costs.rank_layouts(gpu, 64, h100, 8, mfu=mfu)]
+        for mfu in (1, 0.5)
+    }
+    assert at[1][1] == "pp_dp" and at[0.5][-1] == "pp_dp"
+
+
 def test_fsdp_keeps_the_parameters_it_gathers_in_the_memory_model():
     # the step gathers every fsdp-split parameter once and keeps it through the backward pass
     sizes = lm_layouts.mesh_axes("fsdp_tp", 8)

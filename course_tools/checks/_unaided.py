@@ -1,0 +1,99 @@
+"""Run a learner's answer with the functions its checker compares with out of reach.
+
+An exercise that asks for a model built from its pieces compares the answer with the course's own function;
+an answer that just calls that function would pass without doing the exercise. :func:`call_unaided` refuses
+it three ways:
+
+- while the answer runs, each forbidden function's ``__code__`` is a stub that raises: a call from any
+  thread (a thread pool), under any alias, reaches the stub, and the call is refused even if the answer
+  catches the error; the real code is put back in ``finally``;
+- a profile hook on the calling thread refuses a call to a *copy* of the code (``types.FunctionType`` over
+  ``f.__code__.replace(...)``, or the source compiled again unchanged): the same bytecode and constants;
+- the hook must still be in place when the answer returns: an answer that switches it off
+  (``sys.setprofile(None)``) or replaces it is refused.
+
+What it cannot catch: a copy of the source that is edited (or one run in another thread), or a result
+computed beforehand and kept. The checkers are a self-test for the learner, not an exam.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+
+from ._common import ExerciseError, call_answer, fail
+
+__all__ = ["call_unaided"]
+
+_HOOK = "_course_refused_call_"
+"""The name the stubs call, set in each forbidden function's module while an answer runs."""
+
+_LOCK = threading.Lock()
+
+
+def _stub_code(name: str):
+    """A code object with no free variables (so it can replace a module function's) that hands the call to
+    the module global :data:`_HOOK`."""
+    namespace: dict = {}
+    exec(f"def {name}(*args, **kwargs):\n    return {_HOOK}({name!r})\n", namespace)  # noqa: S102
+    return namespace[name].__code__
+
+
+def _signature(code) -> tuple:
+    return code.co_code, code.co_consts, code.co_names
+
+
+def call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args, explain=None):
+    """``fn(*args)`` (through :func:`course_tools.checks._common.call_answer`, ``explain`` passed on),
+    refused with ``hint`` if it calls one of ``forbidden`` (module-level functions: the ones the checker
+    compares with), a copy of their code, or switches off the profile hook; see the module docstring for
+    what cannot be caught.
+
+    Raises:
+      ExerciseError: the answer called a forbidden function, ran a copy of one, or removed the hook; or (as
+        :func:`call_answer`) it raised.
+    """
+    signatures = {_signature(f.__code__): f.__name__ for f in forbidden}
+    seen: list[str] = []
+
+    def refuse(name):
+        seen.append(name)
+        raise RuntimeError(
+            f"ExerciseError: {what} calls {name}, the function this checker compares with: {hint}"
+        )
+
+    def watch(frame, event, arg):
+        if event == "call" and _signature(frame.f_code) in signatures:
+            seen.append(signatures[_signature(frame.f_code)])
+
+    with _LOCK:
+        saved = [(f, f.__code__, f.__globals__.get(_HOOK)) for f in forbidden]
+        old = sys.getprofile()
+        try:
+            for f, _, _ in saved:
+                f.__globals__[_HOOK] = refuse
+                f.__code__ = _stub_code(f.__name__)
+            sys.setprofile(watch)
+            try:
+                got = call_answer(what, fn, *args, explain=explain)
+            except ExerciseError:
+                if not seen:
+                    raise
+                got = None
+            intact = sys.getprofile() is watch
+        finally:
+            sys.setprofile(old)
+            for f, code, hook in saved:
+                f.__code__ = code
+                if hook is None:
+                    f.__globals__.pop(_HOOK, None)
+    if seen:
+        module = forbidden[0].__module__.rsplit(".", 1)[-1]
+        fail(f"{what} calls {module}.{seen[0]}: the function this checker compares with", hint)
+    if not intact:
+        fail(
+            f"{what} switched off or replaced the checker's profile hook (sys.setprofile)",
+            f"leave sys.setprofile alone; {hint}",
+        )
+    return got
