@@ -142,6 +142,17 @@ def mesh_axes(key: str, n_devices: int) -> dict[str, int] | None:
     return sizes
 
 
+def why_not(key: str, n_devices: int) -> str | None:
+    """Why layout ``key`` does not fit ``n_devices`` (None when it fits): the device count its axes after the
+    first need, e.g. ``"needs a multiple of 2 devices (model=2)"`` for ``tp_sp`` on 5 devices."""
+    if mesh_axes(key, n_devices) is not None:
+        return None
+    rest = dict(layout(key).sizes[1:])
+    need = math.prod(rest.values())
+    axes = " x ".join(f"{a}={s}" for a, s in rest.items())
+    return f"needs a multiple of {need} devices ({axes})"
+
+
 def batch_divisor(key: str, n_devices: int, n_micro: int = 2) -> int | None:
     """What the global batch must be a multiple of for layout ``key`` on ``n_devices``: the product of its
     batch axes (:func:`mesh_axes`), times ``n_micro`` for the pipeline (each data shard splits into
@@ -175,10 +186,18 @@ def check_run(
         that needs more, and the nearest batches every layout of ``keys`` splits.
     """
     steps, global_batch = _plain(steps), _plain(global_batch)  # a message shows 0, not np.int64(0)
-    if not _whole(steps) or steps < 1:
+    for name, value in (("steps", steps), ("global_batch", global_batch), ("n_micro", n_micro)):
+        if not _whole(value):
+            raise ValueError(
+                f"{name}={value!r} is a {type(value).__name__}, not a whole number: pass an int (papermill "
+                f"-p {name} 16, not -r, which passes text; 16, not 16.0)"
+            )
+    if steps < 1:
         raise ValueError(
             f"steps={steps!r}: the lab needs at least 1 training step; set steps to 1 or more"
         )
+    if n_micro < 1:
+        raise ValueError(f"n_micro={n_micro!r}: a pipeline step needs at least 1 micro-batch")
     need = {}
     for key in keys:
         d = batch_divisor(key, n_devices, n_micro)
@@ -189,7 +208,7 @@ def check_run(
             )
         need[key] = d
     lcm = math.lcm(*need.values()) if need else 1
-    if not _whole(global_batch) or global_batch < 1:
+    if global_batch < 1:
         raise ValueError(
             f"global_batch={global_batch!r}: a step needs at least one sequence per data shard; set "
             f"global_batch to a positive multiple of {lcm} on {n_devices} device(s) (e.g. {2 * lcm})"

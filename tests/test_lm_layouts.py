@@ -61,10 +61,44 @@ def test_check_run_names_the_pipelines_micro_batches():
     lm_layouts.check_run([k for k in keys if k != "pp_dp"], 8, 12, 3)
 
 
-@pytest.mark.parametrize("steps", [0, -1, 2.5, True])
+@pytest.mark.parametrize("steps", [0, -1])
 def test_check_run_refuses_fewer_than_one_step(steps):
     with pytest.raises(ValueError, match=rf"steps={steps!r}: .*set steps to 1 or more"):
         lm_layouts.check_run(_runnable(8), 8, 16, steps)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("steps", "3"),
+        ("steps", 2.5),
+        ("steps", True),
+        ("global_batch", 16.0),
+        ("global_batch", "16"),
+        ("n_micro", "2"),
+    ],
+)
+def test_check_run_names_a_value_that_is_not_a_whole_number(name, value):
+    # papermill -r passes text, a YAML 16.0 a float: the message says so, not "fewer than one step"
+    kwargs = {"global_batch": 16, "steps": 3, "n_micro": 2, name: value}
+    with pytest.raises(
+        ValueError, match=rf"^{name}={value!r} is a {type(value).__name__}, not a whole number"
+    ):
+        lm_layouts.check_run(_runnable(8), 8, **kwargs)
+
+
+@pytest.mark.parametrize("n_micro", [0, -2])
+def test_check_run_refuses_a_pipeline_without_micro_batches(n_micro):
+    with pytest.raises(ValueError, match=rf"n_micro={n_micro}: .*at least 1 micro-batch"):
+        lm_layouts.check_run(_runnable(8), 8, 16, 3, n_micro=n_micro)
+
+
+def test_why_not_names_the_device_count_a_layout_needs():
+    assert lm_layouts.why_not("dp", 5) is None and lm_layouts.why_not("tp_sp", 4) is None
+    for n in (5, 7, 9):
+        assert lm_layouts.why_not("tp_sp", n) == "needs a multiple of 2 devices (model=2)"
+    assert lm_layouts.why_not("3d", 6) == "needs a multiple of 4 devices (fsdp=2 x model=2)"
+    assert lm_layouts.why_not("3d", 2) == "needs a multiple of 4 devices (fsdp=2 x model=2)"
 
 
 def test_check_run_shows_numpy_values_as_plain_numbers():
@@ -75,7 +109,7 @@ def test_check_run_shows_numpy_values_as_plain_numbers():
     lm_layouts.check_run(_runnable(8), 8, np.int64(16), np.int64(2))
 
 
-@pytest.mark.parametrize("batch", [0, -8, 16.0])
+@pytest.mark.parametrize("batch", [0, -8])
 def test_check_run_refuses_a_batch_below_one(batch):
     with pytest.raises(ValueError, match=rf"global_batch={batch!r}: .*positive multiple of 8"):
         lm_layouts.check_run(_runnable(8), 8, batch, 3)
