@@ -44,25 +44,6 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the lessons' s
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
-# Compiling is most of the suite's CPU time: its programs are small and run a few times each. The suite's own
-# processes, the matrix's papermill runs, the checkers' subprocesses and the multi-process workers compile
-# with XLA:CPU's LLVM optimisation off (measured: 24% less CPU on the checker and pipeline tests). XLA's HLO
-# passes, which choose the collectives, the shardings and the buffers the tests read, run as always; only the
-# machine code is less optimised. nbmake's runs of the notebooks as committed get the shell's flags
-# (tests/conftest.py: SHELL_XLA_FLAGS), so every lesson, its timing asserts included, also runs as a learner
-# runs it. COURSE_TEST_XLA_DEFAULT=1 keeps XLA's defaults everywhere.
-SHELL_XLA_FLAGS = os.environ.get("COURSE_SHELL_XLA_FLAGS", os.environ.get("XLA_FLAGS"))
-"""The shell's ``XLA_FLAGS`` (None when unset), whatever the suite adds."""
-FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
-os.environ.setdefault(
-    "COURSE_SHELL_XLA_FLAGS", SHELL_XLA_FLAGS or ""
-)  # the workers inherit the shell's
-if os.environ.get("COURSE_TEST_XLA_DEFAULT") != "1" and FAST_COMPILE_FLAG not in (
-    SHELL_XLA_FLAGS or ""
-):
-    os.environ["XLA_FLAGS"] = f"{SHELL_XLA_FLAGS or ''} {FAST_COMPILE_FLAG}".strip()
-
-
 def _owns_build_dir(config) -> bool:
     return _MADE_BUILD_DIR and not hasattr(
         config, "workerinput"

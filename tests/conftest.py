@@ -51,10 +51,6 @@ def pytest_collection_modifyitems(config, items):
     import matrix
 
     for item in items:
-        if (
-            item.path.suffix == ".ipynb"
-        ):  # nbmake: the notebook as committed, with the shell's XLA flags
-            item.runtest = _with_shell_xla_flags(item.runtest)
         if item.path.suffix == ".ipynb" and item.path.stem == matrix.MULTIHOST:
             item.add_marker(pytest.mark.xdist_group(f"matrix-n{matrix.DEFAULTS_COUNT}"))
             item.runtest = _standing_in(item.runtest, item.path.stem)
@@ -67,25 +63,6 @@ def pytest_collection_modifyitems(config, items):
         return first, item.path.suffix != ".ipynb"
 
     items.sort(key=rank)  # stable: the order within a group and among the other tests is kept
-
-
-def _with_shell_xla_flags(runtest):
-    """``runtest`` with ``XLA_FLAGS`` as the shell set it (the root conftest adds a flag for the rest of the
-    suite): the kernel nbmake starts inherits this process's environment."""
-
-    def run():
-        shell, suite = os.environ.get("COURSE_SHELL_XLA_FLAGS", ""), os.environ.get("XLA_FLAGS")
-        if shell:
-            os.environ["XLA_FLAGS"] = shell
-        else:
-            os.environ.pop("XLA_FLAGS", None)
-        try:
-            runtest()
-        finally:
-            if suite is not None:
-                os.environ["XLA_FLAGS"] = suite
-
-    return run
 
 
 def _standing_in(runtest, stem):
