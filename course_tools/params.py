@@ -26,12 +26,12 @@ LAB12_BATCH = 16
 def lab12_batch(n: int) -> int:
     """The transformer lab's ``global_batch`` on ``n`` devices: its committed 16 where every layout that fits
     splits it (1, 2, 4, 8), else the smallest multiple of what they need ≥ 16 (18 on 3), with a note. ``make
-    course`` and ``make scaling`` pass it: a run at an odd count trains (``lm_layouts.check_run``)."""
-    from course_lib import lm_layouts, strategies
+    course`` and ``make scaling`` pass it: a run at an odd count trains (``lm_runs.check_run``)."""
+    from course_lib import lm_runs, strategies
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n_devices={n!r}: the transformer lab needs 1 device or more")
-    needs = [lm_layouts.batch_divisor(k, n) for k in strategies.LAYOUT_KEYS]
+    needs = [lm_runs.batch_divisor(k, n) for k in strategies.LAYOUT_KEYS]
     lcm = math.lcm(*[d for d in needs if d]) if any(needs) else 1
     if LAB12_BATCH % lcm == 0:
         return LAB12_BATCH

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from course_lib import comms, lm_costs, lm_layouts, transformer
+from course_lib import comms, lm_costs, lm_layouts, lm_runs, transformer
 from course_lib.tokens import CopyWalk
 
 CFG = transformer.TINY
@@ -48,7 +48,7 @@ def test_check_run_refuses_a_batch_a_layout_does_not_split(n, batch, multiple, n
         match=rf"global batch {batch} does not split over layout '{layout}' on {n} device\(s\).*"
         rf"set global_batch to a multiple of {multiple}.*\(e\.g\. {nearest}\)",
     ):
-        lm_layouts.check_run(_runnable(n), n, batch, 3)
+        lm_runs.check_run(_runnable(n), n, batch, 3)
 
 
 def test_check_run_names_the_pipelines_micro_batches():
@@ -57,14 +57,14 @@ def test_check_run_names_the_pipelines_micro_batches():
     with pytest.raises(
         ValueError, match=r"layout 'pp_dp'.*multiple of 8 \(4 data shards x 2 micro"
     ):
-        lm_layouts.check_run(keys, 8, 12, 3)
-    lm_layouts.check_run([k for k in keys if k != "pp_dp"], 8, 12, 3)
+        lm_runs.check_run(keys, 8, 12, 3)
+    lm_runs.check_run([k for k in keys if k != "pp_dp"], 8, 12, 3)
 
 
 @pytest.mark.parametrize("steps", [0, -1])
 def test_check_run_refuses_fewer_than_one_step(steps):
     with pytest.raises(ValueError, match=rf"steps={steps!r}: .*set steps to 1 or more"):
-        lm_layouts.check_run(_runnable(8), 8, 16, steps)
+        lm_runs.check_run(_runnable(8), 8, 16, steps)
 
 
 @pytest.mark.parametrize(
@@ -84,44 +84,44 @@ def test_check_run_names_a_value_that_is_not_a_whole_number(name, value):
     with pytest.raises(
         ValueError, match=rf"^{name}={value!r} is a {type(value).__name__}, not a whole number"
     ):
-        lm_layouts.check_run(_runnable(8), 8, **kwargs)
+        lm_runs.check_run(_runnable(8), 8, **kwargs)
 
 
 @pytest.mark.parametrize("n_micro", [0, -2])
 def test_check_run_refuses_a_pipeline_without_micro_batches(n_micro):
     with pytest.raises(ValueError, match=rf"n_micro={n_micro}: .*at least 1 micro-batch"):
-        lm_layouts.check_run(_runnable(8), 8, 16, 3, n_micro=n_micro)
+        lm_runs.check_run(_runnable(8), 8, 16, 3, n_micro=n_micro)
 
 
 def test_why_not_names_the_device_count_a_layout_needs():
-    assert lm_layouts.why_not("dp", 5) is None and lm_layouts.why_not("tp_sp", 4) is None
+    assert lm_runs.why_not("dp", 5) is None and lm_runs.why_not("tp_sp", 4) is None
     for n in (5, 7, 9):
-        assert lm_layouts.why_not("tp_sp", n) == "needs a multiple of 2 devices (model=2)"
-    assert lm_layouts.why_not("3d", 6) == "needs a multiple of 4 devices (fsdp=2 x model=2)"
-    assert lm_layouts.why_not("3d", 2) == "needs a multiple of 4 devices (fsdp=2 x model=2)"
+        assert lm_runs.why_not("tp_sp", n) == "needs a multiple of 2 devices (model=2)"
+    assert lm_runs.why_not("3d", 6) == "needs a multiple of 4 devices (fsdp=2 x model=2)"
+    assert lm_runs.why_not("3d", 2) == "needs a multiple of 4 devices (fsdp=2 x model=2)"
 
 
 def test_check_run_shows_numpy_values_as_plain_numbers():
     import numpy as np
 
     with pytest.raises(ValueError, match=r"^steps=0: "):
-        lm_layouts.check_run(_runnable(8), 8, 16, np.int64(0))
-    lm_layouts.check_run(_runnable(8), 8, np.int64(16), np.int64(2))
+        lm_runs.check_run(_runnable(8), 8, 16, np.int64(0))
+    lm_runs.check_run(_runnable(8), 8, np.int64(16), np.int64(2))
 
 
 @pytest.mark.parametrize("batch", [0, -8])
 def test_check_run_refuses_a_batch_below_one(batch):
     with pytest.raises(ValueError, match=rf"global_batch={batch!r}: .*positive multiple of 8"):
-        lm_layouts.check_run(_runnable(8), 8, batch, 3)
+        lm_runs.check_run(_runnable(8), 8, batch, 3)
 
 
 def test_check_run_accepts_what_the_lab_runs_and_refuses_a_layout_that_does_not_fit():
     for n, batch in ((1, 7), (2, 16), (3, 12), (4, 16), (6, 12), (8, 16), (8, 8)):
-        lm_layouts.check_run(_runnable(n), n, batch, 1)
-    assert lm_layouts.batch_divisor("pp_dp", 8) == 8 and lm_layouts.batch_divisor("3d", 8) == 4
-    assert lm_layouts.batch_divisor("3d", 6) is None
+        lm_runs.check_run(_runnable(n), n, batch, 1)
+    assert lm_runs.batch_divisor("pp_dp", 8) == 8 and lm_runs.batch_divisor("3d", 8) == 4
+    assert lm_runs.batch_divisor("3d", 6) is None
     with pytest.raises(ValueError, match=r"layout '3d' does not fit 6 device\(s\)"):
-        lm_layouts.check_run(["3d"], 6, 12, 3)
+        lm_runs.check_run(["3d"], 6, 12, 3)
 
 
 def test_specs_split_heads_and_mlp_over_model_and_the_rest_over_fsdp():

@@ -646,11 +646,11 @@ def test_only_with_commas_names_the_part_that_names_no_notebook(tmp_path, capsys
 
 @pytest.mark.parametrize("n", range(1, 9))
 def test_the_transformer_labs_batch_splits_over_every_layout_that_fits(n, capsys):
-    from course_lib import lm_layouts, strategies
+    from course_lib import lm_layouts, lm_runs, strategies
 
     batch = nb_params.lab12_batch(n)
     keys = [k for k in strategies.LAYOUT_KEYS if lm_layouts.mesh_axes(k, n)]
-    lm_layouts.check_run(keys, n, batch, 1)  # raises where a layout cannot split the batch
+    lm_runs.check_run(keys, n, batch, 1)  # raises where a layout cannot split the batch
     assert (batch == nb_params.LAB12_BATCH) == (n in (1, 2, 4, 8)), (n, batch)
     assert ("note:" in capsys.readouterr().out) == (batch != nb_params.LAB12_BATCH)
 
