@@ -47,6 +47,7 @@ __all__ = [
     "Layout",
     "LAYOUTS",
     "layout",
+    "fixed_axes",
     "mesh_axes",
     "param_specs",
     "local_bytes",
@@ -126,13 +127,19 @@ def layout(key: str) -> Layout:
     return LAYOUTS[key]
 
 
+def fixed_axes(key: str) -> dict[str, int]:
+    """The layout's axes after the first: their sizes stay as on 8 devices at any count (the first axis takes
+    what is left), so a device count must be a multiple of their product (:func:`mesh_axes`)."""
+    return dict(layout(key).sizes[1:])
+
+
 def mesh_axes(key: str, n_devices: int) -> dict[str, int] | None:
     """The layout's axis sizes on ``n_devices``: on 8 its :attr:`Layout.sizes`; on fewer, the first axis
     shrinks (``tp_sp`` on 4 devices: data=2 × model=2). None when the other axes do not fit (the lab skips
     the layout and says so): ``3d`` needs 4 devices (data=1 there), a 2-way axis needs 2.
     """
     sizes = dict(layout(key).sizes)
-    first, rest = next(iter(sizes)), math.prod(list(sizes.values())[1:])
+    first, rest = next(iter(sizes)), math.prod(fixed_axes(key).values())
     if n_devices % rest or n_devices < rest:
         return None
     sizes[first] = n_devices // rest
@@ -341,7 +348,7 @@ def build(
     sizes = mesh_axes(key, len(devices))
     if sizes is None:
         raise ValueError(
-            f"layout {key!r} needs a multiple of {math.prod(list(dict(lay.sizes).values())[1:])} devices; "
+            f"layout {key!r} needs a multiple of {math.prod(fixed_axes(key).values())} devices; "
             f"{len(devices)} given"
         )
     mesh = mesh_of(sizes, devices, axis_type="auto")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .lm_layouts import layout, mesh_axes
+from .lm_layouts import fixed_axes, layout, mesh_axes
 
 __all__ = ["why_not", "batch_divisor", "check_run"]
 
@@ -22,7 +22,7 @@ def why_not(key: str, n_devices: int) -> str | None:
     first need, e.g. ``"needs a multiple of 2 devices (model=2)"`` for ``tp_sp`` on 5 devices."""
     if mesh_axes(key, n_devices) is not None:
         return None
-    rest = dict(layout(key).sizes[1:])
+    rest = fixed_axes(key)
     need = math.prod(rest.values())
     axes = " x ".join(f"{a}={s}" for a, s in rest.items())
     return f"needs a multiple of {need} devices ({axes})"
@@ -82,7 +82,7 @@ def check_run(
                 "None); leave it out"
             )
         need[key] = d
-    lcm = math.lcm(*need.values()) if need else 1
+    lcm = math.lcm(*need.values())  # 1 for no layout
     if global_batch < 1:
         raise ValueError(
             f"global_batch={global_batch!r}: a step needs at least one sequence per data shard; set "

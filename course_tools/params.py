@@ -32,7 +32,7 @@ def lab12_batch(n: int) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n_devices={n!r}: the transformer lab needs 1 device or more")
     needs = [lm_runs.batch_divisor(k, n) for k in strategies.LAYOUT_KEYS]
-    lcm = math.lcm(*[d for d in needs if d]) if any(needs) else 1
+    lcm = math.lcm(*[d for d in needs if d])  # 1 where no layout fits
     if LAB12_BATCH % lcm == 0:
         return LAB12_BATCH
     batch = lcm * math.ceil(LAB12_BATCH / lcm)
