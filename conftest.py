@@ -43,6 +43,73 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["COURSE_TEST_JAX_CACHE"]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the lessons' small programs too
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+# --- compile time: most of the suite's CPU time is XLA:CPU compiling hundreds of small programs per run ----
+# The session compiles with LLVM's optimisations off (the HLO passes, and so every partitioning, collective,
+# FLOP and buffer the lessons read, are unchanged; the code runs a little slower): measured on the papermill
+# runs of notebooks 06, 08, 10 and 11 at 4 devices, 9-25% less CPU time. nbmake's runs of the notebooks as
+# committed keep the shell's flags (tests/conftest.py), so that one column of the matrix runs exactly what
+# a learner runs. The kernels do not probe these flags again (course_lib.devices.FLAGS_CHECKED).
+FAST_COMPILE_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
+SHELL_XLA_FLAGS = "COURSE_SHELL_XLA_FLAGS"
+if SHELL_XLA_FLAGS not in os.environ:  # the controller; the xdist workers inherit both variables
+    os.environ[SHELL_XLA_FLAGS] = os.environ.get("XLA_FLAGS", "")
+    _given = os.environ[SHELL_XLA_FLAGS].split()
+    _names = {f.split("=", 1)[0] for f in _given}
+    _ours = [f for f in FAST_COMPILE_FLAGS if f.split("=", 1)[0] not in _names]  # the shell's win
+    os.environ["XLA_FLAGS"] = " ".join([*_given, *_ours])
+os.environ["COURSE_XLA_FLAGS_CHECKED"] = os.environ["XLA_FLAGS"]
+
+# --- one compiled program for every device count ------------------------------------------------------------
+# JAX's persistent cache key holds the CPU client's topology, i.e. its device count, so a program compiled on
+# 4 simulated devices is compiled again on 1, 2 and 8, even when it runs on one device (most of a lesson's
+# small programs) or on the same devices. The device assignment, the number of partitions and the program
+# itself are in the key anyway: in this session the topology is replaced by the devices the program runs on
+# (platform, kind and id), on CPU only. Every kernel runs SHARE_ACROSS_COUNTS at its start (an IPython
+# startup file in the session's own IPYTHONDIR); so do the test processes. A JAX without this private
+# function compiles as before.
+SHARE_ACROSS_COUNTS = """
+def _course_share_programs_across_device_counts():
+    try:
+        from jax._src import cache_key
+    except ImportError:
+        return
+    original = getattr(cache_key, "_hash_accelerator_config", None)
+    hash_string = getattr(cache_key, "_hash_string", None)
+    if original is None or hash_string is None or getattr(original, "course_shared", False):
+        return
+
+    def by_devices(hash_obj, accelerators):
+        devices = list(accelerators.flat)
+        if not devices or any(d.platform != "cpu" for d in devices):
+            return original(hash_obj, accelerators)
+        for d in devices:
+            hash_string(hash_obj, f"cpu:{d.device_kind}:{d.id}")
+
+    by_devices.course_shared = True
+    cache_key._hash_accelerator_config = by_devices
+
+
+_course_share_programs_across_device_counts()
+"""
+if "COURSE_TEST_IPYTHONDIR" not in os.environ:
+    _ipython = os.path.join(os.environ["COURSE_BUILD_DIR"], "ipython")
+    os.makedirs(os.path.join(_ipython, "profile_default", "startup"), exist_ok=True)
+    with open(
+        os.path.join(_ipython, "profile_default", "startup", "00-course-tests.py"), "w"
+    ) as _f:
+        _f.write(SHARE_ACROSS_COUNTS)
+    with open(os.path.join(_ipython, "profile_default", "ipython_kernel_config.py"), "w") as _f:
+        _f.write(
+            "c.HistoryManager.enabled = False  # many kernels at once: no shared history file\n"
+        )
+    os.environ["COURSE_TEST_IPYTHONDIR"] = _ipython
+os.environ["IPYTHONDIR"] = os.environ["COURSE_TEST_IPYTHONDIR"]
+exec(SHARE_ACROSS_COUNTS)
+
 
 def _owns_build_dir(config) -> bool:
     return _MADE_BUILD_DIR and not hasattr(

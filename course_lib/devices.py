@@ -130,6 +130,12 @@ def check_xla_flags(flags: str | None = None) -> list[str]:
     return tokens
 
 
+FLAGS_CHECKED = "COURSE_XLA_FLAGS_CHECKED"
+"""An environment variable: when it holds exactly this environment's ``XLA_FLAGS``, :func:`setup_devices`
+does not probe them again (a process that started XLA with these flags sets it for the processes it starts,
+e.g. the test session for its notebooks' kernels: each probe is a Python start, about a CPU-second)."""
+
+
 def probe_xla_flags(timeout_s: float = 120) -> None:
     """Start XLA once in a subprocess with this environment's ``XLA_FLAGS``: XLA aborts the whole process
     on a flag it does not know (e.g. a misspelt name), which in a notebook kills the kernel.
@@ -212,7 +218,7 @@ def setup_devices(
     platform = coerce(PLATFORM, platform)
 
     started = _backends_started()
-    if flags and not started:
+    if flags and not started and os.environ.get(FLAGS_CHECKED) != os.environ.get("XLA_FLAGS"):
         probe_xla_flags()
     if not started:
         if platform == "cpu":

@@ -51,6 +51,9 @@ def pytest_collection_modifyitems(config, items):
     import matrix
 
     for item in items:
+        # nbmake: each notebook as committed, with the shell's XLA flags
+        if item.path.suffix == ".ipynb":
+            item.runtest = matrix.with_shell_flags(item.runtest)
         if item.path.suffix == ".ipynb" and item.path.stem == matrix.MULTIHOST:
             item.add_marker(pytest.mark.xdist_group(f"matrix-n{matrix.DEFAULTS_COUNT}"))
             item.runtest = _standing_in(item.runtest, item.path.stem)

@@ -239,3 +239,21 @@ def multihost_outputs(n: int) -> list[dict]:
     found = sorted((notebook_run(MULTIHOST, n) / "tmp").rglob("process_0.json"))
     outputs = [json.loads(p.read_text()) for p in found]
     return [o for o in outputs if o.get("strategies")]
+
+
+def with_shell_flags(runtest: Callable[[], object]) -> Callable[[], None]:
+    """``runtest`` (nbmake's run of a notebook as committed) with the shell's ``XLA_FLAGS``: the kernel it
+    starts from this process's environment runs what a learner runs, not the session's fast-compile flags
+    (root conftest ``FAST_COMPILE_FLAGS``)."""
+
+    def run():
+        session = os.environ["XLA_FLAGS"]
+        os.environ["XLA_FLAGS"] = os.environ["COURSE_SHELL_XLA_FLAGS"]
+        if not os.environ["XLA_FLAGS"]:
+            del os.environ["XLA_FLAGS"]
+        try:
+            runtest()
+        finally:
+            os.environ["XLA_FLAGS"] = session
+
+    return run

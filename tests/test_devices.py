@@ -170,3 +170,28 @@ def test_unavailable_backend_in_the_environment_names_the_variable():
     r = _setup_in_fresh_process("auto", {"JAX_PLATFORMS": "cuda"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "caught:" in r.stdout and "JAX_PLATFORMS" in r.stdout
+
+
+_COUNT_PROBES = """
+    import subprocess
+    probes = []
+    _run = subprocess.run
+    def counted(*a, **k):
+        probes.append(a)
+        return _run(*a, **k)
+    subprocess.run = counted
+    from course_lib.devices import setup_devices
+    setup_devices(2, platform="cpu")
+    print(len(probes))
+"""
+
+
+def test_xla_flags_are_probed_once_per_value():
+    # Each kernel of a session with XLA_FLAGS would start a Python of its own to probe them (about a
+    # CPU-second): the process that already started XLA with them says so (devices.FLAGS_CHECKED).
+    flags = "--xla_backend_optimization_level=0"
+    for checked, probes in ((None, "1"), ("--xla_cpu_use_thunk_runtime=true", "1"), (flags, "0")):
+        extra = {"XLA_FLAGS": flags, devices.FLAGS_CHECKED: checked or ""}
+        r = _run(_COUNT_PROBES, extra)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split()[-1:] == [probes], (checked, r.stdout)
