@@ -14,6 +14,12 @@ import tempfile
 
 import pytest
 
+# `make test LOAD=1` starts pytest from make, whose variables (MAKEFLAGS, MAKEOVERRIDES: "LOAD=1") and depth
+# (MAKELEVEL) every child would inherit: a test's own `make bench` would be refused ("takes no LOAD") and
+# print make's "Entering directory" lines. The tests' make commands run as from a shell.
+for _var in ("MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKELEVEL"):
+    os.environ.pop(_var, None)
+
 _CACHE_VARIABLES = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAX_ENABLE_COMPILATION_CACHE")
 
 # A build folder of this session's own (the pytest-xdist workers inherit it): removed when the session

@@ -72,3 +72,8 @@ def test_the_session_compiles_fast_and_nbmake_runs_what_a_learner_runs(monkeypat
     with pytest.raises(RuntimeError):
         matrix.with_shell_flags(fails)()
     assert os.environ["XLA_FLAGS"] == session
+
+
+def test_the_tests_make_commands_run_as_from_a_shell():
+    # make test LOAD=1: make's command-line variables and depth would reach every make a test runs
+    assert not {"MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKELEVEL"} & set(os.environ)
