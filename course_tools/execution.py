@@ -193,6 +193,16 @@ def _kernel_manager_class(run: _Run) -> type:
 
             return "auto" if zmq.has("curve") else "disabled"
 
+        async def _async_interrupt_kernel(self):
+            # jupyter_client's shutdown starts with a SIGINT. After the last cell the kernel is idle and the
+            # shutdown request alone ends it; the SIGINT, landing wherever the kernel happens to be, made it
+            # print "KeyboardInterrupt caught in kernel" (or a ZMQ traceback) into the log of a run that
+            # ended well, on a busy machine. A cell that must be stopped is stopped by the run (Ctrl-C,
+            # SIGTERM: stop_kernels) or by nbclient's timeout (interrupt_kernel), not here.
+            if self.shutting_down:
+                return
+            await super()._async_interrupt_kernel()
+
         async def _async_launch_kernel(self, kernel_cmd, **kw):
             kw["stdout"] = kw["stderr"] = run.log
             env = dict(kw.get("env") or os.environ)

@@ -42,7 +42,11 @@ def test_a_run_whose_kernel_said_nothing_leaves_no_empty_log(tmp_path):
     out = tmp_path / "out" / "quiet.ipynb"
     out.parent.mkdir()
     execute(nb, out, {"n_devices": 2}, progress=False)
-    assert sorted(p.name for p in out.parent.iterdir()) == ["quiet.ipynb"]
+    # No empty log. (On a busy machine a kernel's ZMQ teardown can still race with its shutdown, about 1 in
+    # 40 runs here, and print an error while exiting: that log, not empty, is kept. jupyter_client's SIGINT
+    # at shutdown, the other source of such lines, is no longer sent: see execution._kernel_manager_class.)
+    left = [p for p in out.parent.iterdir() if p.name != "quiet.ipynb"]
+    assert all(p.name == "quiet.kernel.log" and p.stat().st_size > 0 for p in left), left
 
 
 def test_a_failing_cell_names_the_notebook_and_the_cell(tmp_path):
