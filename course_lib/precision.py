@@ -130,3 +130,86 @@ def _vary(x: jax.Array, axis: str) -> jax.Array:
 def matmul_precision() -> str:
     """``jax_default_matmul_precision`` as results record it: its value, or ``"default"`` when unset."""
     return jax.config.jax_default_matmul_precision or "default"
+
+
+# The relative rounding of a float32 matmul's or convolution's inputs, per platform and per
+# ``jax_default_matmul_precision`` (unit roundoff u = 2^-(mantissa bits + 1) of what the hardware multiplies):
+# XLA:CPU multiplies in float32 whatever the setting; XLA:TPU's DEFAULT is one bfloat16 pass (8 bits), "high"
+# three bfloat16 passes (about 16 bits), "highest" six (float32); XLA:GPU's DEFAULT is TF32 (11 bits) on
+# NVIDIA Ampere and later. Measured on one TPU v5e chip (JAX 0.10.2): a float32 512 x 512 matmul's largest
+# relative error against float64 is 2.4e-3 / 1.4e-5 / 1.3e-7 at default / high / highest.
+_F32 = 2.0**-24
+MATMUL_UNIT_ROUNDOFF = {
+    "cpu": {
+        "default": _F32,
+        "bfloat16": 2.0**-9,
+        "tensorfloat32": 2.0**-11,
+        "high": _F32,
+        "highest": _F32,
+    },
+    "tpu": {
+        "default": 2.0**-9,
+        "bfloat16": 2.0**-9,
+        "tensorfloat32": 2.0**-17,
+        "high": 2.0**-17,
+        "highest": _F32,
+    },
+    "gpu": {
+        "default": 2.0**-11,
+        "bfloat16": 2.0**-9,
+        "tensorfloat32": 2.0**-11,
+        "high": 2.0**-11,
+        "highest": _F32,
+    },
+}
+"""Unit roundoff of a float32 matmul's inputs: ``MATMUL_UNIT_ROUNDOFF[backend][matmul precision]``."""
+
+FLOAT32_RTOL_FLOOR = 1e-5
+"""The tolerance the course's float32 comparisons use where matmuls are computed in float32 (XLA:CPU)."""
+
+
+def float32_rtol(
+    backend: str | None = None, precision: str | None = None, *, roundings: int = 8
+) -> float:
+    """Relative tolerance for two float32 results that differ only in how matmuls and convolutions round.
+
+    ``max(FLOAT32_RTOL_FLOOR, roundings * u)`` where ``u`` is :data:`MATMUL_UNIT_ROUNDOFF` of the platform and
+    the matmul precision in force: 1e-5 on XLA:CPU, about 1.6e-2 on a TPU at JAX's default precision (its
+    float32 matmuls multiply bfloat16 inputs), about 3.9e-3 on a recent NVIDIA GPU (TF32). Every lesson's
+    float32 assert that compares a computation with matmuls against another order of the same computation
+    takes its tolerance from here (``notebooks/01_grad.ipynb`` introduces it).
+
+    Args:
+      backend: ``"cpu"``, ``"gpu"`` or ``"tpu"``; ``None`` reads ``jax.default_backend()``.
+      precision: a ``jax_default_matmul_precision`` value; ``None`` reads the one in force.
+      roundings: how many input roundings the compared results may differ by (8 covers a few layers).
+
+    Returns:
+      The relative tolerance, a float.
+
+    Raises:
+      ValueError: an unknown backend or precision, naming the known ones.
+    """
+    backend = jax.default_backend() if backend is None else backend
+    precision = (precision or matmul_precision()).lower()
+    precision = {"float32": "highest", "bfloat16_3x": "high", "fastest": "default"}.get(
+        precision, precision
+    )
+    table = MATMUL_UNIT_ROUNDOFF.get(backend)
+    if table is None or precision not in table:
+        raise ValueError(
+            f"no matmul rounding known for backend={backend!r}, precision={precision!r}: backends "
+            f"{sorted(MATMUL_UNIT_ROUNDOFF)}, precisions {sorted(MATMUL_UNIT_ROUNDOFF['cpu'])}"
+        )
+    return max(FLOAT32_RTOL_FLOOR, roundings * table[precision])
+
+
+def float64_runs(backend: str | None = None) -> bool:
+    """Whether the course runs its float64 parity checks on ``backend`` (``None``: JAX's default backend).
+
+    True on XLA:CPU and XLA:GPU, which compute float64 natively. False on a TPU: XLA:TPU emulates float64
+    (programs take minutes to compile) and has no float64 kernel for some operations (``select-and-scatter``,
+    the max-pool gradient), so the lessons say so and check float32 parity with :func:`float32_rtol` instead.
+    """
+    backend = jax.default_backend() if backend is None else backend
+    return backend != "tpu"

@@ -65,3 +65,15 @@ def test_bf16_gradients_are_all_reduced_in_float32_inside_shard_map(report):
     assert len(activations) == 3 and len(gradients) == 11, types  # 10 parameter leaves and the loss
     run_params = jax.device_get(s.host_params(s.step(state, batch)[0]))
     assert all(np.asarray(x).dtype == np.float32 for x in jax.tree.leaves(run_params))
+
+
+def test_float32_rtol_follows_the_platforms_matmul_rounding():
+    assert precision.float32_rtol("cpu") == precision.FLOAT32_RTOL_FLOOR
+    # a TPU's default float32 matmul multiplies bfloat16 inputs: 8 roundings of 2^-9
+    assert precision.float32_rtol("tpu", "default") == 8 * 2.0**-9
+    assert precision.float32_rtol("tpu", "highest") == precision.FLOAT32_RTOL_FLOOR
+    assert precision.float32_rtol("gpu", "default") == 8 * 2.0**-11
+    assert precision.float32_rtol("tpu", "float32") == precision.float32_rtol("tpu", "highest")
+    with pytest.raises(ValueError, match="backend='npu'"):
+        precision.float32_rtol("npu")
+    assert precision.float64_runs("cpu") and not precision.float64_runs("tpu")
