@@ -55,6 +55,7 @@ _CALLED = re.compile(
     r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
     r"|\bbranch_computations=\{([^}]*)\}"
 )
+_ASYNC_CALL = re.compile(r"\basync-start\(.*?\bcalls=%?([\w.\-]+)")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s")
 
 
@@ -129,7 +130,10 @@ class CollectiveOp:
         :func:`while_bodies` runs once per loop iteration.
       runs: how many times it runs when the program runs once: the product of the ``known_trip_count``
         XLA wrote on each ``while`` loop around it (:func:`computation_runs`); 1 outside loops; None when
-        a loop around it has no known trip count.
+        a loop around it has no known trip count (XLA:TPU writes none).
+      in_loop: it sits in a ``while`` loop (:func:`loop_computations`), whether or not the count is known.
+      asynchronous: issued as an asynchronous pair (``all-reduce-start`` … ``all-reduce-done``, or inside
+        a computation an ``async-start`` calls): other work may run between its start and its end.
     """
 
     op: str
@@ -141,6 +145,8 @@ class CollectiveOp:
     line: str
     computation: str = ""
     runs: int | None = 1
+    in_loop: bool = False
+    asynchronous: bool = False
 
     @property
     def bytes_sent(self) -> float:
@@ -233,7 +239,8 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
       ValueError: replica groups over sub-axes of the mesh (``{'data':(1)2}``), which it cannot name.
     """
     shape_of_mesh = _mesh_shape(mesh)
-    runs = computation_runs(hlo_text)
+    runs, looped = computation_runs(hlo_text), loop_computations(hlo_text)
+    wrapped = set(_ASYNC_CALL.findall(hlo_text))
     done = {m.group("start"): m.group("shape").strip() for m in _DONE.finditer(hlo_text)}
     ops, computation = [], ""
     for line in hlo_text.splitlines():
@@ -269,6 +276,8 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
                 line.strip(),
                 computation,
                 runs.get(computation, 1),
+                computation in looped,
+                bool(m.group("start")) or computation in wrapped,
             )
         )
     return ops
@@ -284,6 +293,12 @@ def _computations(hlo_text: str) -> list[tuple[str, list[str]]]:
         elif out and line.strip() and line.strip() != "}":
             out[-1][1].append(line)
     return out
+
+
+def _calls_once(line: str) -> bool:
+    """False for the end of an async pair (``async-done``/``-update``): it names the computation its
+    ``async-start`` already runs."""
+    return " async-done(" not in line and " async-update(" not in line
 
 
 def computation_runs(hlo_text: str) -> dict[str, int | None]:
@@ -311,7 +326,7 @@ def computation_runs(hlo_text: str) -> dict[str, int | None]:
     for name, lines in reversed(comps):  # HLO text lists callees before their callers
         if name not in runs:
             continue
-        for line in lines:
+        for line in filter(_calls_once, lines):
             trips = _TRIPS.search(line) if " while(" in line else None
             for m in _CALLED.finditer(line):
                 for callee in (m.group(1),) if m.group(1) else re.findall(r"[\w.\-]+", m.group(2)):
@@ -325,6 +340,22 @@ def computation_runs(hlo_text: str) -> dict[str, int | None]:
                     before = runs.get(callee, 0)
                     runs[callee] = None if before is None or here is None else before + here
     return runs
+
+
+def loop_computations(hlo_text: str) -> set[str]:
+    """Names of the computations of a compiled program that run inside a ``while`` loop: its bodies and
+    conditions and every computation they call, at any depth (with or without a known trip count)."""
+    comps = _computations(hlo_text)
+    names, looped = {name for name, _ in comps}, set()
+    for name, lines in reversed(
+        comps
+    ):  # callers after their callees in the text: walk from ENTRY down
+        for line in lines:
+            for m in _CALLED.finditer(line):
+                callees = (m.group(1),) if m.group(1) else re.findall(r"[\w.\-]+", m.group(2))
+                if name in looped or " while(" in line:
+                    looped.update(c.lstrip("%") for c in callees if c.lstrip("%") in names)
+    return looped
 
 
 def while_bodies(hlo_text: str) -> set[str]:
