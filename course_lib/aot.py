@@ -21,7 +21,8 @@ from __future__ import annotations
 import gzip
 import json
 import time
-from collections.abc import Iterable, Sequence
+import traceback
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,8 +157,9 @@ def compile_program(
 
     Returns:
       ``(summary, hlo_text)``: :func:`summarise`'s, plus ``name``, ``notebook``, ``about``, ``profile``,
-      ``compile_s`` (seconds to lower and compile) and ``error`` (None); on failure ``summary`` holds
-      ``error`` (the exception's type and message) and ``hlo_text`` is None: a failure is recorded, not raised.
+      ``compile_s`` (seconds to build, lower and compile) and ``error`` (None); on failure ``summary`` holds
+      ``error`` (the exception's type and message) and ``traceback`` (its last frames), and ``hlo_text`` is
+      None: a failure is recorded, not raised.
 
     Raises:
       ValueError: an unknown ``name`` (the message lists them).
@@ -172,17 +174,38 @@ def compile_program(
         compiled = fn.lower(*args).compile()
         summary, text = summarise(compiled, mesh, topology=topology)
     except Exception as e:  # noqa: BLE001 - recorded with the program, the others still compile
-        return {**head, "error": f"{type(e).__name__}: {e}"[:2000]}, None
+        where = traceback.format_exc(limit=-6)[-3000:]
+        return {**head, "error": f"{type(e).__name__}: {e}"[:2000], "traceback": where}, None
     return {**head, **summary, "compile_s": round(time.perf_counter() - t0, 2), "error": None}, text
 
 
 def compile_all(
-    devs: Sequence[Any], names: Iterable[str] | None = None, *, profile: str = "cpu", topology=None
+    devs: Sequence[Any],
+    names: Iterable[str] | None = None,
+    *,
+    profile: str = "cpu",
+    topology: str | None = None,
+    jobs: int = 1,
+    on_done: Callable[[str, dict], Any] | None = None,
 ) -> dict[str, tuple[dict, str | None]]:
-    """:func:`compile_program` for every name (default: the whole catalogue), in order: ``{name: (summary,
-    hlo_text)}``."""
+    """:func:`compile_program` for every name (default: the whole catalogue): ``{name: (summary,
+    hlo_text)}`` in the order given. ``jobs`` > 1 compiles that many at once in threads (XLA compiles
+    with the GIL released; each summary's ``compile_s`` is then its time beside the others).
+    ``on_done(name, summary)`` is called as each program is done (progress)."""
     names = list(aot_programs.PROGRAMS) if names is None else list(names)
-    return {n: compile_program(n, devs, profile=profile, topology=topology) for n in names}
+
+    def one(name):
+        done = compile_program(name, devs, profile=profile, topology=topology)
+        if on_done is not None:
+            on_done(name, done[0])
+        return done
+
+    if jobs <= 1:
+        return {n: one(n) for n in names}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(jobs) as pool:
+        return dict(zip(names, pool.map(one, names)))
 
 
 def write(results: dict[str, tuple[dict, str | None]], out_dir: str | Path, meta: dict) -> Path:

@@ -48,6 +48,15 @@ def _meta(args, devs, started: float) -> dict:
     return meta
 
 
+def _report(name: str, summary: dict) -> None:
+    kinds = sorted({c["op"] for c in summary.get("collectives") or []})
+    if summary["error"]:
+        status = "ERROR " + summary["error"][:160]
+    else:
+        status = f"{summary['compile_s']:6.2f} s {kinds}"
+    print(f"{name:32s} {status}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line (see the module docstring); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -60,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", default="cpu", help="lab 08's CNN size: cpu (default), tiny or gpu"
     )
     ap.add_argument("--only", nargs="*", help="program names (default: all)")
+    ap.add_argument(
+        "--jobs", type=int, default=4, help="programs compiled at once (threads; default 4)"
+    )
     args = ap.parse_args(argv)
     started = time.perf_counter()
     if args.cpu:  # before JAX starts: 8 simulated devices
@@ -81,20 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     topology = None if args.cpu else args.topology
     devs = aot.devices(topology)
-    results = {}
-    for name in args.only or aot_programs.PROGRAMS:
-        summary, text = aot.compile_program(name, devs, profile=args.profile, topology=topology)
-        results[name] = (summary, text)
-        kinds = sorted({c["op"] for c in summary.get("collectives") or []})
-        status = (
-            f"ERROR {summary['error'][:160]}"
-            if summary["error"]
-            else f"{summary['compile_s']:6.2f} s {kinds}"
-        )
-        print(f"{name:32s} {status}", flush=True)
+    names = args.only or list(aot_programs.PROGRAMS)
+    results = aot.compile_all(
+        devs, names, profile=args.profile, topology=topology, jobs=args.jobs, on_done=_report
+    )
     path = aot.write(results, args.out, _meta(args, devs, started))
     failed = [n for n, (s, _) in results.items() if s["error"]]
-    print(f"wrote {path} ({len(results)} programs, {len(failed)} failed: {failed})")
+    hlo_bytes = sum(f.stat().st_size for f in (path.parent / "hlo").glob("*.txt.gz"))
+    print(
+        f"wrote {path} ({len(results)} programs, {len(failed)} failed: {failed}; HLO "
+        f"{hlo_bytes / 1e6:.2f} MB gzipped) in {time.perf_counter() - started:.0f} s"
+    )
     return 1 if failed else 0
 
 
