@@ -45,6 +45,7 @@ _INSTR = re.compile(
 _ANY_COLLECTIVE = re.compile("|".join(re.escape(op) for op in HLO_COLLECTIVES))
 """A cheap first test of a line (most lines of a program hold no collective) before :data:`_INSTR`."""
 _DONE = re.compile(r"=\s*(?P<shape>.+?)\s[\w\-]+-done\([^%]*%(?P<start>[\w.\-]+)\)")
+_UPDATE = re.compile(r"%?(?P<name>[\w.\-]+)\s*=\s*.+?\s[\w\-]+-update\([^%]*%(?P<start>[\w.\-]+)\)")
 _MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
@@ -224,6 +225,18 @@ def _mesh_shape(mesh: Any) -> dict[str, int] | None:
     return dict(mesh.shape) if hasattr(mesh, "axis_names") else dict(mesh)
 
 
+def _done_shapes(hlo_text: str) -> dict[str, str]:
+    """``{start instruction: result type of its -done}``; a ``-done`` may follow ``-update`` steps."""
+    updates = {m.group("name"): m.group("start") for m in _UPDATE.finditer(hlo_text)}
+    out = {}
+    for m in _DONE.finditer(hlo_text):
+        start = m.group("start")
+        while start in updates:
+            start = updates[start]
+        out[start] = m.group("shape").strip()
+    return out
+
+
 def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
     """The collectives of a compiled program, in the order the HLO text lists them.
 
@@ -240,8 +253,8 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
     """
     shape_of_mesh = _mesh_shape(mesh)
     runs, looped = computation_runs(hlo_text), loop_computations(hlo_text)
+    done = _done_shapes(hlo_text)
     wrapped = set(_ASYNC_CALL.findall(hlo_text))
-    done = {m.group("start"): m.group("shape").strip() for m in _DONE.finditer(hlo_text)}
     ops, computation = [], ""
     for line in hlo_text.splitlines():
         if line[:1] not in ("", " ", "\t") and line.rstrip().endswith("{"):
@@ -295,12 +308,6 @@ def _computations(hlo_text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _calls_once(line: str) -> bool:
-    """False for the end of an async pair (``async-done``/``-update``): it names the computation its
-    ``async-start`` already runs."""
-    return " async-done(" not in line and " async-update(" not in line
-
-
 def computation_runs(hlo_text: str) -> dict[str, int | None]:
     """How many times each computation of a compiled program runs when the program runs once.
 
@@ -326,7 +333,9 @@ def computation_runs(hlo_text: str) -> dict[str, int | None]:
     for name, lines in reversed(comps):  # HLO text lists callees before their callers
         if name not in runs:
             continue
-        for line in filter(_calls_once, lines):
+        for line in lines:
+            if " async-done(" in line or " async-update(" in line:
+                continue  # it names the computation its async-start runs
             trips = _TRIPS.search(line) if " while(" in line else None
             for m in _CALLED.finditer(line):
                 for callee in (m.group(1),) if m.group(1) else re.findall(r"[\w.\-]+", m.group(2)):
@@ -347,9 +356,7 @@ def loop_computations(hlo_text: str) -> set[str]:
     conditions and every computation they call, at any depth (with or without a known trip count)."""
     comps = _computations(hlo_text)
     names, looped = {name for name, _ in comps}, set()
-    for name, lines in reversed(
-        comps
-    ):  # callers after their callees in the text: walk from ENTRY down
+    for name, lines in reversed(comps):  # callers after their callees in the text: from ENTRY down
         for line in lines:
             for m in _CALLED.finditer(line):
                 callees = (m.group(1),) if m.group(1) else re.findall(r"[\w.\-]+", m.group(2))

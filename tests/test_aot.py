@@ -179,8 +179,8 @@ def test_written_reference_reads_back_and_compares(compiled, devs, tmp_path):
     assert list(aot.collective_table(tpu)["async"]) == [True, True]
 
 
-# HLO as XLA:TPU writes it (shortened): an async permute pair in a while loop without known_trip_count, and
-# a reduce-scatter wrapped by async-start
+# HLO as XLA:TPU writes it (shortened): an async permute pair in a while loop without known_trip_count, a
+# reduce-scatter wrapped by async-start, and one as XLA prints such a pair in short (start, update, done)
 TPU_LIKE = """HloModule m
 
 %wrapped_rs (p: f32[8]) -> f32[1] {
@@ -204,6 +204,9 @@ ENTRY %main (a: f32[4], b: f32[8]) -> f32[4] {
   %w = (s32[], f32[4]{0}) while(%init), condition=%cond, body=%body
   %async-start = ((f32[8]{0}), f32[1]{0}) async-start(%b), calls=%wrapped_rs
   %async-done = f32[1]{0} async-done(%async-start), calls=%wrapped_rs
+  %rss = ((f32[8]{0}), f32[1]{0}) reduce-scatter-start(%b), replica_groups={}, dimensions={0}, to_apply=%add
+  %rsu = ((f32[8]{0}), f32[1]{0}) reduce-scatter-update(%rss)
+  %rsd = f32[1]{0} reduce-scatter-done(%rsu)
   ROOT %o = f32[4]{0} get-tuple-element(%w), index=1
 }
 """
@@ -212,7 +215,7 @@ ENTRY %main (a: f32[4], b: f32[8]) -> f32[4] {
 def test_the_reader_knows_async_pairs_and_loops_without_a_trip_count():
     assert loop_computations(TPU_LIKE) == {"body", "cond"}
     assert computation_runs(TPU_LIKE)["body"] is None
-    rs, perm = collective_ops(TPU_LIKE, {"data": 8})  # in text order
+    rs, perm, rs2 = collective_ops(TPU_LIKE, {"data": 8})  # in text order
     assert (perm.op, perm.asynchronous, perm.in_loop, perm.runs) == (
         "collective-permute",
         True,
