@@ -13,7 +13,17 @@ run on 8 chips (``as_text()``, ``memory_analysis()``, ``cost_analysis()``); noth
 kept in ``data/tpu_reference/programs/`` (:data:`REFERENCE_DIR`). :func:`reference` reads it, and
 :func:`compare` sets a program's collectives on XLA:CPU (compiled here, now) beside XLA:TPU's (the reference):
 kind, dtypes, bytes, asynchronous pairs and loop placement, for ``notebooks/08_lab.ipynb``,
-``notebooks/10_transformers.ipynb`` and ``notebooks/12_transformer_lab.ipynb``.
+``notebooks/10_transformers.ipynb`` and ``notebooks/12_transformer_lab.ipynb``. In a notebook on 8 simulated
+CPU devices::
+
+    from course_lib import aot
+    aot.compare("lab08.sharded_jit.bfloat16", devices)   # one row per (collective, axes), "same" per row
+    aot.collective_table(aot.reference("lesson10.collective_matmul"))   # XLA:TPU's alone, any device count
+
+The catalogue's names are :data:`course_lib.aot_programs.PROGRAMS`' keys. A program that differs on the two
+compilers is the point of the comparison: XLA:CPU promotes bfloat16 all-reduces to float32, runs every
+collective synchronously and writes loop trip counts; XLA:TPU may keep bfloat16, issue start/done pairs
+that overlap with compute, combine collectives differently, and writes no trip counts.
 """
 
 from __future__ import annotations
@@ -35,7 +45,6 @@ REFERENCE_DIR = Path(__file__).resolve().parent.parent / "data" / "tpu_reference
 """Where the TPU host's ``programs.json`` and ``hlo/*.txt.gz`` are kept (written by ``tools/tpu_programs.py``)."""
 TOPOLOGY = "v5e:2x4"
 """The TPU slice compiled for: 8 TPU v5e chips in a 2 × 4 torus."""
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 def devices(topology: str | None = TOPOLOGY, n: int = aot_programs.N_DEVICES) -> list:
@@ -125,7 +134,7 @@ def summarise(compiled: Any, mesh: Any, *, topology: str | None = None) -> tuple
       ``op``, ``dtypes`` (HLO names, ``"bf16"``), ``shape``, ``bytes`` of its result on one device,
       ``bytes_sent`` (ring model, :attr:`course_lib.programs.CollectiveOp.bytes_sent`), ``axes``,
       ``group_size``, ``async``, ``in_loop``, ``runs`` (None: in a loop of unknown trip count; XLA:TPU
-      writes none), ``computation``, ``name``), ``async_starts`` (``-start`` instructions of collectives),
+      writes none), ``computation``, ``name``), ``async_starts`` (collectives issued as start/done pairs),
       ``while_loops``, ``memory`` (bytes per device: ``argument``, ``output``, ``temp``, ``alias``,
       ``generated_code``; ``memory_analysis()``), ``cost`` (``flops``, ``bytes_accessed``:
       ``cost_analysis()``, each loop body counted once), ``collectives_note`` (why axes are unnamed).
@@ -140,8 +149,7 @@ def summarise(compiled: Any, mesh: Any, *, topology: str | None = None) -> tuple
         "topology": topology,
         "mesh": mesh_shape,
         "collectives": rows,
-        "async_starts": sum(text.count(f" {k}-start(") for k in KINDS)
-        + text.count(" async-start("),
+        "async_starts": sum(bool(c["async"]) for c in rows),
         "while_loops": text.count(" while("),
         "memory": _memory(compiled),
         "cost": _cost(compiled),
@@ -253,6 +261,36 @@ def reference(name: str, path: str | Path | None = None) -> dict:
     return programs[name]
 
 
+def tpu_summary(name: str, *, path: str | Path | None = None, live: bool | None = None) -> dict:
+    """XLA:TPU's program ``name`` for the 8-chip slice: compiled now for :data:`TOPOLOGY` on a TPU host,
+    else read from the reference (:func:`reference`).
+
+    Args:
+      live: True: compile now (needs a TPU backend); False: the reference; None: live when JAX has a TPU
+        backend here.
+
+    Returns:
+      A summary as :func:`compile_program` makes it; a live one at the reference's ``profile`` when there
+      is a reference, else ``"cpu"``.
+
+    Raises:
+      RuntimeError: ``live=True`` without a TPU backend.
+      FileNotFoundError, KeyError: no reference, or none for ``name`` (not live).
+    """
+    if live is None:
+        try:
+            live = bool(jax.devices("tpu"))
+        except RuntimeError:
+            live = False
+    if not live:
+        return reference(name, path)
+    try:
+        profile = reference(name, path).get("profile", "cpu")
+    except (FileNotFoundError, KeyError):
+        profile = "cpu"
+    return compile_program(name, devices(TOPOLOGY), profile=profile, topology=TOPOLOGY)[0]
+
+
 def hlo_text(name: str, path: str | Path | None = None) -> str:
     """The reference's HLO text of program ``name`` (``hlo/<name>.txt.gz`` beside ``programs.json``)."""
     base = Path(path) if path is not None else REFERENCE_DIR
@@ -333,16 +371,26 @@ def compare_summaries(here: dict, ref: dict):
     return pd.DataFrame(rows)
 
 
-def compare(name: str, devs: Sequence[Any] | None = None, *, path: str | Path | None = None):
+def compare(
+    name: str,
+    devs: Sequence[Any] | None = None,
+    *,
+    path: str | Path | None = None,
+    tpu: dict | None = None,
+):
     """Program ``name`` compiled now on ``devs`` (default ``jax.devices()``, 8 of them: the simulated CPU
-    devices of a notebook) beside the reference's XLA:TPU program: :func:`compare_summaries`'s table.
+    devices of a notebook) beside XLA:TPU's: :func:`compare_summaries`'s table.
+
+    Args:
+      tpu: XLA:TPU's summary (e.g. :func:`tpu_summary`'s, compiled live on a TPU host); default the
+        reference's (:func:`reference`).
 
     Raises:
       ValueError: not 8 devices (the reference's mesh has 8: run the notebook with ``n_devices=8``), or the
         program failed to compile there (the reference's error) or here (its error).
       FileNotFoundError, KeyError: as :func:`reference`.
     """
-    tpu = reference(name, path)
+    tpu = reference(name, path) if tpu is None else tpu
     if tpu.get("error"):
         raise ValueError(
             f"the reference records that {name} did not compile for the TPU: {tpu['error']}"
