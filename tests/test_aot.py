@@ -266,3 +266,18 @@ def test_fsdp_specs_are_the_registrys():
     assert jax.tree.leaves(got, is_leaf=is_spec) == jax.tree.leaves(specs, is_leaf=is_spec)
     assert any(s != P() for s in jax.tree.leaves(got, is_leaf=is_spec))  # some leaves are split
     assert batch[0].sharding.spec == P("data")
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(jax.default_backend() != "tpu", reason="needs a TPU backend")
+def test_xla_tpu_reduces_in_bfloat16_and_overlaps_the_ring():
+    """On a TPU host (``pytest tests/test_aot.py -m tpu``): the programs for 8 chips, compiled on one.
+    XLA:TPU keeps D's bfloat16 gradient all-reduce in bfloat16, and issues the collective matmul's
+    permutes as start/done pairs (the overlap lesson 10 names)."""
+    devs = aot.devices(aot.TOPOLOGY)
+    bf16, _ = aot.compile_program("lab08.sharded_jit.bfloat16", devs, topology=aot.TOPOLOGY)
+    assert bf16["error"] is None and bf16["platform"] == "tpu", bf16.get("error")
+    assert "bf16" in {dt for c in _ops(bf16, "all-reduce") for dt in c["dtypes"]}
+    ring, _ = aot.compile_program("lesson10.collective_matmul", devs, topology=aot.TOPOLOGY)
+    perms = _ops(ring, "collective-permute")
+    assert len(perms) == N - 1 and all(p["async"] for p in perms), perms
