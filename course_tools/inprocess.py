@@ -142,6 +142,35 @@ def _write(nb: dict, output: Path) -> None:
     os.replace(tmp, output)
 
 
+def _with_parameters(nb: dict, notebook, parameters: dict) -> dict:
+    """``nb`` with ``parameters`` injected in a new cell after the ``parameters`` cell (papermill's way).
+
+    Raises:
+      InProcessRefused: no ``parameters`` cell, or a name it does not assign.
+    """
+    at, names = declared_parameters(nb)
+    unknown = sorted(set(parameters) - names)
+    if unknown:
+        raise InProcessRefused(
+            f"{Path(notebook).name} has no parameter {', '.join(unknown)}: its parameters cell assigns "
+            f"{', '.join(sorted(names))}"
+        )
+    if parameters:
+        lines = ["# Parameters injected for this run"] + [
+            f"{k} = {v!r}" for k, v in parameters.items()
+        ]
+        injected = {
+            "cell_type": "code",
+            "execution_count": None,
+            "id": "injected-parameters",
+            "metadata": {"tags": [INJECTED_TAG]},
+            "outputs": [],
+            "source": "\n".join(lines) + "\n",
+        }
+        nb["cells"].insert(at + 1, injected)
+    return nb
+
+
 def execute(
     notebook: str | os.PathLike,
     output: str | os.PathLike,
@@ -168,27 +197,9 @@ def execute(
         ``n_device`` would otherwise run the notebook with its default).
     """
     parameters = dict(parameters or {})
-    nb = json.loads(Path(notebook).read_text(encoding="utf-8"))
-    at, names = declared_parameters(nb)
-    unknown = sorted(set(parameters) - names)
-    if unknown:
-        raise InProcessRefused(
-            f"{Path(notebook).name} has no parameter {', '.join(unknown)}: its parameters cell assigns "
-            f"{', '.join(sorted(names))}"
-        )
-    if parameters:
-        lines = ["# Parameters injected for this run"] + [
-            f"{k} = {v!r}" for k, v in parameters.items()
-        ]
-        injected = {
-            "cell_type": "code",
-            "execution_count": None,
-            "id": "injected-parameters",
-            "metadata": {"tags": [INJECTED_TAG]},
-            "outputs": [],
-            "source": "\n".join(lines) + "\n",
-        }
-        nb["cells"].insert(at + 1, injected)
+    nb = _with_parameters(
+        json.loads(Path(notebook).read_text(encoding="utf-8")), notebook, parameters
+    )
     shell = _Shell()
     report: dict[str, Any] = {
         "notebook": str(notebook),

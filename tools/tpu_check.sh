@@ -21,7 +21,7 @@ no TCP sockets. One program holds the chips at a time, so everything runs one af
      host's package index (--index) and --wheelhouse (e.g. chex, treescope), keeping the host's JAX, jaxlib,
      libtpu and numpy first on the path (skip with --skip-install);
   3. prints the device report (course_lib.devices.setup_devices(n, "tpu")) and the versions;
-  4. runs the tests marked tpu (tests/test_tpu.py) in one process;
+  4. runs the tests marked tpu (tests/test_tpu.py, tests/test_aot.py) in one process;
   5. runs every notebook (or --notebooks) at the host's chip count, each in its own process;
   6. runs the lab (08_lab) at profile auto in bfloat16: the largest article-like batch that fits the chip;
   7. compiles the course's programs for an 8-chip v5e (tools/tpu_programs.py, when present);
@@ -156,7 +156,9 @@ cp "$OUT/logs/device.log" "$OUT/device.txt"
 
 # 4. the tests marked tpu
 if [[ $REHEARSE == 0 ]]; then
-  step tests "$PY" -m pytest tests/test_tpu.py -m tpu -p no:xdist -p no:cacheprovider -o addopts="" -q
+  # --noconftest: the suite's conftest fixes 8 simulated CPU devices; these tests need the chip
+  step tests "$PY" -m pytest tests/test_tpu.py tests/test_aot.py -m tpu --noconftest -p no:xdist \
+    -p no:cacheprovider -o addopts="" -q
 fi
 
 # 5. every notebook at the host's chip count
