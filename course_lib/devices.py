@@ -276,8 +276,6 @@ def setup_devices(
 
     import jaxlib
 
-    from .chips import chip_for
-
     return DeviceReport(
         platform=backend,
         device_kind=devices[0].device_kind,
@@ -290,9 +288,16 @@ def setup_devices(
         python_version=_platform.python_version(),
         host_cpus=os.cpu_count() or 1,
         notes=tuple(note for note in notes if note),
-        chip=None if backend == "cpu" else chip_for(devices[0].device_kind),
+        chip=_chip(backend, devices[0]),
         bytes_limit=_bytes_limit(devices[0]),
     )
+
+
+def _chip(backend: str, device: Any) -> Any:
+    """The :data:`course_lib.chips.PEAKS` entry of ``device``; None on simulated CPU devices."""
+    from .chips import chip_for
+
+    return None if backend == "cpu" else chip_for(device.device_kind)
 
 
 def _bytes_limit(device: Any) -> int | None:
