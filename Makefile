@@ -69,7 +69,7 @@ UNDER_LOAD = $(if $(filter-out 0,$(LOAD)),$(PY) tools/cpu_load.py --busy $(LOAD)
 
 help:
 	@echo "make lab       set up, then run the capstone lab (08_lab) into a new folder $(BUILD)/lab[-k]"
-	@echo "               N_DEVICES=8 PLATFORM=auto|cpu|gpu PROFILE=auto|cpu|gpu|tiny BUILD=build"
+	@echo "               N_DEVICES=8 PLATFORM=auto|cpu|gpu|tpu PROFILE=auto|cpu|gpu|tiny BUILD=build"
 	@echo "make course    every notebook in order into a new folder $(BUILD)/course[-k], with a time table"
 	@echo "               N_DEVICES PLATFORM PROFILE (the lab's) BUILD, ONLY='00 08' runs a subset"
 	@echo "make scaling   the lab (08) and the transformer lab (12) at COUNTS='1 2 4 8' devices, one process"

@@ -1,7 +1,9 @@
 """The lab's configuration: profiles, the notebook parameters and how their values are read, the seed rule.
 
 - :class:`LabConfig` nests the model's shape (:class:`course_lib.model.CNNConfig`) and the data
-  (:class:`course_lib.data.SyntheticImages`); :data:`PROFILES` holds the ``cpu``, ``gpu`` and ``tiny`` ones.
+  (:class:`course_lib.data.SyntheticImages`); :data:`PROFILES` holds the ``cpu``, ``gpu`` (the source
+  article's setting, for any accelerator: TPU or GPU) and ``tiny`` ones; on a chip whose memory it does not
+  fit, :func:`course_lib.sizing.fit_global_batch` halves the article's batch.
 - :class:`Param` declares one notebook parameter (name, default, type, allowed values) and
   :func:`coerce` turns what papermill passes into a value of that type: ``-r`` passes strings (``"3"``,
   ``"False"``), ``-y`` YAML (ints, bools, floats). One rule, the type of the default, serves every notebook,
@@ -266,7 +268,8 @@ def _profile(
 PROFILES = {
     # Sized for a 2-core laptop or CI runner with 8 simulated devices: the whole lab in well under 2 minutes.
     "cpu": _profile("cpu", model_lib.CNNConfig(image_size=32), global_batch=64, steps=20),
-    # The source article's setting: 128 x 128 x 3 images, global batch 512 (8 x 64 per device).
+    # The source article's setting: 128 x 128 x 3 images, global batch 512 (8 x 64 per device). "auto" picks
+    # it on a TPU or GPU; notebooks/08_lab.ipynb then fits the batch to the chip (course_lib.sizing).
     "gpu": _profile(
         "gpu",
         model_lib.CNNConfig(image_size=128),
@@ -279,10 +282,17 @@ PROFILES = {
     # signal so that this small model's loss falls within its few steps.
     "tiny": _profile("tiny", model_lib.TINY, signal=3.0, global_batch=32, steps=6, scaling_steps=4),
 }
-"""The lab's profiles; ``"auto"`` picks ``gpu`` on a GPU backend, else ``cpu``."""
+"""The lab's profiles; ``"auto"`` picks ``gpu`` (the article's setting) on a TPU or GPU backend, else ``cpu``."""
 
-N_DEVICES = Param("n_devices", 8, minimum=1, help="devices to use (simulated CPU devices, or GPUs)")
-PLATFORM = Param("platform", "auto", choices=PLATFORMS, help="auto | cpu | gpu")
+N_DEVICES = Param(
+    "n_devices", 8, minimum=1, help="devices to use (simulated CPU devices, TPUs or GPUs)"
+)
+PLATFORM = Param(
+    "platform",
+    "auto",
+    choices=PLATFORMS,
+    help="auto (TPU or GPU if any, else CPU) | cpu | gpu | tpu",
+)
 
 LAB_PARAMS = {
     p.name: p
@@ -336,7 +346,9 @@ def resolve_profile(
     global_batch: Any = None,
     n_devices: int | None = None,
 ) -> LabConfig:
-    """Pick a :class:`LabConfig`: ``"auto"`` → ``"gpu"`` on a GPU backend, else ``"cpu"``.
+    """Pick a :class:`LabConfig`: ``"auto"`` → ``"gpu"`` (the article's setting) on a TPU or GPU backend,
+    else ``"cpu"``. Fitting its batch to the chip's memory is :func:`course_lib.sizing.fit_global_batch`'s
+    job (it compiles a step, so it needs the devices).
 
     With ``n_devices`` and no ``global_batch`` of the reader's, the profile's batch is rounded up to a
     multiple of every device count the lab uses (1, 2, 4, …, n), so that 3, 5, 6 or 7 devices work too:
@@ -344,7 +356,7 @@ def resolve_profile(
 
     Args:
       profile: ``"auto"``, ``"cpu"``, ``"gpu"`` or ``"tiny"``.
-      platform: ``report.platform`` (``"cpu"`` or ``"gpu"``).
+      platform: ``report.platform`` (``"cpu"``, ``"gpu"`` or ``"tpu"``).
       steps: overrides the profile's steps when given (None, ``""`` or 0 keeps it); ints or decimal strings.
       global_batch: overrides the profile's global batch likewise.
       n_devices: the device count, to fit the default batch to it.
@@ -355,7 +367,7 @@ def resolve_profile(
     """
     key = coerce(LAB_PARAMS["profile"], profile)
     if key == "auto":
-        key = "gpu" if platform == "gpu" else "cpu"
+        key = "gpu" if platform in ("gpu", "tpu") else "cpu"
     cfg = PROFILES[key]
     changes = {}
     for name, value in (("steps", steps), ("global_batch", global_batch)):

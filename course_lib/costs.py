@@ -9,12 +9,13 @@
   index tensors, layout copies — so the prediction is a lower bound of the temporaries;
   ``notebooks/08_lab.ipynb`` attributes them with XLA's buffer assignment (:mod:`course_lib.xla_dump`). The
   input images are kept too, but the program holds them as an argument, so they are not counted here.
-- **Peak FLOP/s** (:data:`PEAKS`, :func:`peak_flops`) per GPU kind and precision, dense (no sparsity), from
-  the vendor's datasheets, for the utilisation (:func:`mfu`): of the *model's* FLOPs (MFU: the work a
+- **Peak FLOP/s** (:data:`PEAKS`, :func:`peak_flops`: the one table of accelerators, kept in
+  :mod:`course_lib.chips` with HBM and link figures) per TPU or GPU kind and precision, dense (no
+  sparsity), from the vendors' pages, for the utilisation (:func:`mfu`): of the *model's* FLOPs (MFU: the work a
   training step needs, :func:`model_flops_per_step`), or of the FLOPs the compiled program runs (HFU:
   everything it computes, work computed twice included). MFU ≤ HFU: the model's count leaves out what the
-  step does not need, the lab asserts model ≤ compiled FLOPs for every strategy. None on CPUs: no peak is
-  claimed.
+  step does not need, the lab asserts model ≤ compiled FLOPs for every strategy. None on simulated CPU
+  devices: no peak is claimed.
 - **A step-time model** (:func:`step_time_model`): FLOPs at 100 % of a stated peak, plus bytes sent at a
   stated link bandwidth, plus an ASSUMED fixed latency per collective (:data:`COLLECTIVE_LATENCY_S`), for
   the device profiles in :data:`DEVICE_PROFILES`. A model, not a measurement.
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
+
+# the one table of accelerators (TPUs and GPUs), re-exported: costs.PEAKS, costs.peak_flops, costs.rate
+from .chips import PEAKS, TF32_PRECISIONS, Peak, chip_for, peak_flops, rate  # noqa: F401
 
 # ---- memory by kind ----------------------------------------------------------------------------------
 
@@ -78,84 +81,6 @@ def residual_activation_bytes(
 
 
 # ---- peak FLOP/s and MFU -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Peak:
-    """Dense peak throughput of one GPU kind, TFLOP/s (None: the precision has no tensor-core path).
-
-    Attributes:
-      name: the product (``"H100 SXM"``).
-      pattern: a regular expression matched against ``jax.Device.device_kind`` (the CUDA device name,
-        e.g. ``"NVIDIA H100 80GB HBM3"``).
-      fp32, tf32, bf16, fp16: TFLOP/s without sparsity (datasheets print tensor-core figures *with* 2:4
-        sparsity; these are half of those).
-      source: the datasheet the figures come from.
-    """
-
-    name: str
-    pattern: str
-    fp32: float
-    tf32: float | None
-    bf16: float | None
-    fp16: float | None
-    source: str
-
-
-PEAKS = (
-    Peak("H100 SXM", r"H100 80GB HBM3|H100 SXM", 67.0, 494.7, 989.4, 989.4,
-         "NVIDIA H100 Tensor Core GPU datasheet, SXM column"),
-    Peak("H100 PCIe", r"H100 PCIe", 51.0, 378.0, 756.0, 756.0,
-         "NVIDIA H100 Tensor Core GPU datasheet, PCIe column"),
-    Peak("H100 NVL", r"H100 NVL", 60.0, 417.5, 835.5, 835.5,
-         "NVIDIA H100 Tensor Core GPU datasheet, H100 NVL column"),
-    Peak("H200 NVL", r"H200 NVL", 60.0, 417.5, 835.5, 835.5,
-         "NVIDIA H200 Tensor Core GPU datasheet, H200 NVL column"),
-    Peak("H200", r"H200(?!\s*NVL)", 67.0, 494.7, 989.4, 989.4,
-         "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column"),
-    Peak("A100", r"A100", 19.5, 156.0, 312.0, 312.0,
-         "NVIDIA A100 Tensor Core GPU datasheet (SXM4 and PCIe, 40 and 80 GB: the same peaks)"),
-    Peak("L40S", r"L40S", 91.6, 183.0, 362.05, 362.05, "NVIDIA L40S datasheet"),
-    Peak("A40", r"\bA40\b", 37.4, 74.8, 149.7, 149.7, "NVIDIA A40 datasheet"),
-    Peak("A10", r"\bA10\b", 31.2, 62.5, 125.0, 125.0, "NVIDIA A10 Tensor Core GPU datasheet"),
-    Peak("RTX 4090", r"RTX 4090", 82.6, 82.6, 165.2, 165.2,
-         "NVIDIA Ada Lovelace GPU architecture whitepaper (FP32-accumulate tensor rates)"),
-    Peak("V100 SXM2", r"V100-SXM2|V100 SXM2", 15.7, None, None, 125.0, "NVIDIA Tesla V100 datasheet, SXM2"),
-    Peak("V100 PCIe", r"V100-PCIE|V100 PCIe", 14.0, None, None, 112.0, "NVIDIA Tesla V100 datasheet, PCIe"),
-)  # fmt: skip
-"""Dense peak TFLOP/s of the GPUs a workshop server is likely to have. Match order matters: the first
-pattern that matches wins (``\\bA10\\b`` is written so that it does not match ``A100``)."""
-
-TF32_PRECISIONS = ("default", "high", "tensorfloat32", "TF32_TF32_F32")
-"""``jax_default_matmul_precision`` values under which float32 convolutions may use TF32 tensor cores."""
-
-
-def peak_flops(
-    device_kind: str, precision: str, matmul_precision: str = "default"
-) -> tuple[float | None, Peak | None]:
-    """``(peak FLOP/s, its Peak entry)`` for a device kind and the lab's precision; ``(None, …)`` when
-    unknown (a CPU, an unlisted GPU, or a precision the device has no rate for).
-
-    ``float32`` uses the TF32 rate when ``matmul_precision`` allows TF32 (the default: JAX "leans toward
-    speed", docs.jax.dev/en/latest/201/precision.html) on a device that has it, else the FP32 rate;
-    ``bfloat16`` the BF16 rate; ``float64`` is not rated here.
-    """
-    for peak in PEAKS:
-        if re.search(peak.pattern, device_kind or ""):
-            return rate(peak, precision, matmul_precision), peak
-    return None, None
-
-
-def rate(peak: Peak, precision: str, matmul_precision: str = "default") -> float | None:
-    """FLOP/s of ``peak`` for the lab's precision (the rules of :func:`peak_flops`), or None."""
-    if precision == "bfloat16":
-        tflops = peak.bf16
-    elif precision == "float32":
-        tf32 = matmul_precision in TF32_PRECISIONS and peak.tf32 is not None
-        tflops = peak.tf32 if tf32 else peak.fp32
-    else:
-        tflops = None
-    return None if tflops is None else tflops * 1e12
 
 
 def valid_taps(size: int, kernel: int = 3) -> int:
@@ -250,12 +175,26 @@ class DeviceProfile:
 
 _PEAK = {peak.name: peak for peak in PEAKS}
 
+
+def device_profile(name: str, chip: str) -> DeviceProfile:
+    """A :class:`DeviceProfile` whose bandwidths are the :data:`PEAKS` entry ``chip``'s (one table).
+
+    Raises:
+      ValueError: ``chip`` is not in the table, or the table gives it no HBM or link bandwidth.
+    """
+    peak = _PEAK.get(chip)
+    if peak is None or peak.hbm_bytes_per_s is None or peak.link_bytes_per_s is None:
+        raise ValueError(
+            f"chip {chip!r} has no HBM and link bandwidth in course_lib.chips.PEAKS; one of "
+            f"{[p.name for p in PEAKS if p.hbm_bytes_per_s and p.link_bytes_per_s]}"
+        )
+    return DeviceProfile(name, peak, peak.hbm_bytes_per_s, peak.link_bytes_per_s, peak.source)
+
+
 DEVICE_PROFILES = {
-    "A100": DeviceProfile("A100 SXM4 80GB, NVLink 3", _PEAK["A100"], 2.039e12, 300e9,
-                          "A100 datasheet: 2,039 GB/s HBM2e; NVLink 3: 600 GB/s (300 GB/s each way)"),
-    "H100": DeviceProfile("H100 SXM5 80GB, NVLink 4", _PEAK["H100 SXM"], 3.35e12, 450e9,
-                          "H100 datasheet: 3.35 TB/s HBM3; NVLink 4: 900 GB/s (450 GB/s each way)"),
-}  # fmt: skip
+    "A100": device_profile("A100 SXM4 80GB, NVLink 3", "A100 SXM4 80GB"),
+    "H100": device_profile("H100 SXM5 80GB, NVLink 4", "H100 SXM"),
+}
 """The profiles the lab's step-time model is drawn for (the source article used 8 × A100 80 GB)."""
 
 

@@ -1,9 +1,11 @@
-"""Device setup: real GPUs or simulated CPU devices, fixed before JAX starts.
+"""Device setup: real TPU chips or GPUs, or simulated CPU devices, fixed before JAX starts.
 
 Every notebook calls :func:`setup_devices` in the cell right after its parameters cell. On the CPU
 backend it *simulates* ``n_devices`` devices with ``jax.config.update("jax_num_cpu_devices", n)``,
-which only works before the first JAX operation (``notebooks/00_setup.ipynb`` shows why). On a GPU
-host it uses the first ``n_devices`` GPUs.
+which only works before the first JAX operation (``notebooks/00_setup.ipynb`` shows why). On a TPU or
+GPU host it uses the first ``n_devices`` chips, and its report names the chip from the table of
+:mod:`course_lib.chips` (peak FLOP/s, HBM, links, with sources) and the memory XLA may use on it
+(``memory_stats()["bytes_limit"]``).
 
 The module imports JAX lazily, inside :func:`setup_devices`, so importing ``course_lib`` never starts a
 backend.
@@ -18,7 +20,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-PLATFORMS = ("auto", "cpu", "gpu")
+PLATFORMS = ("auto", "cpu", "gpu", "tpu")
+"""The ``platform`` values: ``"auto"`` takes the accelerator JAX has (TPU or GPU), else simulated CPU devices."""
 
 # One XLA flag: "--name" or "--name=value", ASCII only (an en dash or a missing "--" aborts XLA later).
 _XLA_FLAG = re.compile(r"^--[A-Za-z0-9_]+(=[\x21-\x7e]*)?$")
@@ -33,8 +36,9 @@ class DeviceReport:
     """What :func:`setup_devices` set up.
 
     Attributes:
-      platform: ``"cpu"`` or ``"gpu"``: the backend the devices belong to.
-      device_kind: ``jax.Device.device_kind`` of the first device, e.g. ``"cpu"`` or ``"NVIDIA H100 80GB HBM3"``.
+      platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``: the backend the devices belong to.
+      device_kind: ``jax.Device.device_kind`` of the first device, e.g. ``"cpu"``, ``"TPU v5 lite"`` or
+        ``"NVIDIA H100 80GB HBM3"``.
       n_devices: number of devices the course uses (``len(devices)``).
       simulated: True when the devices are simulated CPU devices sharing this machine's cores.
       devices: the ``jax.Device`` objects to use, in order; meshes and ``pmap`` take them from here.
@@ -43,6 +47,11 @@ class DeviceReport:
       host_cpus: ``os.cpu_count()`` of this machine.
       notes: what the setup changed or wants known about the environment (e.g. an ``MPLBACKEND`` replaced
         by the inline backend), printed with the report.
+      chip: the :class:`course_lib.chips.Peak` entry of ``device_kind`` (peak dense bf16 FLOP/s, HBM bytes
+        and bandwidth, link bandwidth, source); None on simulated CPU devices (no fabric, no peak claimed)
+        and on a chip the table does not list.
+      bytes_limit: bytes XLA may allocate on the first device (``memory_stats()["bytes_limit"]``); None where
+        the backend reports no allocator statistics (CPU).
     """
 
     platform: str
@@ -56,13 +65,37 @@ class DeviceReport:
     python_version: str
     host_cpus: int
     notes: tuple[str, ...] = ()
+    chip: Any = None
+    bytes_limit: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The report without the device objects: plain values for a table or a CSV row."""
+        """The report without the device objects: plain values for a table or a CSV row.
+
+        The chip's figures are flattened: ``chip`` (its name, ``""`` without one), ``peak_bf16_flops_per_s``,
+        ``hbm_bytes``, ``hbm_bytes_per_s``, ``link_bytes_per_s`` (None without a figure), ``chip_source``.
+        """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["devices"] = ", ".join(str(x) for x in self.devices)
         d["notes"] = "; ".join(self.notes)
+        c = self.chip
+        d["chip"] = "" if c is None else c.name
+        d["peak_bf16_flops_per_s"] = None if c is None else c.peak_bf16_flops_per_s
+        for key in ("hbm_bytes", "hbm_bytes_per_s", "link_bytes_per_s"):
+            d[key] = None if c is None else getattr(c, key)
+        d["chip_source"] = "" if c is None else f"{c.source} ({c.url})" if c.url else c.source
         return d
+
+    def chip_line(self) -> str:
+        """What the devices are, as hardware: the chip's figures and source, or why there are none."""
+        if self.simulated:
+            return (
+                "simulated CPU devices: threads of one process, not a fabric; no HBM, no links, "
+                "no peak FLOP/s claimed"
+            )
+        if self.chip is None:
+            return f"{self.device_kind!r} is not in course_lib.chips.PEAKS: no peak FLOP/s claimed"
+        source = f"{self.chip.source} ({self.chip.url})" if self.chip.url else self.chip.source
+        return f"{self.chip.describe()} [source: {source}]"
 
     def __str__(self) -> str:
         kind = "simulated on the CPU" if self.simulated else "real"
@@ -76,6 +109,12 @@ class DeviceReport:
         if self.simulated and self.n_devices > 1:
             lines.append(
                 "note         : simulated devices share this machine's cores; timings are relative, not speedups"
+            )
+        lines.append(f"chip         : {self.chip_line()}")
+        if self.bytes_limit is not None:
+            lines.append(
+                f"memory       : bytes_limit {self.bytes_limit / 2**30:.2f} GiB per device "
+                f"(memory_stats(): what XLA may allocate)"
             )
         lines += [f"note         : {note}" for note in self.notes]
         return "\n".join(lines)
@@ -185,8 +224,9 @@ def setup_devices(
 
     Args:
       n_devices: how many devices to use: an int, or a decimal string such as ``"8"``.
-      platform: ``"auto"`` (GPUs if JAX has a GPU backend, else simulated CPU devices), ``"cpu"``
-        (simulated CPU devices even on a GPU host) or ``"gpu"`` (GPUs only; an error without them).
+      platform: ``"auto"`` (the accelerator JAX has, TPU or GPU, else simulated CPU devices), ``"cpu"``
+        (simulated CPU devices even on a TPU or GPU host), ``"gpu"`` or ``"tpu"`` (that accelerator only; an
+        error naming the fix without it).
       measures_compiles: True in a lesson that times compiles (02, 07): a persistent compilation cache
         (``JAX_COMPILATION_CACHE_DIR``) is switched off in this kernel, with a note
         (:func:`course_lib.environment.switch_off_persistent_cache`).
@@ -198,7 +238,8 @@ def setup_devices(
       ValueError: ``n_devices`` is not a positive integer, or ``platform`` is not one of ``PLATFORMS``.
       DeviceSetupError: ``XLA_FLAGS`` is malformed; the environment is one the course cannot run in (see
         above); JAX already started with another device count (restart the kernel); more GPUs asked for
-        than exist; ``platform="gpu"`` without a GPU backend.
+        than exist (the message names the chip, its count and the fix); ``platform="gpu"`` or ``"tpu"``
+        without that backend.
     """
     from . import environment
 
@@ -247,11 +288,30 @@ def setup_devices(
         python_version=_platform.python_version(),
         host_cpus=os.cpu_count() or 1,
         notes=tuple(note for note in notes if note),
+        chip=_chip(backend, devices[0]),
+        bytes_limit=_bytes_limit(devices[0]),
     )
 
 
+def _chip(backend: str, device: Any) -> Any:
+    """The :data:`course_lib.chips.PEAKS` entry of ``device``; None on simulated CPU devices."""
+    from .chips import chip_for
+
+    return None if backend == "cpu" else chip_for(device.device_kind)
+
+
+def _bytes_limit(device: Any) -> int | None:
+    """``device.memory_stats()["bytes_limit"]``, or None where the backend keeps no statistics (CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without allocator statistics
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
 def _start_backend(jax: Any, platform: str) -> str:
-    """Start JAX's default backend; a backend that cannot start, or no GPU for platform='gpu', is named."""
+    """Start JAX's default backend; a backend that cannot start, or no GPU/TPU for platform='gpu'/'tpu', is
+    named with the fix."""
     try:
         backend = jax.default_backend()
     except Exception as e:  # e.g. JAX_PLATFORMS names a backend that is not installed
@@ -271,6 +331,13 @@ def _start_backend(jax: Any, platform: str) -> str:
         raise DeviceSetupError(
             f"platform='gpu' but JAX's backend is {backend!r}: no GPU is visible to JAX. Install the CUDA build "
             f"of the same JAX (pip install 'jax[cuda12]==0.12.0.1'), check nvidia-smi and CUDA_VISIBLE_DEVICES, "
+            f"or use platform='auto' / 'cpu' to run on simulated CPU devices."
+        )
+    if platform == "tpu" and backend != "tpu":
+        raise DeviceSetupError(
+            f"platform='tpu' but JAX's backend is {backend!r}: no TPU is visible to JAX. On a TPU VM (Colab's or "
+            f"Kaggle's TPU runtime, a Cloud TPU) install JAX with its TPU runtime (pip install 'jax[tpu]'), check "
+            f"that no other process holds the chips and that JAX_PLATFORMS is unset, and restart the kernel; "
             f"or use platform='auto' / 'cpu' to run on simulated CPU devices."
         )
     return backend
@@ -295,8 +362,9 @@ def select_devices(n: int, available: Sequence[Any], backend: str) -> tuple[Any,
     """The first ``n`` of the ``available`` devices of ``backend``, or an error naming the fix.
 
     Raises:
-      DeviceSetupError: fewer devices than ``n`` (on GPU: use fewer, or simulate with platform='cpu';
-        on CPU: the count was fixed earlier, restart the kernel).
+      DeviceSetupError: fewer devices than ``n`` (on a TPU or GPU: the message names the chip kind and
+        count, and the fix: ``n_devices <= k``, or platform='cpu' to simulate ``n``; on CPU: the count was
+        fixed earlier, restart the kernel).
     """
     if len(available) < n:
         if backend == "cpu":
@@ -305,8 +373,9 @@ def select_devices(n: int, available: Sequence[Any], backend: str) -> tuple[Any,
                 f"before this call (JAX_NUM_CPU_DEVICES or an earlier jax.config.update). Restart the kernel."
             )
         kind = available[0].device_kind if available else backend
+        what = "chip(s)" if backend == "tpu" else "device(s)"
         raise DeviceSetupError(
-            f"asked for n_devices={n} but only {len(available)} {backend.upper()} device(s) exist ({kind}). "
+            f"asked for n_devices={n} but only {len(available)} {backend.upper()} {what} exist ({kind}). "
             f"Use n_devices <= {len(available)}, or platform='cpu' to simulate {n} devices."
         )
     return tuple(available[:n])

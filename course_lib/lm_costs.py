@@ -292,10 +292,7 @@ def predict_memory(key: str, config, global_batch: int, sizes: dict[str, int], i
 
 # ---- a step-time model for GPUs (a model, not a measurement) ------------------------------------------------
 
-H200 = costs.DeviceProfile(
-    "H200 SXM 141GB, NVLink 4", costs._PEAK["H200"], 4.8e12, 450e9,
-    "H200 datasheet: 4.8 TB/s HBM3e; NVLink 4: 900 GB/s (450 GB/s each way)",
-)  # fmt: skip
+H200 = costs.device_profile("H200 SXM 141GB, NVLink 4", "H200")  # the table's bandwidths
 PROFILES = {"H100": costs.DEVICE_PROFILES["H100"], "H200": H200}
 """The device profiles of the lab's step-time model (8 GPUs of one NVLink server)."""
 MEMORY_BYTES = {"H100": 80e9, "H200": 141e9}

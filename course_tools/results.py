@@ -84,7 +84,7 @@ LM_FILES = {
 """The transformer lab's results files, by table."""
 LM_RESULT_COLUMNS = (
     "layout", "n_devices", "mesh", "parity_f64", "parity_f32", "predicted_bytes", "measured_bytes",
-    "collectives", "compile_s", "cpu_step_s", "final_loss", "platform", "jax_version",
+    "collectives", "compile_s", "cpu_step_s", "final_loss", "platform", "jax_version", "mfu",
 )  # fmt: skip
 LM_BYTES_COLUMNS = (
     "layout", "n_devices", "axis", "kind", "predicted_n", "predicted_bytes", "measured_n",

@@ -380,8 +380,8 @@ def _parser() -> argparse.ArgumentParser:
         "lab", help="run notebooks/08_lab.ipynb into a new run folder", exit_on_error=False
     )
     lab.add_argument("--n-devices", type=n_devices, default=8, help="devices to use (default 8)")
-    lab.add_argument("--platform", type=platform, default="auto", help="auto | cpu | gpu")
-    lab.add_argument("--profile", type=profile, default="auto", help="auto | cpu | gpu | tiny")
+    lab.add_argument("--platform", type=platform, default="auto", help=PLATFORM.help)
+    lab.add_argument("--profile", type=profile, default="auto", help=LAB_PARAMS["profile"].help)
     lab.add_argument("--build", default="build", help=root)
     course = sub.add_parser(
         "course",
@@ -389,7 +389,7 @@ def _parser() -> argparse.ArgumentParser:
         exit_on_error=False,
     )
     course.add_argument("--n-devices", type=n_devices, default=8)
-    course.add_argument("--platform", type=platform, default="auto")
+    course.add_argument("--platform", type=platform, default="auto", help=PLATFORM.help)
     course.add_argument("--build", default="build", help=root)
     course.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 00 08")
     course.add_argument("--profile", type=profile, default="auto", help="the lab's profile")
@@ -397,7 +397,7 @@ def _parser() -> argparse.ArgumentParser:
         "scaling", help="run the lab at several device counts and aggregate", exit_on_error=False
     )
     scaling.add_argument("--counts", nargs="+", type=n_devices, default=[1, 2, 4, 8])
-    scaling.add_argument("--platform", type=platform, default="auto")
+    scaling.add_argument("--platform", type=platform, default="auto", help=PLATFORM.help)
     scaling.add_argument("--profile", type=profile, default="auto")
     scaling.add_argument("--build", default="build", help=root)
     return parser

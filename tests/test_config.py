@@ -10,6 +10,7 @@ from course_lib import config, data, lab, model
 def test_profiles():
     assert config.resolve_profile("auto", "cpu").name == "cpu"
     gpu = config.resolve_profile("auto", "gpu")
+    assert config.resolve_profile("auto", "tpu") == gpu  # the article's setting on any accelerator
     assert (gpu.image_size, gpu.global_batch) == (128, 512)  # the source article's setting
     assert config.resolve_profile("cpu", "cpu", steps="7").steps == 7
     assert config.resolve_profile("cpu", "cpu", steps=0).steps == config.PROFILES["cpu"].steps
@@ -185,3 +186,13 @@ def test_init_run_is_the_seed_rule():
     ]
     with pytest.raises(ValueError, match="seed=-1 must be a non-negative integer"):
         config.init_run(tiny, -1)
+
+
+def test_platform_parameter_names_the_accelerators():
+    assert config.PLATFORM.choices == ("auto", "cpu", "gpu", "tpu")
+    assert config.coerce(config.PLATFORM, " TPU ") == "tpu"
+    with pytest.raises(
+        ValueError, match=r"platform='npu' is not one of \['auto', 'cpu', 'gpu', 'tpu'\]"
+    ):
+        config.coerce(config.PLATFORM, "npu")
+    assert "tpu" in config.PLATFORM.help and config.LAB_PARAMS["platform"] is config.PLATFORM

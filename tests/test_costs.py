@@ -21,9 +21,16 @@ from course_lib.config import PROFILES
         ("NVIDIA H200", "bfloat16", "default", 989.4, "H200"),
         ("NVIDIA H200 NVL", "bfloat16", "default", 835.5, "H200 NVL"),  # not the SXM's figure
         ("NVIDIA H200 NVL", "float32", "default", 417.5, "H200 NVL"),
-        ("NVIDIA A100-SXM4-80GB", "float32", "default", 156.0, "A100"),
-        ("NVIDIA A100-PCIE-40GB", "bfloat16", "default", 312.0, "A100"),
-        ("NVIDIA A100 80GB PCIe", "float32", "tensorfloat32", 156.0, "A100"),
+        ("NVIDIA A100-SXM4-80GB", "float32", "default", 156.0, "A100 SXM4 80GB"),
+        ("NVIDIA A100-PCIE-40GB", "bfloat16", "default", 312.0, "A100 40GB"),
+        ("NVIDIA A100 80GB PCIe", "float32", "tensorfloat32", 156.0, "A100 PCIe 80GB"),
+        ("TPU v5 lite", "bfloat16", "default", 197.0, "TPU v5e"),
+        ("TPU v5 lite", "float32", "default", 197.0, "TPU v5e"),  # one bf16 pass per float32 matmul
+        ("TPU v5 lite", "float32", "high", 197.0 / 3, "TPU v5e"),  # three passes
+        ("TPU v5 lite", "float32", "highest", 197.0 / 6, "TPU v5e"),  # six passes
+        ("TPU v5", "bfloat16", "default", 459.0, "TPU v5p"),
+        ("TPU v5p", "bfloat16", "default", 459.0, "TPU v5p"),
+        ("TPU v6 lite", "bfloat16", "default", 918.0, "TPU v6e"),
         ("NVIDIA A10", "float32", "float32", 31.2, "A10"),  # not matched by the A100 entry
         ("NVIDIA A40", "bfloat16", "default", 149.7, "A40"),
         ("NVIDIA L40S", "bfloat16", "default", 362.05, "L40S"),
@@ -34,6 +41,32 @@ from course_lib.config import PROFILES
 def test_peak_flops_per_device_kind(kind, precision, matmul, tflops, name):
     peak, entry = costs.peak_flops(kind, precision, matmul)
     assert peak == pytest.approx(tflops * 1e12) and entry.name == name and entry.source
+
+
+def test_the_table_gives_memory_and_links_with_sources():
+    # (name, dense bf16 TFLOP/s, HBM GiB, HBM bytes/s, link bytes/s one way) as the vendors' pages give them
+    checked = {
+        "TPU v5e": (197.0, 16, 819e9, 200e9),
+        "TPU v5p": (459.0, 95, 2765e9, 600e9),
+        "TPU v6e": (918.0, 32, 1638e9, 400e9),
+        "A100 SXM4 80GB": (312.0, 80, 2.039e12, 300e9),
+        "A100 40GB": (312.0, 40, 1.555e12, None),
+        "H100 SXM": (989.4, 80, 3.35e12, 450e9),
+        "H200": (989.4, 141, 4.8e12, 450e9),
+    }
+    table = {p.name: p for p in costs.PEAKS}
+    for name, (bf16, gib, hbm_s, link_s) in checked.items():
+        p = table[name]
+        assert p.peak_bf16_flops_per_s == bf16 * 1e12 and p.hbm_bytes == gib * 2**30, name
+        assert (p.hbm_bytes_per_s, p.link_bytes_per_s) == (hbm_s, link_s), name
+        assert p.source and p.url.startswith("https://"), name
+    assert costs.chip_for("NVIDIA H100 80GB HBM3") is table["H100 SXM"]
+    assert costs.chip_for("cpu") is None
+    # the step-time model's profiles read the same table: one table, no second copy of a bandwidth
+    assert costs.DEVICE_PROFILES["H100"].hbm_bytes_per_s == table["H100 SXM"].hbm_bytes_per_s
+    assert costs.DEVICE_PROFILES["A100"].link_bytes_per_s == 300e9
+    with pytest.raises(ValueError, match="no HBM and link bandwidth"):
+        costs.device_profile("L40S server", "L40S")
 
 
 def test_no_peak_where_none_is_known():
@@ -95,5 +128,5 @@ def test_residual_activations_from_shapes():
 
 
 def test_the_device_profiles_use_their_own_gpus_peaks():
-    assert costs.DEVICE_PROFILES["A100"].peak.name == "A100"
+    assert costs.DEVICE_PROFILES["A100"].peak.name == "A100 SXM4 80GB"
     assert costs.DEVICE_PROFILES["H100"].peak.name == "H100 SXM"

@@ -1,5 +1,6 @@
 """Device setup: parsing, XLA_FLAGS checks, and the errors that name their fix."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -59,6 +60,11 @@ def test_session_has_eight_simulated_devices(report):
     assert report.n_devices == 8 and report.platform == "cpu" and report.simulated
     assert [d.id for d in report.devices] == list(range(8))
     assert "simulated" in str(report) and report.as_dict()["n_devices"] == 8
+    # simulated CPU devices: no chip from the table, no peak, no allocator limit
+    d = report.as_dict()
+    assert report.chip is None and report.bytes_limit is None and d["chip"] == ""
+    assert d["peak_bf16_flops_per_s"] is None and d["hbm_bytes"] is None
+    assert "not a fabric" in str(report) and "no peak FLOP/s claimed" in str(report)
 
 
 def test_same_count_again_is_fine(report):
@@ -76,9 +82,17 @@ def test_gpu_platform_without_gpu_names_the_fix():
         setup_devices(8, platform="gpu")
 
 
-def test_unknown_platform():
-    with pytest.raises(ValueError, match="platform='tpu'"):
+def test_tpu_platform_without_tpu_names_the_fix():
+    with pytest.raises(
+        DeviceSetupError, match=r"no TPU is visible to JAX.*jax\[tpu\].*platform='auto' / 'cpu'"
+    ):
         setup_devices(8, platform="tpu")
+
+
+def test_unknown_platform():
+    with pytest.raises(ValueError, match="platform='npu'"):
+        setup_devices(8, platform="npu")
+    assert devices.PLATFORMS == ("auto", "cpu", "gpu", "tpu")
 
 
 def test_device_subsets():
@@ -158,6 +172,38 @@ def test_more_gpus_than_exist_names_the_count_and_the_fix():
         r"Use n_devices <= 4, or platform='cpu' to simulate 8",
     ):
         devices.select_devices(8, gpus, "gpu")
+
+
+class FakeTPU:
+    device_kind = "TPU v5 lite"
+
+
+def test_more_tpu_chips_than_exist_names_the_chip_the_count_and_the_fix():
+    with pytest.raises(
+        DeviceSetupError,
+        match=r"n_devices=8 but only 1 TPU chip\(s\) exist \(TPU v5 lite\). "
+        r"Use n_devices <= 1, or platform='cpu' to simulate 8",
+    ):
+        devices.select_devices(8, [FakeTPU()], "tpu")
+
+
+def test_report_on_a_chip_names_its_figures_and_memory(report):
+    from course_lib import chips
+
+    v5e = chips.chip_for("TPU v5 lite")
+    on_tpu = dataclasses.replace(
+        report, platform="tpu", device_kind="TPU v5 lite", simulated=False, chip=v5e,
+        bytes_limit=int(15.7 * 2**30),
+    )  # fmt: skip
+    text = str(on_tpu)
+    assert "TPU v5e: 197 TFLOP/s dense bf16, 16 GiB HBM at 819 GB/s" in text
+    assert "cloud.google.com/tpu/docs/v5e" in text and "bytes_limit 15.70 GiB" in text
+    d = on_tpu.as_dict()
+    assert d["chip"] == "TPU v5e" and d["peak_bf16_flops_per_s"] == 197e12
+    assert d["hbm_bytes"] == 16 * 2**30 and d["hbm_bytes_per_s"] == 819e9
+    assert d["link_bytes_per_s"] == 200e9 and "Cloud TPU v5e" in d["chip_source"]
+    unlisted = dataclasses.replace(on_tpu, device_kind="TPU v9 future", chip=None)
+    assert "not in course_lib.chips.PEAKS" in str(unlisted)
 
 
 def test_misspelt_xla_flag_is_caught_before_it_kills_the_process():

@@ -164,3 +164,10 @@ def test_compile_and_analyse_sizes_the_collectives(report):
         and c.size_bytes == (model.param_count(p) + 1) * 4
     )
     assert stats.sent_bytes == pytest.approx(2 * 7 / 8 * c.size_bytes) and stats.bytes_accessed > 0
+
+
+def test_matmul_ceiling_counts_two_n_cubed_per_matmul(report):
+    flops = measure.matmul_ceiling(report.devices[0], n=64, repeats=2, chain=2)
+    assert math.isfinite(flops) and flops > 0
+    with pytest.raises(ValueError, match="n=0"):
+        measure.matmul_ceiling(report.devices[0], n=0)

@@ -54,3 +54,38 @@ def test_a_program_for_8_chips_compiles_on_one():
     grad = jax.jit(jax.grad(lambda w, x: jnp.sum((x @ w) ** 2)))
     text = grad.lower(w, x).compile().as_text()
     assert "all-reduce" in text
+
+
+def test_the_report_names_the_chip_and_its_memory():
+    from course_lib import chips, devices
+
+    d = jax.devices()[0]
+    chip = chips.chip_for(d.device_kind)
+    assert chip is not None and chip.platform == "tpu", d.device_kind  # every TPU the course names
+    limit = devices._bytes_limit(d)
+    assert (
+        limit is not None and 0.9 * chip.hbm_bytes <= limit <= chip.hbm_bytes
+    )  # 15.7 of 16 GiB on a v5e
+    with pytest.raises(devices.DeviceSetupError, match=r"TPU chip\(s\) exist .*platform='cpu'"):
+        devices.select_devices(len(jax.devices()) + 1, jax.devices(), "tpu")
+
+
+def test_a_bf16_matmul_stays_under_the_tables_peak():
+    from course_lib import chips, measure
+
+    d = jax.devices()[0]
+    ceiling = measure.matmul_ceiling(d)
+    peak = chips.chip_for(d.device_kind).peak_bf16_flops_per_s
+    assert 0.5 * peak < ceiling <= 1.05 * peak, (ceiling, peak)  # v5e: 175 of 197 TFLOP/s measured
+
+
+def test_the_lab_fits_the_articles_batch_to_the_chip():
+    from course_lib import sizing
+    from course_lib.config import resolve_profile
+
+    config = resolve_profile("auto", "tpu")
+    fitted, tried = sizing.fit_global_batch(
+        config, jax.devices()[:1], "bfloat16", 8, simulated=False
+    )
+    assert tried[-1].fits and fitted.global_batch <= 512
+    assert tried[0].global_batch == 512 and all(not e.fits for e in tried[:-1])

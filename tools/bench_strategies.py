@@ -14,13 +14,13 @@ import argparse
 import statistics
 import time
 
-from course_lib.devices import setup_devices
+from course_lib.devices import PLATFORMS, setup_devices
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n-devices", default="8")
-    ap.add_argument("--platform", default="cpu", choices=("auto", "cpu", "gpu"))
+    ap.add_argument("--platform", default="cpu", choices=PLATFORMS)
     ap.add_argument("--profile", default="auto")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
