@@ -67,10 +67,11 @@ define not_in_package
 	@echo "make $@ is not part of the student package (it needs the course's tests/ and solution notebooks):"\
 	 "run it in a clone of the course repository" >&2; exit 2
 endef
-# make test's second environment: the Python 3.11 it is built with (empty: none, or PY311=0), and what runs
-# there — the unit tests that do not start make, a server or Sphinx (those are environment-free and run in
-# the default environment), and every notebook as committed with nbmake.
-ifneq ($(filter test,$(GOALS)),)
+# make test's second environment: the Python 3.11 it is built with (empty: none found, or PY311=0). What
+# runs there: the unit tests and every notebook as committed (nbmake), not SLOW311 — the invariance matrix,
+# the runner's fault tests, the book, JupyterLab and make itself test the course's tools, not JAX, and are
+# the slowest; they run in VENV.
+ifeq ($(filter test,$(GOALS))-$(IN_PACKAGE),test-)  # make test in the repository (the package has no tests)
 PY311_PATH := $(if $(filter auto,$(PY311)),$(shell $(PYTHON) tools/check_python.py --find-3.11 2>/dev/null),$(filter-out 0,$(PY311)))
 endif
 SECOND311 := $(if $(PY311_PATH),$(if $(filter $(abspath $(VENV)),$(abspath $(VENV311))),,yes))
