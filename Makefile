@@ -15,6 +15,11 @@ STUDENT ?=
 OVERWRITE ?=
 LOAD ?= 0
 ONLY ?=
+# make test's second environment (README, "Two environments"): JAX 0.10.2 on Python 3.11 in .venv311.
+# PY311=auto finds a Python 3.11 (tools/check_python.py --find-3.11), PY311=/path/to/python3.11 names one,
+# PY311=0 skips it.
+PY311 ?= auto
+VENV311 := .venv311
 
 # --- the options each target takes -------------------------------------------------------------------
 # A variable given on make's command line that none of the named targets reads is refused by name (make
@@ -28,7 +33,7 @@ OPTIONS_scaling := COUNTS PLATFORM PROFILE BUILD
 OPTIONS_site := COURSE STUDENT BUILD
 OPTIONS_student := BUILD OVERWRITE
 OPTIONS_reference := OVERWRITE
-OPTIONS_test := PYTEST_ARGS LOAD
+OPTIONS_test := PYTEST_ARGS LOAD PY311
 OPTIONS_matrix := MATRIX PYTEST_ARGS LOAD
 OPTIONS_jupyter := JUPYTER_DIR
 OPTIONS_bench := N_DEVICES PLATFORM PROFILE
@@ -62,6 +67,15 @@ define not_in_package
 	@echo "make $@ is not part of the student package (it needs the course's tests/ and solution notebooks):"\
 	 "run it in a clone of the course repository" >&2; exit 2
 endef
+# make test's second environment: the Python 3.11 it is built with (empty: none found, or PY311=0). What
+# runs there: the unit tests and every notebook as committed (nbmake), not SLOW311 — the invariance matrix,
+# the runner's fault tests, the book, JupyterLab and make itself test the course's tools, not JAX, and are
+# the slowest; they run in VENV.
+ifeq ($(filter test,$(GOALS))-$(IN_PACKAGE),test-)  # make test in the repository (the package has no tests)
+PY311_PATH := $(if $(filter auto,$(PY311)),$(shell $(PYTHON) tools/check_python.py --find-3.11 2>/dev/null),$(filter-out 0,$(PY311)))
+endif
+SECOND311 := $(if $(PY311_PATH),$(if $(filter $(abspath $(VENV)),$(abspath $(VENV311))),,yes))
+SLOW311 := test_invariance.py test_run.py test_site.py test_jupyterlab.py test_make.py
 # `make test LOAD=2`: the suite with 2 busy processes beside it (tools/cpu_load.py), as on a loaded machine.
 UNDER_LOAD = $(if $(filter-out 0,$(LOAD)),$(PY) tools/cpu_load.py --busy $(LOAD) --,)
 
@@ -82,24 +96,40 @@ ifeq ($(IN_PACKAGE),)
 	@echo "make student   the student notebooks (solutions removed) in $(BUILD)/student and a zip to hand out,"
 	@echo "               $(BUILD)/jax-course-student.zip; OVERWRITE=1 replaces an earlier one"
 	@echo "make test      set up, then lint (ruff) and run the whole test suite (what CI runs);"
-	@echo "               PYTEST_ARGS='-k lab' passes pytest options; LOAD=2 runs it beside 2 busy processes"
+	@echo "               PYTEST_ARGS='-k lab' passes pytest options; LOAD=2 runs it beside 2 busy processes;"
+	@echo "               then the unit tests and every notebook in the second environment, JAX 0.10.2 on"
+	@echo "               Python 3.11 (.venv311; PY311=auto finds a 3.11, PY311=/path names one, PY311=0 skips)"
 	@echo "make matrix    every notebook under papermill at MATRIX='1 2 4' devices, results compared across"
 	@echo "               them and 8 (part of make test; MATRIX=3 checks the odd-count promise); PYTEST_ARGS LOAD"
 	@echo "make reference record data/reference_cpu_8sim*.csv again (OVERWRITE=1 replaces the committed ones)"
 endif
 	@echo "make bench     the strategies' step-time ratios and memory on this machine (N_DEVICES PLATFORM PROFILE)"
-	@echo "Every target also takes PYTHON=python3.12 (the Python that builds .venv) and VENV=.venv."
+	@echo "Every target also takes PYTHON=python3.12 (the Python that builds .venv) and VENV=.venv;"
+	@echo "make setup PYTHON=python3.11 VENV=.venv311 builds the second environment (JAX 0.10.2)."
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt pyproject.toml
-	@$(PYTHON) tools/check_python.py
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps -e .
-	@$(PY) -c "import jax, course_lib; print('jax', jax.__version__, '- course_lib ready')"
-	@touch $@
+# $(call build_venv,PYTHON,VENV): VENV/ from the requirements file for PYTHON's version (requirements.txt
+# on Python >= 3.12, requirements-py311.txt on 3.11; tools/check_python.py says which, and refuses older ones).
+define build_venv
+	@$(1) tools/check_python.py
+	$(1) -m venv $(2)
+	$(2)/bin/python -m pip install --quiet --upgrade pip
+	$(2)/bin/python -m pip install --quiet -r $$($(1) tools/check_python.py --requirements)
+	$(2)/bin/python -m pip install --quiet --no-deps -e .
+	@$(2)/bin/python -c "import jax, course_lib; print('jax', jax.__version__, '- course_lib ready')"
+	@touch $(2)/.installed
+endef
+
+$(VENV)/.installed: requirements.txt requirements-py311.txt pyproject.toml
+	$(call build_venv,$(PYTHON),$(VENV))
+
+ifneq ($(SECOND311),)
+$(VENV311)/.installed: requirements-py311.txt pyproject.toml
+	@test "$$($(PY311_PATH) tools/check_python.py --requirements 2>/dev/null)" = requirements-py311.txt || \
+	  { echo "make test PY311=$(PY311): $(PY311_PATH) is not a working Python 3.11 (it builds $(VENV311))" >&2; exit 2; }
+	$(call build_venv,$(PY311_PATH),$(VENV311))
+endif
 
 lab: setup
 	$(PY) -m course_tools.run lab --n-devices $(N_DEVICES) --platform $(PLATFORM) --profile $(PROFILE) --build $(BUILD)
@@ -125,11 +155,23 @@ else
 	$(not_in_package)
 endif
 
-test: setup
+test: setup $(if $(SECOND311),$(VENV311)/.installed)
 ifeq ($(IN_PACKAGE),)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(UNDER_LOAD) $(PY) -m pytest $(PYTEST_ARGS)
+ifneq ($(SECOND311),)
+	@echo "make test: the second environment, JAX 0.10.2 on $(PY311_PATH) in $(VENV311)"
+	$(UNDER_LOAD) $(VENV311)/bin/python -m pytest tests notebooks $(addprefix --ignore=tests/,$(SLOW311))
+else ifeq ($(abspath $(VENV)),$(abspath $(VENV311)))
+	@echo "make test: this run was in the second environment ($(VENV311)) itself"
+else ifeq ($(PY311),0)
+	@echo "make test: the second environment (JAX 0.10.2 on Python 3.11) was skipped: PY311=0" >&2
+else
+	@echo "make test: NO PYTHON 3.11 FOUND, so the second environment (JAX 0.10.2 on Python 3.11) was NOT tested:" \
+	  "looked for \$$PYTHON311, pyenv's versions/3.11.*, python3.11 on PATH, /usr/bin/python3.11. Install one" \
+	  "(pyenv install 3.11 or apt-get install python3.11-venv) or name it: make test PY311=/path/to/python3.11" >&2
+endif
 else
 	$(not_in_package)
 endif

@@ -40,7 +40,8 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean softmax cross-entropy: float32 [B, K] logits, int32 [B] labels → float32 scalar (nats).
 
     Uses the one-hot form ``optax.softmax_cross_entropy(logits, one_hot(labels))``: its gradient works on
-    Explicit mesh axes, where the integer-label form raises ``ShardingTypeError`` (``notebooks/05_sharding.ipynb``).
+    Explicit mesh axes, where JAX 0.12 refuses the integer-label form's gradient with ``ShardingTypeError``
+    (``notebooks/05_sharding.ipynb``).
     """
     return optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, logits.shape[-1])).mean()
 

@@ -227,6 +227,7 @@ def solution_lines(source: str) -> list[str]:
 PACKAGE_FILES = {
     "README.md": "docs/student-README.md",  # the package's README names only what the package holds
     "requirements.txt": "requirements.txt",
+    "requirements-py311.txt": "requirements-py311.txt",  # the second environment: JAX 0.10.2 on Python 3.11
     "pyproject.toml": "pyproject.toml",
     "Makefile": "Makefile",  # in a folder without tests/, its course-only targets say so
     ".python-version": ".python-version",

@@ -380,6 +380,34 @@ def test_block_memory_measured():
     )  # one extra forward pass
 
 
+def test_block_memory_compiled_as_jax_0_12_compiles_it():
+    """JAX 0.10.2's XLA:CPU merges a checkpoint's recomputation away unless its cse_barrier_expander pass
+    is off (lesson 01, section 7); JAX 0.12's keeps it. The checker compiles with the pass off exactly where
+    the default would merge."""
+    import functools
+
+    import jax
+
+    from course_tools.checks import _lesson01_blocks as blocks
+
+    w, x = (
+        np.ones((blocks.WIDTH, blocks.WIDTH), np.float32),
+        np.ones((blocks.ROWS, blocks.WIDTH), np.float32),
+    )
+    cpu = jax.devices("cpu")[0]
+    w, x = jax.device_put(w, cpu), jax.device_put(x, cpu)
+
+    def flops(block, options=None):
+        lowered = jax.jit(jax.grad(functools.partial(blocks._loss, block=block))).lower(w, x)
+        return lowered.compile(compiler_options=options).cost_analysis()["flops"]
+
+    merged = abs(flops(4) / flops(None) - 1) < 0.02
+    assert merged == blocks.barriers_merged() == (jax.__version_info__ < (0, 11)), jax.__version__
+    assert (
+        abs(flops(4, blocks.KEEP_BARRIERS) / flops(None) - 4 / 3) < 0.02
+    )  # with the pass off: 4/3
+
+
 def test_block_memory_accepts_correct_forms():
     assert lesson01.check_block_memory(BLOCKS_RIGHT)
     plus_one = {**BLOCKS_RIGHT, "k=1": 18, "k=2": 11, "k=8": 11, "k=16": 18, "flops k=1": 1.33}

@@ -36,7 +36,7 @@ def readme_options() -> dict[str, list[str]]:
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 2 and (m := re.fullmatch(r"`make (\S+)`", cells[0])):
-            table[m.group(1)] = re.findall(r"`([A-Z_]+)`", cells[1])
+            table[m.group(1)] = re.findall(r"`([A-Z][A-Z0-9_]*)`", cells[1])
     return table
 
 
@@ -69,6 +69,7 @@ PROBES = {  # a value that shows up in the printed command when the option is ho
     "LOAD": ("3", "tools/cpu_load.py --busy 3 --"),
     "MATRIX": ("3", 'COURSE_MATRIX_COUNTS="3"'),
     "JUPYTER_DIR": ("/tmp/probe-dir", "--ServerApp.root_dir=/tmp/probe-dir"),
+    "PY311": ("/tmp/probe-python3.11", "JAX 0.10.2 on /tmp/probe-python3.11 in .venv311"),
 }
 
 
@@ -89,7 +90,7 @@ def test_every_option_readme_lists_reaches_the_command(target, option):
         (["lab", "ONLY=00"], "ONLY=00", "BUILD N_DEVICES PLATFORM PROFILE"),
         (["lab", "N_DEVICE=4"], "N_DEVICE=4", "BUILD N_DEVICES PLATFORM PROFILE"),  # misspelt
         (["student", "PROFILE=tiny"], "PROFILE=tiny", "BUILD OVERWRITE"),
-        (["test", "N_DEVICES=2"], "N_DEVICES=2", "LOAD PYTEST_ARGS"),
+        (["test", "N_DEVICES=2"], "N_DEVICES=2", "LOAD PY311 PYTEST_ARGS"),
         (["jupyter", "BUILD=x"], "BUILD=x", "JUPYTER_DIR"),
         (["site", "ONLY=08"], "ONLY=08", "BUILD COURSE STUDENT"),
         (
@@ -130,6 +131,20 @@ def test_zero_means_no(tmp_path):
     assert "--student" not in make("site", "STUDENT=0").stdout
     assert "--overwrite" not in make("student", "OVERWRITE=0").stdout
     assert "cpu_load" not in make("test", "LOAD=0").stdout
+
+
+def test_make_test_runs_the_second_environment_or_says_why_not():
+    """After the suite in VENV, make test runs the unit tests and every notebook in .venv311 (JAX 0.10.2 on
+    Python 3.11): with a Python 3.11 it finds, with the one PY311 names; PY311=0 skips it, and without any
+    Python 3.11 it says so in capitals (README, "Two environments")."""
+    named = make("test", "PY311=/tmp/probe-python3.11").stdout
+    second = ".venv311/bin/python -m pytest tests notebooks --ignore=tests/test_invariance.py"
+    assert second in named
+    assert named.index(f"{VENV}/bin/python -m pytest") < named.index(second)  # after the suite
+    skipped = make("test", "PY311=0")
+    assert second not in skipped.stdout and "was skipped: PY311=0" in skipped.stdout
+    none = make("test", "PYTHON=/bin/false")  # its check_python.py --find-3.11 finds nothing
+    assert second not in none.stdout and "NO PYTHON 3.11 FOUND" in none.stdout
 
 
 def test_make_site_reads_the_newest_course_run_unless_one_is_named():

@@ -5,7 +5,10 @@ one *activation* is one layer's output, 512 × 128 × 4 bytes. For each block si
 compiled (not run) and measured: ``memory_analysis().temp_size_in_bytes`` in activations, and
 ``cost_analysis()["flops"]`` against the program without checkpointing. The programs are compiled for
 the CPU backend (``jax.devices("cpu")``) on every host, so the numbers are XLA:CPU's wherever the lesson
-runs: another compiler schedules memory differently.
+runs: another compiler schedules memory differently. Under JAX 0.10.2 (the second environment) XLA:CPU
+removes the optimization barriers around the recomputation (its pass ``cse_barrier_expander``) before a CSE
+pass that merges the recomputation away (lesson 01, section 7): there the programs are compiled without
+that pass (:data:`KEEP_BARRIERS`), as XLA:CPU of JAX 0.12 compiles them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,15 @@ BLOCK_QUESTIONS = ("best block", "k=1", "k=2", "k=8", "k=16", "flops k=1")
 """What the learner predicts: the block size with the least memory, the memory at four block sizes (in
 activations), and the FLOPs at k=1 as a multiple of the FLOPs without checkpointing."""
 ACTIVATION_TOLERANCE, RATIO_TOLERANCE = 1.5, 0.05
+KEEP_BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+"""The compiler option that keeps JAX 0.10.2's XLA:CPU from merging a checkpoint's recomputation away."""
+
+
+def barriers_merged() -> bool:
+    """Whether this JAX's XLA:CPU merges a checkpoint's recomputation away by default (JAX < 0.11)."""
+    import jax
+
+    return jax.__version_info__ < (0, 11)
 
 
 def _loss(w, x, block):
@@ -52,9 +64,11 @@ def measure_blocks() -> dict:
     w = jax.device_put(rng.normal(size=(WIDTH, WIDTH)).astype(np.float32) / np.sqrt(WIDTH), cpu)
     x = jax.device_put(rng.normal(size=(ROWS, WIDTH)).astype(np.float32), cpu)
     activation = ROWS * WIDTH * 4
+    options = KEEP_BARRIERS if barriers_merged() else None
     raw = {}
     for block in (None, *BLOCKS):
-        compiled = jax.jit(jax.grad(functools.partial(_loss, block=block))).lower(w, x).compile()
+        lowered = jax.jit(jax.grad(functools.partial(_loss, block=block))).lower(w, x)
+        compiled = lowered.compile(compiler_options=options)
         raw[block] = (
             compiled.memory_analysis().temp_size_in_bytes / activation,
             compiled.cost_analysis()["flops"],

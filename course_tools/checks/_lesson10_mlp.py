@@ -70,7 +70,8 @@ def mlp_collectives(jaxpr, n):
         ):
             psums += times or 2
         else:
-            others.append(f"{name} of {', '.join(f'[{", ".join(map(str, s))}]' for s in shapes)}")
+            listed = ", ".join("[" + ", ".join(map(str, s)) + "]" for s in shapes)
+            others.append(f"{name} of {listed}")
     want = (
         f"a tensor-parallel MLP (T={MLP_T}, D={MLP_D}, F={MLP_F}) sends one thing: the [T, D] "
         "partial output, summed over the devices by one lax.psum"

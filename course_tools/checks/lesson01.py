@@ -14,7 +14,7 @@ import numpy as np
 
 from ._common import call_answer, checker, fail, not_written, passed
 from ._lesson01_accumulate import judge_accumulated, judge_one_at_a_time, pass_tap
-from ._lesson01_blocks import BLOCK_QUESTIONS, BLOCKS, judge_blocks
+from ._lesson01_blocks import BLOCK_QUESTIONS, BLOCKS, barriers_merged, judge_blocks
 
 __all__ = ["BLOCK_QUESTIONS", "BLOCKS"]  # the notebook uses these
 
@@ -413,14 +413,22 @@ def check_block_memory(predictions: Mapping | None) -> bool:
     Spec: each prediction within ``_lesson01_blocks.ACTIVATION_TOLERANCE`` activations (the block size:
     exactly) or ``RATIO_TOLERANCE`` (the FLOP ratio) of what XLA:CPU's compiled programs report
     (``_lesson01_blocks.measure_blocks``: ``memory_analysis`` and ``cost_analysis``, compiled for the CPU
-    backend on every host). A wrong answer is told how many predictions are off, never which.
+    backend on every host; under JAX 0.10.2 without the pass that merges the recomputation away). A wrong
+    answer is told how many predictions are off, never which.
 
     Raises:
       ExerciseError: a missing or non-numeric prediction, or wrong ones (their number).
     """
+    import jax
+
     measured = judge_blocks(predictions)
     print("  block size k :", "  ".join(f"{k:>5}" for k in BLOCKS))
     print("  activations  :", "  ".join(f"{measured[k][0]:5.2f}" for k in BLOCKS))
     print("  FLOPs / none :", "  ".join(f"{measured[k][1]:5.2f}" for k in BLOCKS))
     print(f"  (no checkpoint: {measured[None][0]:.2f} activations; measured with XLA:CPU)")
+    if barriers_merged():
+        print(
+            f"  (JAX {jax.__version__}: compiled without XLA:CPU's pass cse_barrier_expander, which would merge"
+            " the recomputation away; lesson 01, section 7)"
+        )
     return passed("every checkpoint prediction matches the compiled programs")
