@@ -32,3 +32,22 @@ def not_written(check, *args, monkeypatch, capsys):
 def stub(*args, **kwargs):
     """The student version's stub of an exercise."""
     raise NotImplementedError("Exercise: write this part")
+
+
+TOLERANCES = ("platform", "tpu")
+"""The float32 tolerances a checker test runs at: this platform's, and the loosest the course uses (a TPU's
+at JAX's default matmul precision, 8 × 2^-9 ≈ 1.6e-2), at which every wrong answer must still be refused."""
+
+
+def use_tolerance(monkeypatch, tolerance: str) -> float:
+    """Make ``course_lib.precision.float32_rtol`` (which every checker reads, through
+    ``course_tools.checks._common.matmul_rtol``) return ``tolerance``'s value: ``"platform"`` leaves it as
+    it is, ``"tpu"`` forces a TPU's at default precision. Returns the value in force."""
+    from course_lib import precision
+    from course_tools.checks._common import matmul_rtol
+
+    if tolerance == "tpu":
+        loosest = precision.float32_rtol("tpu", "default")
+        monkeypatch.setattr(precision, "float32_rtol", lambda *args, **kwargs: loosest)
+        assert matmul_rtol() == loosest > 1e-2
+    return matmul_rtol()

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checking import not_written
+from checking import not_written, use_tolerance
 from checking import rejects_written as rejects
 from checking import stub as _stub
 from jax import lax
@@ -414,3 +414,12 @@ def test_train_scan_wrong_answers():
         lambda *a: _train_scan(*a)[0],
         match="expected a pair|final_params",
     )
+
+
+def test_train_scan_at_a_tpus_tolerance(monkeypatch):
+    """At the loosest float32 tolerance (a TPU's, 1.6e-2) a scan still passes, and the wrong values are
+    still refused."""
+    use_tolerance(monkeypatch, "tpu")
+    assert lesson02.check_train_scan(_train_scan)
+    rejects(lesson02.check_train_scan, _params_not_carried, match="initial params")
+    rejects(lesson02.check_train_scan, _loss_after_update, match="after step i's update")

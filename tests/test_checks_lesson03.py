@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from checking import not_written
+from checking import TOLERANCES, not_written, use_tolerance
 from checking import rejects_written as rejects
 from checking import stub as _stub
 from jax import lax
@@ -106,8 +106,11 @@ def _grid_of_keys(apply, stacked, key, x):  # other keys than the spec's: one sp
     return jax.vmap(inner, in_axes=(0, 0, None))(stacked, keys, x)
 
 
-def test_ensemble_wrong_answers():
+@pytest.mark.parametrize("tolerance", TOLERANCES)
+def test_ensemble_wrong_answers(monkeypatch, tolerance):
+    use_tolerance(monkeypatch, tolerance)  # refused at this platform's tolerance, and at a TPU's
     check = lesson03.check_ensemble
+    assert check(ensemble_of(_init_vmap, _predict))
     same_members = lambda init, key, m: jax.vmap(init)(jnp.stack([key] * m))  # noqa: E731
     rejects(check, ensemble_of(same_members, _predict), match="same parameters")
     shifted = lambda init, key, m: jax.vmap(init)(jax.random.split(key, m + 1)[1:])  # noqa: E731
@@ -372,7 +375,10 @@ def test_clipped_grad_stub(monkeypatch, capsys):
     not_written(lesson03.check_clipped_grad, _stub, monkeypatch=monkeypatch, capsys=capsys)
 
 
-def test_clipped_grad_wrong_answers():
+@pytest.mark.parametrize("tolerance", TOLERANCES)
+def test_clipped_grad_wrong_answers(monkeypatch, tolerance):
+    use_tolerance(monkeypatch, tolerance)  # refused at this platform's tolerance, and at a TPU's
+    assert lesson03.check_clipped_grad(_clipped)
     rejects(lesson03.check_clipped_grad, _batch_clipped, match="not each example's")
     rejects(lesson03.check_clipped_grad, _no_clipping, match="no example.s gradient was clipped")
     rejects(lesson03.check_clipped_grad, _per_leaf, match="own norm")

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checking import rejects
+from checking import rejects, use_tolerance
 from jax import lax
 
 from course_tools.checks import ExerciseError, NotWritten, lesson04
@@ -356,3 +356,20 @@ def test_one_device_answers_run_on_a_simulated_axis(report):
     assert lesson04.check_allreduce(_allreduce_right(4), one)  # compiled for 4 simulated devices
     rejects(lesson04.check_allreduce, _allreduce_right(1), one, match="1 of your 4")
     assert lesson04.check_accumulated_grads(acc_fori, one)
+
+
+def test_accumulated_grads_at_a_tpus_tolerance(report, monkeypatch):
+    """At the loosest float32 tolerance (a TPU's, 1.6e-2) the reference passes and the wrong gradients are
+    still refused, on the notebook's devices and on one device (a simulated axis of 4)."""
+    use_tolerance(monkeypatch, "tpu")
+    for devices in (report.devices, report.devices[:1]):
+        k = max(len(devices), lesson04.FAKE_AXIS if len(devices) == 1 else 0)
+        assert lesson04.check_accumulated_grads(acc_scan, devices)
+        rejects(
+            lesson04.check_accumulated_grads,
+            acc_no_divide,
+            devices,
+            match="too large with n_micro=3.*divide by n_micro",
+        )
+        rejects(lesson04.check_accumulated_grads, acc_psum, devices, match=f"{k}x|psum adds")
+        rejects(lesson04.check_accumulated_grads, acc_local, devices, match="different gradients")

@@ -8,7 +8,7 @@ import answers_lesson05 as a
 import jax
 import jax.numpy as jnp
 import pytest
-from checking import rejects
+from checking import rejects, use_tolerance
 from jax import P, lax
 from jax.sharding import NamedSharding
 
@@ -434,3 +434,19 @@ def test_an_axis_of_size_1_is_judged_on_a_full_mesh_too(report):
         one,
         match="x @ w1 is float32\\[2@data,4\\]",
     )
+
+
+def test_value_judgements_at_a_tpus_tolerance(report, monkeypatch):
+    """At the loosest float32 tolerance (a TPU's, 1.6e-2) the references pass and the wrong values are still
+    refused: the data-parallel loop's learning rates, the FSDP step's update, velocity and loss."""
+    use_tolerance(monkeypatch, "tpu")
+    devs = report.devices
+    assert lesson05.check_data_parallel_loop(train_ref, devs)
+    rejects(lesson05.check_data_parallel_loop, train_wrong_lr, devs, match="lr_schedule\\(i\\)")
+    assert lesson05.check_fsdp_tp_step(a.fsdp_tp_step, devs)
+    for answer, match in (
+        (a.fsdp_tp_step_sgd, "new velocity of.*0.9 \\* v"),
+        (a.fsdp_tp_step_lr_ignored, "updated .* with lr=0.05.*lr the argument"),
+        (a.fsdp_tp_step_loss_after, "loss .* before the update"),
+    ):
+        rejects(lesson05.check_fsdp_tp_step, answer, devs, match=match)

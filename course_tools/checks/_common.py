@@ -153,3 +153,31 @@ def call_answer(what: str, fn, *args, explain=None, **kwargs):
             f"{what} raised {type(e).__name__}: {str(e)[:300]}",
             "run it on a small input in a cell and read the error",
         )
+
+
+def matmul_rtol(floor: float = 0.0) -> float:
+    """The relative tolerance of a float32 comparison whose two sides compute matmuls or convolutions in
+    different orders (a learner's answer against a checker's reference): ``course_lib.precision.float32_rtol()``
+    on the platform and matmul precision in force — 1e-5 on XLA:CPU, 8 × 2^-9 ≈ 1.6e-2 on a TPU at JAX's
+    default precision (its float32 matmuls multiply bfloat16 inputs) — or ``floor`` where that is larger (a
+    checker's own tolerance for what else differs, e.g. a loop of steps against a scan). Read at every call,
+    so that a test can force the loosest value and check that the wrong answers are still refused."""
+    from course_lib import precision
+
+    return max(floor, precision.float32_rtol())
+
+
+def close(got, want, rtol: float | None = None) -> bool:
+    """``np.allclose(got, want)`` at relative tolerance ``rtol`` (None: :func:`matmul_rtol`), with an absolute
+    tolerance of ``rtol`` times the largest ``|want|``: a matmul's rounding scales with the sizes of what it
+    adds, so entries near 0 of a result get the same absolute slack as its largest ones. Shapes that do not
+    broadcast are not close."""
+    import numpy as np
+
+    rtol = matmul_rtol() if rtol is None else rtol
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    try:
+        scale = float(np.max(np.abs(want))) if want.size else 0.0
+        return bool(np.allclose(got, want, rtol=rtol, atol=rtol * scale))
+    except ValueError:
+        return False

@@ -10,6 +10,9 @@ Spec: ``ensemble(init, apply, init_key, dropout_key, x, members)`` returns ``(st
   again into one key per example (``apply`` draws a dropout mask from it);
 - ``apply`` is traced once (``vmap``, not a Python loop over members or examples).
 
+The outputs are compared within ``course_lib.precision.float32_rtol()`` (1e-5 on XLA:CPU, 1.6e-2 on a
+TPU, whose float32 matmuls multiply bfloat16 inputs): the reference computes one example at a time.
+
 The checker's ``init`` and ``apply`` accept one member's parameters and one example only (their Python
 bodies check the ranks), and count their runs; the answer is called under ``jax.jit`` (``init``, ``apply``
 and ``members`` static), so its program is compiled once; the batch holds two identical examples, so a key
@@ -25,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._common import call_answer, fail
+from ._common import call_answer, close, fail, matmul_rtol
 
 D_IN, HIDDEN, D_OUT, MEMBERS, BATCH, RATE = 3, 16, 2, 4, 6, 0.5
 
@@ -175,14 +178,15 @@ def judge_ensemble(ensemble: Callable) -> None:
             "one output per member and example",
         )
     got = np.asarray(out)
-    if np.allclose(got, want, rtol=1e-5, atol=1e-6):
+    rtol = matmul_rtol()  # the reference's matmuls are one example's, the answer's batched ones
+    if close(got, want, rtol):
         return
     if np.allclose(got[:, 0], got[:, 3]):
         fail(
             "two identical examples got identical outputs: the examples of a member share one dropout key",
             "split each member's key into one key per example: jax.random.split(member_key, batch)",
         )
-    if np.allclose(got, _reference(stacked, dropout_key, x, shared=True), atol=1e-6):
+    if close(got, _reference(stacked, dropout_key, x, shared=True), rtol):
         fail(
             "every member draws the same dropout masks: the members share their example keys",
             "split dropout_key into one key per member first, then each member's key into one per "

@@ -5,7 +5,9 @@ The checker hands the loop its own ``step``, ``make_batch`` and ``log`` and meas
 watcher thread waits on every dispatched step in order and records when it finished, so each step's busy
 interval on the device is known (from its dispatch, or the previous step's end, to its end); every
 ``make_batch`` records its own interval and, exactly, whether the step dispatched last was still running when
-it began and when it ended. The steps' device work and the host's work vary from step to step.
+it began and when it ended. The steps' device work and the host's work vary from step to step; the first
+step takes at least :data:`MIN_STEP_S` on every platform (an accelerator gets more matmuls per step), so
+that dispatching a step is short next to running it, as on XLA:CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ HOST = (0.45, 0.3, 0.6, 0.35, 0.5, 0.4)
 """Each ``make_batch(i)``'s host work, as a fraction of the device time of the step before it (step
 ``i - 1``, with which a good loop overlaps it); ``log`` works a quarter of that."""
 _BASE_ITERS = 120
+MIN_STEP_S = 0.02
+"""The shortest device time of the first step, in seconds: long next to dispatching a step and waking a
+thread (tens of microseconds). 120 matmuls of 256 × 256 take tens of milliseconds on XLA:CPU but
+microseconds on an accelerator, less than their dispatch, so :meth:`Harness.warm_up` scales every step's
+matmul count up until the first step takes at least this long."""
 LOG_LAG = 2
 """``log(i, …)`` runs before step ``i + 1 + LOG_LAG`` is dispatched: at most this many steps late."""
 
@@ -44,7 +51,7 @@ class Harness:
         self.batches = [
             rng.standard_normal((size, size)).astype(np.float32) for _ in range(N_STEPS)
         ]
-        self.iters = [max(1, round(_BASE_ITERS * w)) for w in WORK]
+        self.iters = self._iters(1.0)
         self._step = jax.jit(self._step_fn)
         self.lock = threading.Lock()
         self.dispatched: list = []  # (time, loss) of each step, in dispatch order
@@ -61,17 +68,29 @@ class Harness:
         # the new state depends on the whole step's work: it is ready no sooner than the loss
         return 0.9 * state + 0.1 * batch + 1e-6 * loss, {"loss": loss}
 
+    @staticmethod
+    def _iters(scale: float) -> list[int]:
+        return [max(1, round(_BASE_ITERS * scale * w)) for w in WORK]
+
     def warm_up(self) -> Any:
         """Compile, then time one step of the base work (the fastest of 5: a busy machine only ever
-        slows a step down): the unit of every host time."""
+        slows a step down): the unit of every host time. A step shorter than :data:`MIN_STEP_S` (an
+        accelerator's) gets more matmuls, all steps alike, until it is not (the count is an argument of
+        the compiled step: nothing recompiles)."""
         state0 = jnp.zeros((self.size, self.size), jnp.float32)
         jax.block_until_ready(self._step(state0, self.batches[0], self.iters[0]))
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(self._step(state0, self.batches[0], self.iters[0]))
-            times.append(time.perf_counter() - t0)
-        self.device_s = float(np.min(times))
+        scale = 1.0
+        for _ in range(8):
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                jax.block_until_ready(self._step(state0, self.batches[0], self.iters[0]))
+                times.append(time.perf_counter() - t0)
+            self.device_s = float(np.min(times))
+            if self.device_s >= MIN_STEP_S:
+                break
+            scale *= min(64.0, max(2.0, 1.5 * MIN_STEP_S / self.device_s))
+            self.iters = self._iters(scale)
         return state0
 
     def expected(self, state):
