@@ -1,5 +1,7 @@
 """The lab's runs: one measured run per strategy, the scaling sweep, the divisibility check."""
 
+import types
+
 import jax
 import pytest
 
@@ -141,3 +143,12 @@ def test_lower_strategy_gives_the_program_without_training(report):
     assert "f64" in lowered.as_text(dialect="hlo")
     with pytest.raises(ValueError, match="global batch 3 is not divisible by 2"):
         lab.lower_strategy("pmap", report.devices[:2], cfg, global_batch=3)
+
+
+def test_float64_is_refused_on_a_tpu_before_anything_compiles():
+    # the devices' platform decides: XLA:TPU has no float64 max-pool gradient (select-and-scatter)
+    cfg = config.resolve_profile("tiny", "cpu")
+    tpu = [types.SimpleNamespace(platform="tpu")]
+    for run in (lab.run_strategy, lab.lower_strategy):
+        with pytest.raises(ValueError, match="does not run on XLA:TPU"):
+            run("jit", tpu, cfg, precision="float64")
