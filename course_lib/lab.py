@@ -79,6 +79,11 @@ class StrategyRun:
     states: list | None = None
 
 
+def _devices_platform(devices: Sequence[Any]) -> str | None:
+    """The devices' platform (``"cpu"``, ``"tpu"``, ...), None for none: where a precision must run."""
+    return getattr(devices[0], "platform", None) if len(devices) else None
+
+
 def run_strategy(
     key: str,
     devices: Sequence[Any],
@@ -113,12 +118,12 @@ def run_strategy(
         :func:`course_lib.parity.nudge`).
 
     Raises:
-      ValueError: the global batch is not divisible by the strategy's data shards (numbers named), or an
-        unknown precision.
+      ValueError: the global batch is not divisible by the strategy's data shards (numbers named), an
+        unknown precision, or ``"float64"`` on a TPU (:func:`course_lib.precision.check_runs`).
     """
     steps = config.steps if steps is None else steps
     warmup = min(config.warmup, steps - 1)
-    precision_lib.check(precision)
+    precision_lib.check_runs(precision, _devices_platform(devices))
     with precision_lib.enabled(precision):
         before = measure.allocator_snapshot(
             list(devices)
@@ -183,7 +188,7 @@ def lower_strategy(
     Raises:
       ValueError: as :func:`run_strategy`.
     """
-    precision_lib.check(precision)
+    precision_lib.check_runs(precision, _devices_platform(devices))
     with precision_lib.enabled(precision):
         if params is None:
             start = init_run(config, seed)

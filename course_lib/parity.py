@@ -16,6 +16,9 @@
 - ``bfloat16``: 8 mantissa bits; every reordering differs at ~1e-3, so trajectories part within steps;
   one-step parity with the looser tolerances of :data:`TOLERANCES`.
 
+On a TPU float64 does not run (:func:`course_lib.precision.float64_runs`) and float32 matmuls multiply
+bfloat16 inputs at JAX's default precision: :func:`tolerance` gives each platform's tolerances.
+
 The float32 mechanism is shown live with :func:`activations` (the pre-activations of A's forward and of a
 tensor-parallel layout's order of additions, on one device), :func:`pool_flips`, :func:`gradient_jump` and
 :func:`nudge`.
@@ -60,7 +63,32 @@ TOLERANCES = {
     "float32": Tolerance(trajectory=None, one_step_loss=1e-4, one_step_update=5e-2),
     "bfloat16": Tolerance(trajectory=None, one_step_loss=2e-2, one_step_update=0.3),
 }
-"""Tolerances of the parity checks (module docstring for the measurements behind them)."""
+"""Tolerances of the parity checks where matmuls compute in float32 (XLA:CPU; module docstring for the
+measurements behind them). :func:`tolerance` gives the platform's."""
+
+
+def tolerance(precision: str, backend: str | None = None) -> Tolerance:
+    """The parity tolerances of ``precision`` on ``backend`` (``None``: JAX's default backend).
+
+    :data:`TOLERANCES` [precision], except for ``float32`` where the platform's float32 matmuls round their
+    inputs more coarsely than float32 (:func:`course_lib.precision.float32_rtol` above its floor: a TPU at
+    JAX's default precision multiplies bfloat16 inputs, a recent NVIDIA GPU TF32): there one step's loss may
+    differ by ``float32_rtol`` and its update by as much as a bfloat16 run's (the same input rounding), still
+    below the 0.5 a bug moves it. ``float64`` raises where it does not run
+    (:func:`course_lib.precision.float64_runs`: not on XLA:TPU).
+
+    Raises:
+      ValueError: an unknown precision, or ``float64`` on a backend where the course does not run it.
+    """
+    precision_lib.check_runs(precision, backend)
+    rtol = precision_lib.float32_rtol(backend)
+    if precision != "float32" or rtol <= precision_lib.FLOAT32_RTOL_FLOOR:
+        return TOLERANCES[precision]
+    return Tolerance(
+        trajectory=None,
+        one_step_loss=max(TOLERANCES["float32"].one_step_loss, rtol),
+        one_step_update=TOLERANCES["bfloat16"].one_step_update,
+    )
 
 
 def relative_diff(values: Sequence[float], reference: Sequence[float]) -> np.ndarray:

@@ -213,3 +213,19 @@ def float64_runs(backend: str | None = None) -> bool:
     """
     backend = jax.default_backend() if backend is None else backend
     return backend != "tpu"
+
+
+def check_runs(precision: str, backend: str | None = None) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS` and the course runs it on ``backend`` (``None``:
+    JAX's default backend); else a ValueError naming the value and the fix.
+
+    Raises:
+      ValueError: an unknown precision, or ``"float64"`` where :func:`float64_runs` is False (XLA:TPU).
+    """
+    if check(precision) == "float64" and not float64_runs(backend):
+        raise ValueError(
+            f"precision={precision!r} does not run on XLA:TPU: float64 is emulated there (programs take "
+            "minutes to compile) and select-and-scatter, the max-pool gradient, has no float64 kernel; "
+            "use precision='float32' (or 'bfloat16')"
+        )
+    return precision

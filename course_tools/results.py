@@ -195,17 +195,26 @@ def _sibling(path: Path) -> Path:
 
 
 def write_csv(
-    rows: Iterable[dict] | pd.DataFrame, path: str | os.PathLike, required: Sequence[str] = ()
+    rows: Iterable[dict] | pd.DataFrame,
+    path: str | os.PathLike,
+    required: Sequence[str] = (),
+    *,
+    may_be_empty: bool = False,
 ) -> Path:
     """Write rows to a CSV and return its path.
 
+    Args:
+      may_be_empty: no rows is a result (written as the ``required`` columns' header alone), not an error.
+
     Raises:
-      ValueError: no rows, or a required column is missing (named).
+      ValueError: no rows (unless ``may_be_empty``), or a required column is missing (named).
       OSError: the file cannot be written (a full disk): the message names the file and the folder; the
         previous version of the file, if any, is kept and no temporary file is left.
     """
     df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
-    if df.empty:
+    if df.empty and may_be_empty and not len(df.columns):
+        df = pd.DataFrame(columns=list(required))
+    elif df.empty and not may_be_empty:
         raise ValueError(f"no rows to write to {path}")
     missing = [c for c in required if c not in df.columns]
     if missing:
@@ -222,9 +231,12 @@ def write_lm_results(out_dir: str | os.PathLike, tables: dict) -> list[Path]:
     """Write the transformer lab's tables (``{"results": …, "bytes": …, "memory": …, "model": …}``, rows
     or DataFrames) to their files in ``out_dir`` (:data:`LM_FILES`); return the paths.
 
+    The ``bytes`` table may have no rows: a run whose every mesh axis has one device, on a compiler that
+    removes such collectives (XLA:TPU), has no collective to list; its file then holds the header alone.
+
     Raises:
-      ValueError: a table missing or unknown (named), no rows, or a required column missing
-        (:data:`LM_COLUMNS`); a ``model`` table whose ``is_model`` is not True in every row.
+      ValueError: a table missing or unknown (named), no rows (but in ``bytes``), or a required column
+        missing (:data:`LM_COLUMNS`); a ``model`` table whose ``is_model`` is not True in every row.
     """
     if set(tables) != set(LM_FILES):
         raise ValueError(
@@ -240,7 +252,13 @@ def write_lm_results(out_dir: str | os.PathLike, tables: dict) -> list[Path]:
             "every row of the step-time table is a model (is_model=True): no GPU measured it"
         )
     return [
-        write_csv(tables[k], Path(out_dir) / LM_FILES[k], required=LM_COLUMNS[k]) for k in LM_FILES
+        write_csv(
+            tables[k],
+            Path(out_dir) / LM_FILES[k],
+            required=LM_COLUMNS[k],
+            may_be_empty=k == "bytes",
+        )
+        for k in LM_FILES
     ]
 
 

@@ -51,3 +51,23 @@ def use_tolerance(monkeypatch, tolerance: str) -> float:
         monkeypatch.setattr(precision, "float32_rtol", lambda *args, **kwargs: loosest)
         assert matmul_rtol() == loosest > 1e-2
     return matmul_rtol()
+
+
+def tpu_rules(monkeypatch):
+    """The TPU's precision rules on this CPU: float64 does not run (``precision.float64_runs`` False) and
+    float32 comparisons take the TPU's default-precision tolerance (``precision.float32_rtol``, ~1.6e-2).
+    The checkers read both through ``course_lib.precision``, so they judge as they would on the chip."""
+    from course_lib import precision
+
+    rtol, f64 = precision.float32_rtol, precision.float64_runs
+    monkeypatch.setattr(
+        precision,
+        "float32_rtol",
+        lambda backend=None, matmul=None, *, roundings=8: rtol(
+            backend or "tpu", matmul, roundings=roundings
+        ),
+    )
+    monkeypatch.setattr(
+        precision, "float64_runs", lambda backend=None: False if backend is None else f64(backend)
+    )
+    return precision.float32_rtol()

@@ -5,7 +5,7 @@ conftest.py; subsets for other device counts)."""
 
 import answers_lesson10 as a
 import pytest
-from checking import not_written, rejects, stub
+from checking import not_written, rejects, stub, tpu_rules
 
 from course_tools.checks import ExerciseError, lesson10
 
@@ -190,3 +190,53 @@ def test_tp_mlp(report):
         check(a.tp_mlp_pmean_bias, devices)  # a bias averaged: no gathered weights to speak of
     assert "gathered weights" not in str(e.value)
     rejects(check, a.tp_mlp_two_psums, devices, match="sums \\[T, D\\] arrays .* 2 times")
+
+
+# ---- on a TPU: no float64, float32 within the TPU's tolerance ------------------------------------------------
+# There the values are float32 (float64 is emulated), so an answer that computes in float32 is right there
+# (a.ring_float32, a.tp_mlp_float32, a.zero3_bf16 are refused on CPU only: a TPU's float32 matmul multiplies
+# bfloat16 inputs itself); every other wrong answer is refused as on CPU.
+
+
+def test_tpu_rules_accept_the_references(report, monkeypatch):
+    assert tpu_rules(monkeypatch) > 1e-3  # the TPU's tolerance, not XLA:CPU's
+    for n in (len(report.devices), 1):
+        assert lesson10.check_ring_attention(a.ring_reference, report.devices[:n])
+        assert lesson10.check_tp_mlp(a.tp_mlp, report.devices[:n])
+    assert lesson10.check_zero3(a.zero3_reference, report.devices)
+
+
+@pytest.mark.parametrize(
+    "check, answer, match",
+    [
+        (
+            lesson10.check_ring_attention,
+            a.ring_no_max,
+            "scores near 1,000 the result is not finite",
+        ),
+        (
+            lesson10.check_ring_attention,
+            a.ring_max_from_zero,
+            # float32's exp underflows below about -103 (float64's below -745): the scores near +1,000
+            # already hold a query whose every score is far below a running maximum started at 0
+            "the result is not finite",
+        ),
+        (lesson10.check_ring_attention, a.ring_per_block, "first device's queries .* are right"),
+        (lesson10.check_ring_attention, a.ring_no_wrap_mask, "only the diagonal block is masked"),
+        (lesson10.check_ring_attention, a.ring_no_mask, "causal mask is missing"),
+        (lesson10.check_ring_attention, a.ring_local_mask, "positions within a block"),
+        (lesson10.check_tp_mlp, a.tp_mlp_bias_before, "bias 8 times.*once"),
+        (lesson10.check_tp_mlp, a.tp_mlp_pmean, "average of the devices' partial sums"),
+        (lesson10.check_tp_mlp, a.tp_mlp_gelu_after, "differs from the MLP"),
+        (lesson10.check_tp_mlp, a.tp_mlp_no_b1, "differs from the MLP"),
+        (
+            lesson10.check_zero3,
+            a.zero3_upfront,
+            "all_gather returns a leaf of all 3 layers at once",
+        ),
+        (lesson10.check_zero3, a.zero3_no_checkpoint, "does not gather again.*jax.checkpoint"),
+    ],
+)
+def test_tpu_rules_still_refuse_wrong_answers(report, monkeypatch, check, answer, match):
+    tpu_rules(monkeypatch)
+    rejects(check, answer, report.devices, match=match)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checking import not_written, rejects, stub
+from checking import not_written, rejects, stub, tpu_rules
 
 from course_lib import moe
 from course_tools.checks import ExerciseError, lesson11
@@ -194,4 +194,44 @@ def test_router_keep_as_numbers_runs_in_moe_output(form):
     ],
 )
 def test_router_rejects(answer, match):
+    rejects(lesson11.check_router, answer, match=match)
+
+
+# ---- on a TPU: float32 comparisons within the TPU's tolerance --------------------------------------------
+# a.gpipe_bf16_send is refused on CPU only: a TPU's float32 matmul multiplies bfloat16 inputs itself, so a
+# send rounded to bfloat16 is within its tolerance; every other wrong answer is refused as on CPU.
+
+
+def test_tpu_rules_accept_the_references(report, monkeypatch):
+    assert tpu_rules(monkeypatch) > 1e-3
+    for n in (len(report.devices), 1):
+        assert lesson11.check_gpipe(a.gpipe_forward, report.devices[:n])
+    assert lesson11.check_router(a.route)
+
+
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (a.gpipe_no_send, "returns its own layers applied to the inputs"),
+        (a.gpipe_reversed, r"wrong rows.*\(the order reversed\)"),
+        (a.gpipe_late_read, r"wrong rows.*\(row i holds micro-batch i \+ 1\)"),
+        (a.gpipe_no_drain, r"rows \[5, 6, 7\] of the last stage's ys hold zeros"),
+        (a.gpipe_twice, "applies its layers 22 times"),
+    ],
+)
+def test_tpu_rules_still_refuse_wrong_answers(report, monkeypatch, answer, match):
+    tpu_rules(monkeypatch)
+    rejects(lesson11.check_gpipe, answer, report.devices, match=match)
+
+
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (a.route_slot_float, "returned slot as float32"),
+        (a.route_raw_gates, "gates that do not sum to 1"),
+        (a.route_keep_le, "keeps a choice whose place equals the capacity"),
+    ],
+)
+def test_tpu_rules_still_refuse_wrong_routers(monkeypatch, answer, match):
+    tpu_rules(monkeypatch)
     rejects(lesson11.check_router, answer, match=match)

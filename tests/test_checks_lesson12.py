@@ -10,7 +10,7 @@ from functools import partial
 import answers_lesson12 as a
 import numpy as np
 import pytest
-from checking import not_written, rejects, stub
+from checking import not_written, rejects, stub, tpu_rules
 
 from course_lib import costs, lm_costs, lm_layouts, transformer
 from course_tools.checks import lesson12
@@ -266,4 +266,28 @@ def test_pipeline_bytes(seed):
     rejects(lesson12.check_pipeline_bytes, lambda *args: 3.0, match="return a dict")
     rejects(
         lesson12.check_pipeline_bytes, a.pipeline_by_lookup, match="calls lm_costs.predict_bytes"
+    )
+
+
+def test_tpu_rules_change_nothing(monkeypatch):
+    """The checkers are analytic (NumPy on the host, no float64 program, no tolerance from the platform): on
+    a TPU they accept the references and refuse the wrong answers as on CPU."""
+    assert tpu_rules(monkeypatch) > 1e-3
+    assert lesson12.check_layout_decision(a.choose_layout, seed=0)
+    assert lesson12.check_largest_model(a.largest_model, seed=0)
+    assert lesson12.check_pipeline_bytes(a.pipeline_bytes, seed=0)
+    rejects(
+        partial(lesson12.check_layout_decision, seed=0),
+        a.choose_no_bubble,
+        match=rf"\d+ of {N_CASES} cases are wrong.*hint: .*layout: ",
+    )
+    rejects(
+        partial(lesson12.check_largest_model, seed=0),
+        a.largest_off_by_one,
+        match=r"\d+ of 13 cases are wrong.*hint: too many",
+    )
+    rejects(
+        partial(lesson12.check_pipeline_bytes, seed=0),
+        a.pipeline_no_loss,
+        match=r"\d of 8 cases are wrong.*hint: .*data: ",
     )

@@ -1,5 +1,7 @@
 """The lab's runs: one measured run per strategy, the scaling sweep, the divisibility check."""
 
+import types
+
 import jax
 import pytest
 
@@ -193,3 +195,12 @@ def test_memory_estimate_parts(report):
     assert sizing.program_bytes(compiled) > m.argument_size_in_bytes > 0
     with pytest.raises(ValueError, match="reports no memory_stats"):
         sizing.estimate(gpu, report.devices[:1], "float32", 64, 8)
+
+
+def test_float64_is_refused_on_a_tpu_before_anything_compiles():
+    # the devices' platform decides: XLA:TPU has no float64 max-pool gradient (select-and-scatter)
+    cfg = config.resolve_profile("tiny", "cpu")
+    tpu = [types.SimpleNamespace(platform="tpu")]
+    for run in (lab.run_strategy, lab.lower_strategy):
+        with pytest.raises(ValueError, match="does not run on XLA:TPU"):
+            run("jit", tpu, cfg, precision="float64")

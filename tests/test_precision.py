@@ -77,3 +77,26 @@ def test_float32_rtol_follows_the_platforms_matmul_rounding():
     with pytest.raises(ValueError, match="backend='npu'"):
         precision.float32_rtol("npu")
     assert precision.float64_runs("cpu") and not precision.float64_runs("tpu")
+
+
+def test_float64_is_refused_where_it_does_not_run():
+    assert precision.check_runs("float64", "cpu") == "float64"
+    assert precision.check_runs("float32", "tpu") == "float32"
+    with pytest.raises(ValueError, match="XLA:TPU.*select-and-scatter.*float32"):
+        precision.check_runs("float64", "tpu")
+    with pytest.raises(ValueError, match="precision='float16'"):
+        precision.check_runs("float16", "cpu")
+
+
+def test_parity_tolerances_follow_the_platform():
+    from course_lib import parity
+
+    assert parity.tolerance("float32", "cpu") == parity.TOLERANCES["float32"]
+    assert parity.tolerance("float64", "cpu") == parity.TOLERANCES["float64"]
+    tpu = parity.tolerance("float32", "tpu")
+    assert tpu.one_step_loss == precision.float32_rtol("tpu") and tpu.trajectory is None
+    # a TPU's float32 matmul rounds its inputs as a bfloat16 run does; a bug still moves an update by 0.5
+    assert tpu.one_step_update == parity.TOLERANCES["bfloat16"].one_step_update < 0.5
+    assert parity.tolerance("bfloat16", "tpu") == parity.TOLERANCES["bfloat16"]
+    with pytest.raises(ValueError, match="XLA:TPU"):
+        parity.tolerance("float64", "tpu")

@@ -105,3 +105,12 @@ def test_the_transformer_lab_tables_are_checked(tmp_path):
         )
     with pytest.raises(ValueError, match="writes the tables"):
         results.write_lm_results(tmp_path, {"results": []})
+    with pytest.raises(ValueError, match="no rows to write to .*lm_memory.csv"):
+        results.write_lm_results(tmp_path, _lm_tables(memory=[]))
+
+
+def test_a_run_without_collectives_writes_an_empty_bytes_table(tmp_path):
+    # one device on XLA:TPU: every mesh axis has size 1 and the compiler keeps no collective to list
+    paths = results.write_lm_results(tmp_path, _lm_tables(bytes=[]))
+    written = pd.read_csv(paths[list(results.LM_FILES).index("bytes")])
+    assert written.empty and tuple(written.columns) == results.LM_BYTES_COLUMNS

@@ -9,8 +9,10 @@ import functools
 
 import numpy as np
 
+from course_lib import precision
+
 from ._common import fail
-from ._lesson10_ring import counted
+from ._lesson10_ring import close, counted
 
 __all__ = ["MLP_D", "MLP_F", "MLP_T", "mlp_collectives", "mlp_counts", "mlp_hint", "mlp_shape"]
 
@@ -24,20 +26,20 @@ MLP_D, MLP_F, MLP_T = 16, 48, 5  # F divides by 2, 3, 4 and 8; T is no shard's l
 
 def mlp_hint(got, want, b2, n):
     """A true hint for a tensor-parallel MLP's output ``got`` on ``n`` devices (``want``: the MLP's)."""
-    if _rounded(got, want, 1e-4):
+    if precision.float64_runs() and _rounded(got, want, 1e-4):  # float64 inputs computed in float32
         fail(
             f"on {n} device(s) the output is near the MLP's but off by "
             f"{float(np.abs(got - want).max()):.1e}: something is computed in float32",
             "the inputs here are float64: compute in their dtype and cast nothing",
         )
     extra = float(np.sum((got - want).mean(0) * b2) / np.sum(b2 * b2))  # got = want + extra·b2?
-    if abs(extra) > 1e-3 and np.allclose(got, want + extra * b2, rtol=0, atol=1e-8):
+    if abs(extra) > 1e-3 and close(got, want + extra * b2, 1e-8):
         fail(
             f"on {n} device(s) the output has w2's bias {round(extra + 1, 6) + 0.0:.3g} times",
             "the partial sums are added by the psum: w2's (replicated) bias must end up in the "
             "output exactly once, on any number of devices",
         )
-    if n > 1 and np.allclose(got, (want - b2) / n + b2, rtol=0, atol=1e-8):
+    if n > 1 and close(got, (want - b2) / n + b2, 1e-8):
         fail(
             f"on {n} devices the output is the average of the devices' partial sums, not their sum",
             "each device's rows of w2 give one part of the product: the parts add up (lax.psum, not pmean)",
@@ -71,7 +73,7 @@ def mlp_collectives(jaxpr, n):
             psums += times or 2
         else:
             listed = ", ".join("[" + ", ".join(map(str, s)) + "]" for s in shapes)
-            others.append(f"{name} of {listed}")
+            others.append(f"{name} of {listed}")  # Python 3.11 (the TPU image's): no nested quotes
     want = (
         f"a tensor-parallel MLP (T={MLP_T}, D={MLP_D}, F={MLP_F}) sends one thing: the [T, D] "
         "partial output, summed over the devices by one lax.psum"

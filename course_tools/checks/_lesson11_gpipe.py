@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from course_lib import precision
 from course_lib.meshes import STAGE, mesh_of
 from course_lib.pipeline_measure import residual_stage
 from course_lib.programs import jaxpr_equations
@@ -39,6 +40,12 @@ def _jit(fn):
     return jax.jit(fn, compiler_options={"xla_backend_optimization_level": 0} if cpu else None)
 
 
+def _rtol() -> float:
+    """The float32 comparisons' relative tolerance: 1e-4 where matmuls compute in float32 (XLA:CPU), the
+    platform's :func:`course_lib.precision.float32_rtol` where they round their inputs (XLA:TPU ~1.6e-2)."""
+    return max(1e-4, precision.float32_rtol())
+
+
 def _ref(stage, w_all, xs):
     """Every micro-batch through all layers in order, on one device: [m, rows, D]."""
     return jax.vmap(lambda x: stage(x, {"w": w_all}))(xs)
@@ -55,7 +62,7 @@ def _row_map(got, want) -> list[int | None]:
     """For each row of ``got``, the row of ``want`` it equals (None: none)."""
     out = []
     for g in got:
-        hits = [j for j, w in enumerate(want) if np.allclose(g, w, rtol=1e-4, atol=1e-5)]
+        hits = [j for j, w in enumerate(want) if np.allclose(g, w, rtol=_rtol(), atol=_rtol() / 10)]
         out.append(hits[0] if hits else None)
     return out
 
@@ -65,7 +72,7 @@ def _diagnose_values(got, want, xs, stage, w_last, p, m):
     if rows == list(range(m)):
         return
     own = np.asarray(_jit(jax.vmap(lambda x: stage(x, {"w": w_last})))(xs))
-    if p > 1 and np.allclose(got, own, rtol=1e-4, atol=1e-5):
+    if p > 1 and np.allclose(got, own, rtol=_rtol(), atol=_rtol() / 10):
         fail(
             f"with p={p} stages the last stage returns its own layers applied to the inputs",
             "each stage must work on what the previous stage sent it: lax.ppermute(y, axis_name, "
@@ -151,7 +158,7 @@ def gpipe_values(fn, devices, rng):
         )
         ref = _jit(jax.grad(lambda w, x, r=r: (_ref(stage, w, x) * r).sum(), argnums=(0, 1)))(w, xs)
         if not all(
-            np.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(grads, ref, strict=True)
+            np.allclose(a, b, rtol=_rtol(), atol=_rtol()) for a, b in zip(grads, ref, strict=True)
         ):
             fail(
                 f"with p={p}, m={m} the outputs are right but jax.grad through the pipeline is not",

@@ -192,7 +192,7 @@ def _run_zero1(body: Callable, devices: list, model_config):
         lambda: step.lower(start, batch0).compile(),
         explain=explain,
     )
-    tol = parity.TOLERANCES["float32"]
+    tol = parity.tolerance("float32")
     for k in range(CHECK_STEPS):
         new, metrics = call_answer(
             f"your zero1_step on {n} device(s)", compiled, jax.device_put(ref_states[k], shardings),

@@ -8,7 +8,8 @@ library that computes it). The MLP is compared with :func:`course_lib.transforme
 and its jaxpr must hold one psum of the [T, D] output and no other collective. The predictions are compared
 with the formulas of :func:`course_lib.splits.predict_tp_sp` on cases drawn afresh at every call. Ring
 attention is compared with single-device causal attention in float64 on random inputs on rings of 2 and 8
-devices (or as many as are present), with B, S, H and Dh all different; its sends (loop bodies counted per
+devices (or as many as are present; in float32 within ``precision.float32_rtol`` on XLA:TPU, which emulates
+float64, and the MLP likewise), with B, S, H and Dh all different; its sends (loop bodies counted per
 iteration) and largest intermediate are read from its jaxpr on rings of 2, 4 and 8 traced without devices,
 and the bytes one device holds at once from its jaxpr on a ring of 32. ZeRO-3 is compiled and its
 gradients, collectives (trip-weighted bytes) and ``memory_analysis()`` compared with data parallelism's with
@@ -39,11 +40,13 @@ from ._lesson10_ring import RING_H as _H
 from ._lesson10_ring import RING_S as _S
 from ._lesson10_ring import RINGS as _RINGS
 from ._lesson10_ring import (
+    close,
     counted,
     device_program,
     held_bytes,
     masked_attention,
     nbytes,
+    precise,
     ring_diagnose,
     ring_low_scores,
     sends_in_cond,
@@ -128,7 +131,7 @@ def _ring_values(fn, devices, rng) -> list[int]:
     present = [c for c in (1, *_RINGS) if c <= len(devices)]
     for c in sorted({present[min(1, len(present) - 1)], present[-1]}):  # 2 and the most, or 1
         mesh = mesh_of({CONTEXT: c}, list(devices)[:c], axis_type="auto")
-        with jax.enable_x64(True):
+        with precise():  # float64, or float32 where float64 does not run (XLA:TPU)
             q, k, v = (rng.standard_normal((_B, _S, _H, _DH)) for _ in range(3))
             mapped = _jit(_attention_mapped(fn, mesh))
             what = f"ring_attention on {c} device(s)"
@@ -146,9 +149,7 @@ def _ring_values(fn, devices, rng) -> list[int]:
                 f"on {c} device(s) the result has shape {got.shape}; want {q.shape}",
                 "return this device's queries' outputs, [B, S/n, H, Dh], like q",
             )
-        if not np.allclose(
-            got, masked_attention(q, k, v, np.tri(_S, dtype=bool)), rtol=0, atol=1e-10
-        ):
+        if not close(got, masked_attention(q, k, v, np.tri(_S, dtype=bool)), 1e-10):
             ring_diagnose(got, q, k, v, c)
         if c == present[-1]:
             _ring_large_scores(mapped, what, q, k, v)
@@ -161,12 +162,12 @@ def _ring_large_scores(mapped, what, q, k, v):
     """The same ring on queries scaled so that scores reach about 1,000, where exp overflows in float64
     (above ~709): an online softmax subtracts its running maximum and stays exact."""
     q = q * 400.0
-    with jax.enable_x64(True):
+    with precise():
         got = np.asarray(
             _call_unaided(what, mapped, *map(jnp.asarray, (q, k, v)), name="ring_attention")
         )
     want = masked_attention(q, k, v, np.tri(_S, dtype=bool))
-    if not np.allclose(got, want, rtol=0, atol=1e-8):
+    if not close(got, want, 1e-8):
         fail(
             f"{what}: right on ordinary inputs, but with scores near 1,000 the result is "
             f"{'not finite' if not np.isfinite(got).all() else 'off'}",
@@ -469,7 +470,7 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
     counts = mlp_counts(len(devices))
     for n in counts:
         mesh = mesh_of({MODEL: n}, list(devices)[:n], axis_type="auto")
-        with jax.enable_x64(True):
+        with precise():
             p = {
                 "w1": {"kernel": rng.standard_normal((d, f)), "bias": rng.standard_normal(f)},
                 "w2": {"kernel": rng.standard_normal((f, d)), "bias": rng.standard_normal(d)},
@@ -484,7 +485,7 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
             mlp_shape(got, n)
             got, want = np.asarray(got), np.asarray(transformer.mlp(x, p))
             jaxpr = jax.make_jaxpr(mapped)(x, p) if n > 1 else None
-        if not np.allclose(got, want, rtol=0, atol=1e-10):
+        if not close(got, want, 1e-10):
             mlp_hint(got, want, np.asarray(p["w2"]["bias"]), n)
         if jaxpr is not None:
             mlp_collectives(jaxpr, n)
