@@ -23,7 +23,16 @@ from course_lib import programs
 from course_lib.meshes import DATA, MODEL, data_mesh, data_model_mesh
 
 from . import _lesson05_fsdp as _fsdp
-from ._common import ExerciseError, NotWritten, call_answer, checker, fail, not_written, passed
+from ._common import (
+    ExerciseError,
+    NotWritten,
+    call_answer,
+    checker,
+    fail,
+    judged_on,
+    not_written,
+    passed,
+)
 from ._lesson05_probe import FULL_MESH, measure_on_full_mesh
 
 # ---- exercise 1: predict the collectives ------------------------------------------------------------
@@ -304,6 +313,7 @@ def _judge_given_mesh(fn, devices: list, w0, batches) -> None:
 
 
 @checker
+@judged_on(2, "on one device a loop that builds its own mesh over jax.devices() uses the caller's")
 def check_data_parallel_loop(fn: Callable, devices: Sequence[Any], n_steps: int = 3) -> bool:
     """Judge a data-parallel training loop on an Explicit data mesh of ``devices``.
 
