@@ -34,7 +34,7 @@ def _ring(q, k, v, axis, *, per_block=False, mask_wrapped=True, mask=True, send_
     o = jnp.zeros((q.shape[0], q.shape[2], blk, q.shape[3]), dt)
     ring = [(i, (i + 1) % n) for i in range(n)]
     for t in range(n):
-        src = (me - t) % n
+        src = (me + t) % n if how.get("src_ahead") else (me - t) % n
         kj = src * blk + jnp.arange(blk)[None, :]
         s = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(q.shape[-1])
         if how.get("local"):  # positions within the block: the offset of the block forgotten
@@ -139,6 +139,12 @@ def ring_sends_n(q, k, v, axis):
 def ring_four(q, k, v, axis):
     """Hard-coded for a ring of 4."""
     return _ring(q, k, v, axis, n=4)
+
+
+def ring_src_ahead(q, k, v, axis):
+    """Passes blocks to device r + 1 but takes the block held at step t for device r + t's (it is
+    r - t's): the same on 2 devices, wrong on 3 or more."""
+    return _ring(q, k, v, axis, src_ahead=True)
 
 
 def ring_transposed(q, k, v, axis):

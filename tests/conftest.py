@@ -1,4 +1,7 @@
-"""Test session setup: 8 simulated CPU devices, fixed once before JAX starts (and asserted)."""
+"""Test session setup: 8 simulated CPU devices, fixed once before JAX starts (and asserted).
+
+``COURSE_TEST_DEVICES=N`` sets another count: only for tools/audit_checkers.py, which runs the checker tests at
+1 and 2 devices to list the wrong answers a checker would accept there (the suite itself runs at 8)."""
 
 import os
 
@@ -6,8 +9,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from course_lib.devices import setup_devices  # noqa: E402
 
-REPORT = setup_devices(8, platform="cpu")
-assert REPORT.n_devices == 8 and len(REPORT.devices) == 8, REPORT
+N_DEVICES = int(os.environ.get("COURSE_TEST_DEVICES", "8"))
+REPORT = setup_devices(N_DEVICES, platform="cpu")
+assert REPORT.n_devices == N_DEVICES and len(REPORT.devices) == N_DEVICES, REPORT
 
 import pytest  # noqa: E402
 

@@ -315,7 +315,6 @@ def test_block_loader(report):
     assert lesson09.check_block_loader(load_ref, devs)
     assert lesson09.check_block_loader(load_grouped, devs)
     assert lesson09.check_block_loader(load_coalesced, devs)  # the review's refused right answer
-    assert lesson09.check_block_loader(load_coalesced, devs[:1])
     n_data, n_model = choose_mesh_shape(n)
     if n_data > 1 and n_model > 1:  # copies that are not a full replication: one read per device
         rejects(
@@ -338,10 +337,6 @@ def test_block_loader(report):
     )
     rejects(lesson09.check_block_loader, load_global, devs, match="only process 1's devices hold")
     rejects(
-        lesson09.check_block_loader, load_global, devs[:1], match="only process 1's devices hold"
-    )
-    assert lesson09.check_block_loader(load_ref, devs[:1])
-    rejects(
         lesson09.check_block_loader,
         load_bounding_box,
         devs,
@@ -357,7 +352,8 @@ def test_block_loader(report):
 
 
 def test_references_at_an_odd_device_count(report):
-    """The notebooks run at 1, 2, 4 and 8 devices in CI; 3 is promised too (one process then)."""
+    """The notebooks run at 1, 2, 4 and 8 devices in CI; 3 is promised too (one process then; the loader
+    is judged in a fresh process with 8 devices, which these answers, from a module, reach by name)."""
     devs = report.devices[:3]
     rows = {k: [(0, 6)] for k in lesson09.LAYOUTS}
     assert lesson09.check_process_rows(rows, devs, 1, 6)

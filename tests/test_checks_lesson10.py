@@ -19,7 +19,7 @@ def test_stubs_print_not_written(report, monkeypatch, capsys):
     not_written(lesson10.check_tp_mlp, stub, report.devices, monkeypatch=monkeypatch, capsys=capsys)
 
 
-@pytest.mark.parametrize("n", [8, 1])
+@pytest.mark.parametrize("n", [8, 4])
 def test_ring_accepts_correct_forms(report, n):
     assert lesson10.check_ring_attention(a.ring_reference, report.devices[:n])
     assert lesson10.check_ring_attention(a.ring_scan, report.devices[:n])
@@ -27,7 +27,7 @@ def test_ring_accepts_correct_forms(report, n):
 
 
 def test_ring_accepts_fori_loop(report):
-    assert lesson10.check_ring_attention(a.ring_fori, report.devices[:2])
+    assert lesson10.check_ring_attention(a.ring_fori, report.devices[:4])
 
 
 def test_ring_accepts_rows_flattened(report):
@@ -56,6 +56,7 @@ def test_ring_accepts_masked_scores_filled_finite(report):
         (a.ring_no_wrap_mask, "only the diagonal block is masked.*wrapping round the ring"),
         (a.ring_no_mask, "causal mask is missing"),
         (a.ring_local_mask, "positions within a block.*global positions"),
+        (a.ring_src_ahead, "first device's queries.*later devices' are not"),
         (a.ring_float32, "near causal attention's.*float32.*q.dtype"),
         (a.ring_transposed, "raised TypeError.*order of each array's axes"),
         (a.ring_four, "on 2 device.*ppermute sources.*axis_size.*tries 2, 4 and 8"),
@@ -84,16 +85,6 @@ def test_ring_accepts_masked_scores_filled_finite(report):
 )
 def test_ring_rejects(report, answer, match):
     rejects(lesson10.check_ring_attention, answer, report.devices, match=match)
-
-
-def test_ring_four_fails_even_on_one_device(report):
-    """A ring written for 4 devices is refused with one device present: its ring of 4 runs on 1."""
-    rejects(
-        lesson10.check_ring_attention,
-        a.ring_four,
-        report.devices[:1],
-        match="on 1 device.*ppermute sources.*axis_size",
-    )
 
 
 def test_zero3_accepts_correct_forms(report):
@@ -156,7 +147,7 @@ def test_predict_hint_gives_no_formula():
 
 
 def test_tp_mlp(report):
-    for devices in (report.devices, report.devices[:1]):
+    for devices in (report.devices, report.devices[:3]):  # fewer: judged in a process with 8
         assert lesson10.check_tp_mlp(a.tp_mlp, devices)
         assert lesson10.check_tp_mlp(a.tp_mlp_bias_share, devices)
     check, devices = lesson10.check_tp_mlp, report.devices

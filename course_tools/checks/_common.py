@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import sys
+import tempfile
+import types
 
 STUB_MESSAGE = "Exercise: write this part"
 """The message of the student version's stub (``course_tools.student.DEFAULT_STUB`` raises it)."""
@@ -23,6 +27,12 @@ class ExerciseError(AssertionError):
 
 class NotWritten(ExerciseError):
     """The answer is still the student stub; :func:`checker` prints it instead of raising."""
+
+
+class NotJudged(NotWritten):
+    """The devices present cannot tell this answer right from wrong, and it cannot be judged elsewhere:
+    :func:`checker` prints why and how to have it judged, and returns False (raises under
+    ``COURSE_STRICT_CHECKS=1``)."""
 
 
 def is_stub_error(e: BaseException) -> bool:
@@ -181,3 +191,127 @@ def close(got, want, rtol: float | None = None) -> bool:
         return bool(np.allclose(got, want, rtol=rtol, atol=rtol * scale))
     except ValueError:
         return False
+
+
+JUDGE_DEVICES = 8
+"""How many simulated CPU devices the fresh process of :func:`judge_on` has."""
+
+
+def judge_on(check, answer, devices, *, need: int, why: str, **kwargs) -> bool | None:
+    """Where fewer than ``need`` devices are present, the checker's verdict on ``answer`` from a fresh
+    Python with :data:`JUDGE_DEVICES` simulated CPU devices; None where enough are present (the checker
+    then judges here, on ``devices``).
+
+    A checker ``check(answer, devices, **kwargs)`` (decorated with :func:`checker`) calls it first. The
+    answer travels as source text (:func:`course_tools.checks._ship.ship`: a plain top-level ``def`` of
+    the notebook and what it reads, or a function of an importable module, by name); ``kwargs`` must be
+    plain Python values. The fresh process runs ``check(answer, jax.devices(), **kwargs)``; what it
+    prints is printed here under a line that says where it was judged, and its wrong answer raises here.
+
+    Args:
+      need: the fewest devices on which the checker tells every wrong answer it knows from a right one.
+      why: what goes unseen on fewer, e.g. ``"on one device a bias summed n times equals the bias"``.
+
+    Raises:
+      ExerciseError: the answer is wrong (the fresh process's message).
+      NotWritten: the answer is the student stub (read from its code, no process started).
+      NotJudged: the answer cannot be sent (the message names what blocks it and how to have it judged).
+      RuntimeError: the fresh process failed (its standard error).
+    """
+    n = len(devices)
+    if n >= need:
+        return None
+    if isinstance(answer, types.FunctionType) and _holds_stub(answer.__code__):
+        not_written(getattr(answer, "__name__", "the answer"), "replace the stub with your answer")
+    from ._ship import CannotShip, ship
+    from ._simulated import run_json
+
+    here = f"{n} device{'s' if n != 1 else ''}"
+    try:
+        source = ship(answer)
+        if any(not _plain_kwarg(v) for v in kwargs.values()):
+            raise CannotShip(f"the checker's arguments {sorted(kwargs)} are not plain values")
+    except CannotShip as e:
+        raise NotJudged(
+            f"✗ not judged: this run has {here}, too few ({why}); the answer cannot be sent to a "
+            f"process with {JUDGE_DEVICES} simulated CPU devices either: {e}\n"
+            f"  hint: to have it judged, re-run this notebook with n_devices={JUDGE_DEVICES}, "
+            "platform='cpu' (simulated devices), or on a machine with that many devices"
+        ) from None
+    folder = tempfile.mkdtemp(prefix="course_answer_")
+    try:
+        with open(os.path.join(folder, "notebook_answer.py"), "w") as f:
+            f.write(source)
+        got = run_json(
+            _JUDGE.format(
+                folder=folder, module=check.__module__, name=check.__name__, kwargs=repr(kwargs)
+            ),
+            JUDGE_DEVICES,
+            timeout_s=900,
+            path=[p for p in sys.path if p and os.path.isdir(p)],
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    where = (
+        f"judged in a fresh process on {JUDGE_DEVICES} simulated CPU devices, since this run has "
+        f"{here}: {why}"
+    )
+    error = got.get("error")
+    if error and error[0] == "not_written":
+        raise NotWritten(error[1])
+    if error:
+        raise ExerciseError(f"{error[1]}\n  ({where})")
+    print(f"({where})")
+    print(got["out"], end="")
+    return got["ok"]
+
+
+def judged_on(need: int, why: str):
+    """Decorate a checker ``check(answer, devices, *args, **kwargs)`` (under :func:`checker`) so that on
+    fewer than ``need`` devices it returns :func:`judge_on`'s verdict instead of judging on ``devices``."""
+
+    def wrap(check):
+        @functools.wraps(check)
+        def judged(answer, devices, *args, **kwargs):
+            if len(devices) < need and args:
+                raise TypeError(f"{check.__name__}: pass its options by name: {args!r}")
+            verdict = judge_on(check, answer, devices, need=need, why=why, **kwargs)
+            return check(answer, devices, *args, **kwargs) if verdict is None else verdict
+
+        return judged
+
+    return wrap
+
+
+def _holds_stub(code) -> bool:
+    return any(
+        c == STUB_MESSAGE or (isinstance(c, types.CodeType) and _holds_stub(c))
+        for c in code.co_consts
+    )
+
+
+def _plain_kwarg(v) -> bool:
+    if v is None or isinstance(v, bool | int | float | str):
+        return True
+    return type(v) in (tuple, list) and all(map(_plain_kwarg, v))
+
+
+_JUDGE = """
+import contextlib, importlib, io, json, sys
+sys.path.insert(0, {folder!r})
+import notebook_answer
+import jax
+from course_tools.checks import _common
+check = getattr(importlib.import_module({module!r}), {name!r})
+out, got = io.StringIO(), {{}}
+try:
+    with contextlib.redirect_stdout(out):
+        ok = check(notebook_answer.answer, jax.devices(), **{kwargs})
+    got["ok"] = ok if ok is None or isinstance(ok, bool) else bool(ok)
+except _common.NotWritten as e:
+    got["error"] = ["not_written", str(e)]
+except _common.ExerciseError as e:
+    got["error"] = ["wrong", str(e)]
+got["out"] = out.getvalue()
+print(json.dumps(got))
+"""

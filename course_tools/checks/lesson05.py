@@ -30,6 +30,7 @@ from ._common import (
     checker,
     close,
     fail,
+    judged_on,
     matmul_rtol,
     not_written,
     passed,
@@ -314,6 +315,7 @@ def _judge_given_mesh(fn, devices: list, w0, batches) -> None:
 
 
 @checker
+@judged_on(2, "on one device a loop that builds its own mesh over jax.devices() uses the caller's")
 def check_data_parallel_loop(fn: Callable, devices: Sequence[Any], n_steps: int = 3) -> bool:
     """Judge a data-parallel training loop on an Explicit data mesh of ``devices``.
 

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 
 from course_lib.meshes import DATA, choose_mesh_shape, data_mesh, data_model_mesh
 
-from ._common import NotWritten, call_answer, checker, fail, not_written, passed
+from ._common import NotWritten, call_answer, checker, fail, judged_on, not_written, passed
 from ._lesson09_group import FakeDevice, fake_devices
 from ._lesson09_loader import RecordingSource
 from ._lesson09_loader import check_block_loader as _check_block_loader
@@ -259,6 +259,11 @@ def exercise_group(devices: Sequence[Any], n_processes: int) -> tuple[list, int]
 
 
 @checker
+@judged_on(
+    4,
+    "below 4 devices no layout puts copies of a block on some devices but not all, where reading once "
+    "per device instead of once per block shows, and one device shows no block put on a wrong device",
+)
 def check_block_loader(fn: Callable, devices: Sequence[Any]) -> bool:
     """Exercise 3; the spec is :func:`course_tools.checks._lesson09_loader.check_block_loader`'s."""
     n_layouts = _check_block_loader(fn, devices)

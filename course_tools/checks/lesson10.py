@@ -32,7 +32,7 @@ from course_lib import splits, transformer
 from course_lib.meshes import CONTEXT, DATA, MODEL, mesh_of
 from course_lib.programs import jaxpr_equations
 
-from ._common import call_answer, checker, fail, passed, require
+from ._common import call_answer, checker, fail, judged_on, passed, require
 from ._lesson10_mlp import MLP_D, MLP_F, MLP_T, mlp_collectives, mlp_counts, mlp_hint, mlp_shape
 from ._lesson10_ring import RING_B as _B
 from ._lesson10_ring import RING_DH as _DH
@@ -224,6 +224,9 @@ def _ring_memory(fn) -> tuple[int, int, int]:
 
 
 @checker
+@judged_on(
+    4, "one device has no ring, and on two a block passed to r + 1 but taken for r + t's is right"
+)
 def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bool:
     """Exercise 3 (project): ring attention.
 
@@ -313,6 +316,7 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
 
 
 @checker
+@judged_on(2, "on one device a ZeRO-3 step has no collectives to judge")
 def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
     """Exercise 4: ZeRO-3, one layer at a time.
 
@@ -337,10 +341,6 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
     zc = call_answer(what, lambda: traced.lower().compile())
     dpc = dp_compiled(tuple(list(devices)[:n]))
     z_values(dpc, zc, blocks, x, n)
-    if n == 1:
-        return passed(
-            "ZeRO-3 blocks equal the blocks in order on 1 device (no collectives to judge)"
-        )
     z_upfront(traced.jaxpr, blocks, n)
     p_bytes = splits.block_bytes(blocks)
     wire = z_wire(zc.as_text(), mesh, n, p_bytes)
@@ -452,6 +452,9 @@ def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
 
 
 @checker
+@judged_on(
+    3, "on one device a bias summed n times is summed once, and a bias over n fits one count"
+)
 def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
     """Exercise 1 (debug): a tensor-parallel MLP.
 

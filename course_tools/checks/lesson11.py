@@ -21,7 +21,7 @@ from jax import lax
 
 from course_lib import moe, pipeline_measure, schedules
 
-from ._common import call_answer, checker, fail, passed
+from ._common import call_answer, checker, fail, judged_on, passed
 from ._lesson11_gpipe import ROWS, SHAPE_CASE, WIDTH, check_pairs, gpipe_structure, gpipe_values
 
 __all__ = ["check_gpipe", "check_predict_pipeline", "check_router"]
@@ -30,6 +30,9 @@ __all__ = ["check_gpipe", "check_predict_pipeline", "check_router"]
 
 
 @checker
+@judged_on(
+    2, "a pipeline of one stage sends nothing, so what its sends carry (a narrower dtype) is unseen"
+)
 def check_gpipe(gpipe_forward: Callable, devices: Sequence[Any]) -> bool:
     """``gpipe_forward(stage_fn, stage_params, xs, axis_name)`` run on each stage of ``axis_name``:
     stage ``s`` holds its layers, ``xs`` [m, …] holds every micro-batch; the last stage must return
