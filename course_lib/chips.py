@@ -175,3 +175,103 @@ def rate(peak: Peak, precision: str, matmul_precision: str = "default") -> float
     else:
         tflops = None
     return None if tflops is None else tflops * 1e12
+
+
+# ---- fabrics: the links of a mesh's axes, for the time model of course_lib.costs ----------------------
+
+SWITCH_LATENCY_S = 10e-6
+"""ASSUMPTION: α = 10 µs per step of a collective over NVLink (the order NCCL takes on small messages in one
+server); the same figure as :data:`course_lib.costs.COLLECTIVE_LATENCY_S`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """The fabric one mesh axis runs its collectives over (per device).
+
+    Attributes:
+      name: e.g. ``"ICI (TPU v5e)"``, ``"NVLink 4 (NVSwitch)"``, ``"InfiniBand NDR (across nodes)"``.
+      bytes_per_s: bandwidth in ONE direction. ``topology="ring"``: to one neighbour on the axis (one ICI
+        port); ``"switch"``: the device's whole injection bandwidth (every peer is one hop away).
+      latency_s: α, the fixed cost of each step of a collective (a ring all-gather over n devices takes n−1
+        steps). An ASSUMPTION of the right order, not a measurement: see ``source``.
+      topology: ``"ring"`` — the axis is a bidirectional ring of neighbours (a TPU torus axis): ring
+        collectives send half their data each way, so they run at ``2 × bytes_per_s``; an all-to-all's
+        blocks cross on average about n/4 links each way (the scaling book: "cheaper than an all-gather by a
+        factor of ¼"); a ``ppermute`` to a neighbour uses one direction. ``"switch"`` — every device reaches
+        every other at ``bytes_per_s`` (NVSwitch, a network): a ring collective's sends at that bandwidth.
+      source: where the figures come from.
+    """
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+    topology: str
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Fabric:
+    """A chip and the links of its mesh axes: what :func:`step_time` turns FLOPs and bytes into seconds with.
+
+    Attributes:
+      name: e.g. ``"TPU v5e, 2x4 slice (ICI)"``.
+      chip: the :class:`Peak` entry (peak FLOP/s, HBM bandwidth) of :mod:`course_lib.chips`.
+      link: the link of every mesh axis not in ``axis_links``.
+      axis_links: links of named axes, e.g. ``{"data": <InfiniBand>}`` for an axis that crosses nodes.
+    """
+
+    name: str
+    chip: Peak
+    link: Link
+    axis_links: tuple[tuple[str, Link], ...] = ()
+
+    def link_of(self, axes: str | tuple[str, ...]) -> Link:
+        """The link a collective over ``axes`` runs on: the slowest of its axes' links."""
+        named = dict(self.axis_links)
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        links = [named.get(a, self.link) for a in axes for a in a.split(",")] or [self.link]
+        return min(links, key=lambda link: link.bytes_per_s)
+
+    def with_axis(self, axis: str, link: Link) -> Fabric:
+        """This fabric with ``axis`` on ``link`` (e.g. the data axis across nodes)."""
+        named = dict(self.axis_links) | {axis: link}
+        return dataclasses.replace(self, axis_links=tuple(named.items()))
+
+
+def _chip(name: str) -> Peak:
+    return next(p for p in PEAKS if p.name == name)
+
+
+ICI_LATENCY_S = 1e-6
+"""ASSUMPTION: α = 1 µs per step of a collective on a TPU's ICI (the scaling book's order of magnitude for one
+hop); the course measures no multi-chip latency (one chip is lent to it)."""
+
+LINKS = {
+    "ICI v5e": Link("ICI (TPU v5e), one port", 50e9, ICI_LATENCY_S, "ring",
+                    "Cloud TPU v5e page: ICI 400 GB/s bidirectional per chip over 4 ports -> 50 GB/s one way per "
+                    "port; 1 µs per step assumed"),
+    "ICI v5p": Link("ICI (TPU v5p), one port", 100e9, ICI_LATENCY_S, "ring",
+                    "Cloud TPU v5p page: ICI 1,200 GB/s bidirectional per chip over 6 ports -> 100 GB/s one way "
+                    "per port; 1 µs per step assumed"),
+    "NVLink 4": Link("NVLink 4 (NVSwitch)", 450e9, SWITCH_LATENCY_S, "switch",
+                     "H100/H200 datasheets: NVLink 900 GB/s -> 450 GB/s one way; 10 µs per step assumed"),
+    "NVLink 3": Link("NVLink 3 (NVSwitch)", 300e9, SWITCH_LATENCY_S, "switch",
+                     "A100 datasheet: NVLink 600 GB/s -> 300 GB/s one way; 10 µs per step assumed"),
+    "InfiniBand NDR": Link("InfiniBand NDR, one 400 Gb/s NIC per GPU", 50e9, 2 * SWITCH_LATENCY_S,
+                           "switch", "NVIDIA ConnectX-7: 400 Gb/s = 50 GB/s one way per GPU (DGX H100: one "
+                           "NIC per GPU); 20 µs per step assumed"),
+    "DCN": Link("data-centre network between TPU slices", 12.5e9, 10 * ICI_LATENCY_S, "switch",
+                "ASSUMPTION: 100 Gb/s per chip between slices (the order of a TPU host's NICs shared by its "
+                "chips); 10 µs per step"),
+}  # fmt: skip
+"""The links the course's time model uses, each with its source; latencies are assumptions (stated)."""
+
+FABRICS = {
+    "TPU v5e": Fabric("TPU v5e slice (ICI)", _chip("TPU v5e"), LINKS["ICI v5e"]),
+    "TPU v5p": Fabric("TPU v5p slice (ICI)", _chip("TPU v5p"), LINKS["ICI v5p"]),
+    "H100": Fabric("8 × H100 SXM, NVLink 4", _chip("H100 SXM"), LINKS["NVLink 4"]),
+    "H200": Fabric("8 × H200, NVLink 4", _chip("H200"), LINKS["NVLink 4"]),
+    "A100": Fabric("8 × A100 SXM4 80GB, NVLink 3", _chip("A100 SXM4 80GB"), LINKS["NVLink 3"]),
+}
+"""Named fabrics. Simulated CPU devices are not a fabric: they share one machine's memory, so no time on a
+fabric is claimed for them (:func:`step_time` is always given one of these)."""

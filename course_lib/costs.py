@@ -28,7 +28,18 @@ import math
 from typing import Any
 
 # the one table of accelerators (TPUs and GPUs), re-exported: costs.PEAKS, costs.peak_flops, costs.rate
-from .chips import PEAKS, TF32_PRECISIONS, Peak, chip_for, peak_flops, rate  # noqa: F401
+from .chips import (  # noqa: F401
+    FABRICS,
+    LINKS,
+    PEAKS,
+    TF32_PRECISIONS,
+    Fabric,
+    Link,
+    Peak,
+    chip_for,
+    peak_flops,
+    rate,
+)
 
 # ---- memory by kind ----------------------------------------------------------------------------------
 
@@ -248,3 +259,126 @@ def step_time_model(
         "comm_s": comm,
         "step_s": compute + comm,
     }
+
+
+# ---- time beside bytes: collectives on a named fabric, the roofline, overlap -------------------------
+
+
+def collective_time(kind: str, group_size: int, size_bytes: float, link: Link) -> float:
+    """Seconds one collective takes on ``link``: ``steps × α + bytes crossing the busiest link ÷ bandwidth``.
+
+    Args:
+      kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``, ``"all-to-all"`` or
+        ``"collective-permute"`` (:data:`course_lib.comms.KINDS`).
+      group_size: devices per group, n.
+      size_bytes: ``S`` of the ring formula (:class:`course_lib.comms.Collective`/``Transfer``.size_bytes):
+        the result for an all-gather, all-reduce, all-to-all, ppermute; the full operand for a reduce-scatter.
+      link: the axis's fabric.
+
+    Returns:
+      Seconds; 0 for a group of one device.
+
+    Raises:
+      ValueError: an unknown kind or topology.
+    """
+    n = group_size
+    if n <= 1:
+        return 0.0
+    from .comms import ring_bytes
+
+    ring = link.topology == "ring"
+    if link.topology not in ("ring", "switch"):
+        raise ValueError(f"{link.name}: topology {link.topology!r} is not 'ring' or 'switch'")
+    if kind == "collective-permute":
+        return link.latency_s + size_bytes / link.bytes_per_s
+    if kind == "all-to-all":
+        if ring:  # block j goes min(j, n - j) links, the shorter way round; 2n directed links share the load
+            hops = sum(min(j, n - j) for j in range(1, n))
+            return (n - 1) * link.latency_s + size_bytes / n * hops / (2 * link.bytes_per_s)
+        return (n - 1) * link.latency_s + ring_bytes(kind, size_bytes, n) / link.bytes_per_s
+    steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
+    sent = ring_bytes(kind, size_bytes, n)  # raises on an unknown kind
+    return steps * link.latency_s + sent / (link.bytes_per_s * (2 if ring else 1))
+
+
+def step_time(
+    flops: float,
+    bytes_accessed: float | None,
+    transfers: Any,
+    fabric: Fabric,
+    precision: str = "bfloat16",
+    *,
+    matmul_precision: str = "default",
+) -> dict[str, Any]:
+    """A step's time on ``fabric``, from what the compiled program says it does (per device).
+
+    Compute time = FLOPs ÷ peak; memory time = bytes accessed ÷ HBM bandwidth; their maximum is the
+    roofline's time (the term that binds is named). Each collective costs :func:`collective_time` on the link
+    of its axes. Two bounds (the scaling book's T_lower and T_upper): with perfect **overlap** the step takes
+    ``max(roofline, communication)``; with **none**, their sum. A model, not a measurement.
+
+    Args:
+      flops: FLOPs per device per step (``cost_analysis()["flops"]``; a loop body counts once there: multiply
+        by the trip count where the program scans over layers).
+      bytes_accessed: HBM traffic per device (``cost_analysis()["bytes accessed"]``), or None to leave out
+        the memory term.
+      transfers: the collectives, each with ``kind``, ``group_size``, ``size_bytes`` and ``axes``/``axis``
+        (measured :class:`course_lib.comms.Collective` or predicted :class:`course_lib.comms.Transfer`);
+        an item with a ``times`` attribute counts that many times.
+      fabric: the chip and its links (:data:`FABRICS`).
+      precision: which peak applies (:func:`rate`).
+      matmul_precision: ``jax_default_matmul_precision`` (float32's rate depends on it).
+
+    Returns:
+      ``{"compute_s", "memory_s", "roofline_s", "bound" ("compute" or "HBM"), "comm_s", "comm_by_axis"
+      {axis: s}, "overlap_s" (T_lower), "no_overlap_s" (T_upper), "comm_bound" (communication exceeds the
+      roofline)}``.
+
+    Raises:
+      ValueError: the chip has no rate for ``precision``, or no HBM bandwidth while ``bytes_accessed`` is given.
+    """
+    peak = rate(fabric.chip, precision, matmul_precision)
+    if peak is None:
+        raise ValueError(f"{fabric.chip.name} has no peak rate for precision={precision!r}")
+    compute = flops / peak
+    memory = 0.0
+    if bytes_accessed is not None:
+        if not fabric.chip.hbm_bytes_per_s:
+            raise ValueError(f"{fabric.chip.name} has no HBM bandwidth in course_lib.chips.PEAKS")
+        memory = bytes_accessed / fabric.chip.hbm_bytes_per_s
+    by_axis: dict[str, float] = {}
+    for t in transfers:
+        axes = getattr(t, "axes", None) or (getattr(t, "axis", "?"),)
+        seconds = collective_time(t.kind, t.group_size, t.size_bytes, fabric.link_of(axes))
+        key = ",".join(axes)
+        by_axis[key] = by_axis.get(key, 0.0) + seconds * getattr(t, "times", 1)
+    roofline, comm = max(compute, memory), sum(by_axis.values())
+    return {
+        "compute_s": compute,
+        "memory_s": memory,
+        "roofline_s": roofline,
+        "bound": "compute" if compute >= memory else "HBM",
+        "comm_s": comm,
+        "comm_by_axis": by_axis,
+        "overlap_s": max(roofline, comm),
+        "no_overlap_s": roofline + comm,
+        "comm_bound": comm > roofline,
+    }
+
+
+def critical_size(size: float, timing: dict[str, Any]) -> float:
+    """The size (per-device batch, tokens …) at which compute time equals communication time, when compute
+    grows in proportion to the size and communication does not (data parallelism's gradients, FSDP's
+    gathers): ``size × comm_s ÷ roofline_s``. Below it the step is communication-bound even with perfect
+    overlap (How to Scale Your Model: per-device batch > C / W_ici).
+
+    Args:
+      size: the size :func:`step_time`'s ``timing`` was computed at.
+      timing: :func:`step_time`'s result at that size.
+
+    Returns:
+      The critical size (same unit as ``size``); ``inf`` when the roofline time is 0.
+    """
+    if timing["roofline_s"] <= 0:
+        return math.inf
+    return size * timing["comm_s"] / timing["roofline_s"]

@@ -1,11 +1,14 @@
 """Costs from shapes and datasheets (course_lib.costs): peak FLOP/s per GPU kind, MFU, the step-time model,
 and the activations the backward pass keeps."""
 
+import dataclasses
 import math
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from course_lib import costs, model
+from course_lib import comms, costs, measure, model
 from course_lib.config import PROFILES
 
 
@@ -130,3 +133,79 @@ def test_residual_activations_from_shapes():
 def test_the_device_profiles_use_their_own_gpus_peaks():
     assert costs.DEVICE_PROFILES["A100"].peak.name == "A100 SXM4 80GB"
     assert costs.DEVICE_PROFILES["H100"].peak.name == "H100 SXM"
+
+
+# ---- time beside bytes ----------------------------------------------------------------------------------
+
+
+def test_collective_time_on_a_ring_and_on_a_switch():
+    ici, nvlink = costs.LINKS["ICI v5e"], costs.LINKS["NVLink 4"]
+    gb = 1e9
+    # a bidirectional ring sends half each way: 2(n-1)/n S over 2 x 50 GB/s, plus 2(n-1) steps of 1 µs
+    assert math.isclose(
+        costs.collective_time("all-reduce", 8, gb, ici), 14e-6 + 2 * 7 / 8 * gb / 100e9
+    )
+    assert math.isclose(
+        costs.collective_time("all-gather", 8, gb, nvlink), 7 * 10e-6 + 7 / 8 * gb / 450e9
+    )
+    # a reduce-scatter's S is its operand: the same bytes as the all-gather of the result
+    assert math.isclose(
+        costs.collective_time("reduce-scatter", 8, gb, ici),
+        costs.collective_time("all-gather", 8, gb, ici),
+    )
+    assert costs.collective_time("all-reduce", 1, gb, ici) == 0.0
+    assert math.isclose(costs.collective_time("collective-permute", 8, gb, ici), 1e-6 + gb / 50e9)
+    with pytest.raises(ValueError, match="unknown collective"):
+        costs.collective_time("broadcast", 8, gb, ici)
+
+
+def test_an_all_to_all_on_a_ring_costs_a_quarter_of_the_all_gather_of_its_shard():
+    # the scaling book: on a bidirectional ring an all-to-all is ~1/4 of an all-gather of the same shard
+    ici = dataclasses.replace(costs.LINKS["ICI v5e"], latency_s=0.0)
+    for n in (8, 64):
+        shard = 1e6
+        a2a = costs.collective_time("all-to-all", n, shard, ici)
+        gather = costs.collective_time("all-gather", n, n * shard, ici)
+        assert 0.24 < a2a / gather < 0.30, (n, a2a / gather)
+    # on a switch it sends (n-1)/n of its shard: cheaper than the gather by a factor n
+    nv = dataclasses.replace(costs.LINKS["NVLink 4"], latency_s=0.0)
+    ratio = costs.collective_time("all-to-all", 8, 1e6, nv) / costs.collective_time(
+        "all-gather", 8, 8e6, nv
+    )
+    assert math.isclose(ratio, 1 / 8)
+
+
+def test_step_time_bounds_and_the_critical_size():
+    v5e = costs.FABRICS["TPU v5e"]
+    grads = comms.transfer("all-reduce", "data", 8, 4e8, "gradients")
+    t = costs.step_time(197e12 * 0.01, 819e9 * 0.001, [grads], v5e, "bfloat16")
+    assert math.isclose(t["compute_s"], 0.01) and math.isclose(t["memory_s"], 0.001)
+    assert t["bound"] == "compute" and t["roofline_s"] == t["compute_s"]
+    comm = costs.collective_time("all-reduce", 8, 4e8, v5e.link)
+    assert math.isclose(t["comm_s"], comm) and t["comm_by_axis"] == {"data": t["comm_s"]}
+    assert math.isclose(t["overlap_s"], max(0.01, comm))
+    assert math.isclose(t["no_overlap_s"], 0.01 + comm)
+    # compute grows with the per-device batch, the gradients' all-reduce does not
+    critical = costs.critical_size(16, t)
+    assert math.isclose(critical, 16 * comm / 0.01)
+    at = costs.step_time(197e12 * 0.01 * critical / 16, None, [grads], v5e, "bfloat16")
+    assert math.isclose(at["compute_s"], at["comm_s"])
+    # the data axis across nodes: the slowest link of a collective's axes carries it
+    two_tier = costs.FABRICS["H100"].with_axis("data", costs.LINKS["InfiniBand NDR"])
+    slow = costs.step_time(0, None, [grads], two_tier, "bfloat16")
+    fast = costs.step_time(0, None, [grads], costs.FABRICS["H100"], "bfloat16")
+    assert slow["comm_s"] > 8 * fast["comm_s"]
+    with pytest.raises(ValueError, match="no peak rate for precision='float64'"):
+        costs.step_time(1, None, [], v5e, "float64")
+
+
+def test_step_time_reads_a_compiled_programs_collectives():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    w = jax.device_put(jnp.ones((256, 256)), jax.NamedSharding(mesh, jax.P()))
+    x = jax.device_put(jnp.ones((64, 256)), jax.NamedSharding(mesh, jax.P("data")))
+    grad = jax.jit(jax.grad(lambda w, x: jnp.sum((x @ w) ** 2)))
+    _, stats = measure.compile_and_analyse(lambda: grad.lower(w, x), dict(mesh.shape))
+    t = costs.step_time(stats.flops_per_device, stats.bytes_accessed, stats.transfers,
+                        costs.FABRICS["TPU v5e"], "float32", matmul_precision="default")  # fmt: skip
+    expected = costs.collective_time("all-reduce", 8, 256 * 256 * 4, costs.LINKS["ICI v5e"])
+    assert math.isclose(t["comm_s"], expected)
