@@ -231,6 +231,45 @@ def drift(relative: dict, ax=None, reference: str = "float64 A"):
     return ax
 
 
+def time_breakdown(timings: dict, ax=None, title: str = "Step time on a fabric (a model)"):
+    """Horizontal bars of each row's modelled step: compute, HBM and each axis's communication, with the
+    two bounds marked (``|`` perfect overlap, ``▶`` no overlap).
+
+    Args:
+      timings: ``{label: course_lib.costs.step_time(...) result}``, e.g. one per fabric or per layout.
+      ax: the Axes to draw on (a new figure when None).
+
+    Returns:
+      The Axes. Times are drawn in milliseconds on a log scale (the terms differ by orders of magnitude).
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 0.6 + 0.7 * len(timings)))
+    labels = list(timings)
+    axes_names = sorted({a for t in timings.values() for a in t["comm_by_axis"]})
+    terms = ["compute", "HBM"] + [f"comm: {a}" for a in axes_names]
+    height = 0.8 / len(terms)
+    for k, term in enumerate(terms):
+        values = []
+        for t in timings.values():
+            if term == "compute":
+                values.append(t["compute_s"])
+            elif term == "HBM":
+                values.append(t["memory_s"])
+            else:
+                values.append(t["comm_by_axis"].get(term.removeprefix("comm: "), 0.0))
+        y = np.arange(len(labels)) + (k - (len(terms) - 1) / 2) * height
+        ax.barh(y, np.asarray(values) * 1e3, height=height, label=term)
+    for i, t in enumerate(timings.values()):
+        ax.plot(t["overlap_s"] * 1e3, i, "k|", markersize=14)
+        ax.plot(t["no_overlap_s"] * 1e3, i, "k>", markersize=6)
+    ax.set_yticks(np.arange(len(labels)), labels)
+    ax.set_xscale("log")
+    ax.set_xlabel("ms per step  (|: compute and communication overlapped,  ▶: one after the other)")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="lower right")
+    return ax
+
+
 def save(fig, path) -> str:
     """Save a Figure (or the Figure of an Axes) as PNG at 110 dpi; returns the path as a string.
 

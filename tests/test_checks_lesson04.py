@@ -2,6 +2,8 @@
 other correct forms and rejects typical wrong answers with a specific hint, at 8 devices (from conftest.py)
 and, for the references, at 1 and 3 (the checkers take the devices they run on)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 from checking import rejects, use_tolerance
 from jax import lax
 
+from course_lib import comms
 from course_tools.checks import ExerciseError, NotWritten, lesson04
 
 
@@ -373,3 +376,55 @@ def test_accumulated_grads_at_a_tpus_tolerance(report, monkeypatch):
         )
         rejects(lesson04.check_accumulated_grads, acc_psum, devices, match=f"{k}x|psum adds")
         rejects(lesson04.check_accumulated_grads, acc_local, devices, match="different gradients")
+
+
+# ---- exercise 4: the critical batch of data parallelism ----------------------------------------------
+
+
+def critical_ref(n_params, flops_per_example, n_devices, fabric):
+    if n_devices == 1:
+        return 0.0
+    sent = 2 * (n_devices - 1) / n_devices * 4 * n_params
+    bandwidth = fabric.link.bytes_per_s * (2 if fabric.link.topology == "ring" else 1)
+    return sent / bandwidth * fabric.chip.bf16 * 1e12 / flops_per_example
+
+
+def critical_other_form(n_params, flops_per_example, n_devices, fabric):
+    # time per example and time of the all-reduce, then their ratio
+    per_example_s = flops_per_example / (fabric.chip.bf16 * 1e12)
+    ways = 2 if fabric.link.topology == "ring" else 1
+    allreduce_s = (n_devices - 1) * 2 * n_params * 4 / n_devices / (ways * fabric.link.bytes_per_s)
+    return allreduce_s / per_example_s
+
+
+def test_critical_batch_accepts_correct_forms():
+    assert lesson04.check_critical_batch(critical_ref)
+    assert lesson04.check_critical_batch(critical_other_form)
+    _not_written(lesson04.check_critical_batch, stub)
+
+
+def test_critical_batch_wrong_answers():
+    from course_lib import costs
+
+    def scaled(f):
+        return lambda p, fl, n, fab: f(p, fl, n, fab) * critical_ref(p, fl, n, fab)
+
+    one_way = lambda p, fl, n, fab: critical_ref(p, fl, n, dataclasses.replace(
+        fab, link=dataclasses.replace(fab.link, topology="switch")))  # fmt: skip
+    cases = {
+        "bidirectional ring": one_way,
+        "2 \\(n − 1\\) / n": scaled(lambda p, fl, n, fab: n / (n - 1) if n > 1 else 1),
+        "factors of 2": scaled(lambda p, fl, n, fab: 0.5),  # bfloat16 gradients: 2 bytes
+        "batch of ONE device": scaled(lambda p, fl, n, fab: n),  # the global batch
+        "one device reduces nothing": lambda p, fl, n, fab: critical_ref(p, fl, max(n, 2), fab),
+        "compute time = batch": lambda p, fl, n, fab: (
+            critical_ref(p, fl, n, fab) * 197 / fab.chip.bf16
+        ),
+        "return a number": lambda p, fl, n, fab: None,
+    }
+    for hint, answer in cases.items():
+        rejects(lesson04.check_critical_batch, answer, match=hint)
+    library = lambda p, fl, n, fab: costs.critical_size(
+        1, costs.step_time(fl, None, [comms.transfer("all-reduce", "data", n, 4 * p, "g")], fab)
+    )
+    rejects(lesson04.check_critical_batch, library, match="do not call costs")

@@ -26,10 +26,11 @@ from course_lib.programs import jaxpr_collectives
 
 from ._common import NotWritten, call_answer, checker, close, fail, matmul_rtol, not_written, passed
 from ._lesson04_allreduce import QUESTIONS, STEP_SOURCE, judge_allreduce, measure_allreduce
+from ._lesson04_critical import check_critical_batch
 from ._lesson04_memory import judge_memory
 from ._simulated import run_json
 
-__all__ = ["QUESTIONS", "STEP_SOURCE", "measure_allreduce"]  # the notebook prints these
+__all__ = ["QUESTIONS", "STEP_SOURCE", "check_critical_batch", "measure_allreduce"]  # the notebook uses these
 
 
 def _call(what: str, fn: Callable, *args, hint: str):
