@@ -30,7 +30,12 @@ from ._lesson04_critical import check_critical_batch
 from ._lesson04_memory import judge_memory
 from ._simulated import run_json
 
-__all__ = ["QUESTIONS", "STEP_SOURCE", "check_critical_batch", "measure_allreduce"]  # the notebook uses these
+__all__ = [
+    "QUESTIONS",
+    "STEP_SOURCE",
+    "check_critical_batch",
+    "measure_allreduce",
+]  # the notebook uses these
 
 
 def _call(what: str, fn: Callable, *args, hint: str):
