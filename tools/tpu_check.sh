@@ -9,7 +9,8 @@ PROG="tools/tpu_check.sh"
 usage() {
   cat <<EOF
 Usage: $PROG [--out DIR] [--python PATH] [--index URL] [--wheelhouse DIR] [--site DIR] [--skip-install]
-                         [--notebooks "01 08 …"] [--timeout SECONDS] [--lab-param NAME=VALUE]... [--rehearse]
+                         [--notebooks "01 08 …"] [--steps "tests notebooks lab programs"] [--timeout SECONDS]
+                         [--lab-param NAME=VALUE]... [--rehearse]
                          [-h|--help]
 
 The course's TPU check, run on a TPU host with JAX already installed (a TPU image ships its own JAX; the
@@ -40,6 +41,9 @@ Options:
   --site DIR            where step 2 installs (default /tmp/course-site); added to the end of PYTHONPATH
   --skip-install        use the environment as it is
   --notebooks LIST      which notebooks (by number), default every one
+  --steps LIST          which of steps 4-7 to run: tests notebooks lab programs (default all four); a
+                        host's session too short for all of them runs them in two calls, e.g. --steps
+                        "tests programs" --notebooks "01 02", then --steps "notebooks lab" --notebooks "08 10"
   --timeout SECONDS     limit for each notebook (default 300)
   --lab-param N=V       one more parameter for the lab run of step 6, e.g. --lab-param steps=10
   --rehearse            check this script on a machine without a TPU: 2 simulated CPU devices, the notebooks
@@ -59,7 +63,7 @@ die() {
 }
 need_value() { [[ $# -ge 2 && -n $2 && $2 != --* ]] || die 2 "$1 needs a value (see $PROG --help)"; }
 
-OUT="" PY="" INDEX="" WHEELHOUSE="" SITE="/tmp/course-site" SKIP_INSTALL=0 NOTEBOOKS="" TIMEOUT=300 REHEARSE=0
+STEPS="tests notebooks lab programs" OUT="" PY="" INDEX="" WHEELHOUSE="" SITE="/tmp/course-site" SKIP_INSTALL=0 NOTEBOOKS="" TIMEOUT=300 REHEARSE=0
 LAB_PARAMS=()
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -71,6 +75,7 @@ while [[ $# -gt 0 ]]; do
     --site) need_value "$@" && SITE=$2 && shift 2 ;;
     --skip-install) SKIP_INSTALL=1 && shift ;;
     --notebooks) need_value "$@" && NOTEBOOKS=$2 && shift 2 ;;
+    --steps) need_value "$@" && STEPS=$2 && shift 2 ;;
     --timeout) need_value "$@" && TIMEOUT=$2 && shift 2 ;;
     --lab-param) need_value "$@" && LAB_PARAMS+=("$2") && shift 2 ;;
     --rehearse) REHEARSE=1 && shift ;;
@@ -78,6 +83,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $TIMEOUT =~ ^[0-9]+$ && $TIMEOUT -gt 0 ]] || die 2 "--timeout $TIMEOUT is not a positive number of seconds"
+for s in $STEPS; do [[ $s =~ ^(tests|notebooks|lab|programs)$ ]] || die 2 "--steps: no step '$s' (tests notebooks lab programs)"; done
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
 for p in "${LAB_PARAMS[@]}"; do [[ $p == *=* ]] || die 2 "--lab-param $p is not NAME=VALUE"; done
 [[ -z $WHEELHOUSE || -d $WHEELHOUSE ]] || die 2 "--wheelhouse $WHEELHOUSE is not a folder"
 if [[ $REHEARSE == 1 ]]; then
@@ -155,7 +162,7 @@ cp "$OUT/logs/device.log" "$OUT/device.txt"
   >"$OUT/versions.txt" 2>&1
 
 # 4. the tests marked tpu
-if [[ $REHEARSE == 0 ]]; then
+if [[ $REHEARSE == 0 ]] && wants tests; then
   # --noconftest: the suite's conftest fixes 8 simulated CPU devices; these tests need the chip
   step tests "$PY" -m pytest tests/test_tpu.py tests/test_aot.py -m tpu --noconftest -p no:xdist \
     -p no:cacheprovider -o addopts="" -q
@@ -163,6 +170,7 @@ fi
 
 # 5. every notebook at the host's chip count
 [[ -n $NOTEBOOKS ]] || NOTEBOOKS=$(cd "$ROOT/notebooks" && ls [0-9][0-9]_*.ipynb | cut -c1-2 | tr '\n' ' ')
+wants notebooks || NOTEBOOKS=""
 for num in $NOTEBOOKS; do
   nb=$(cd "$ROOT/notebooks" && ls "$num"_*.ipynb 2>/dev/null | head -n 1)
   [[ -n $nb ]] || die 2 "no notebook numbered $num in notebooks/"
@@ -175,7 +183,7 @@ for num in $NOTEBOOKS; do
 done
 
 # 6. the lab at the largest article-like profile that fits, in bfloat16
-if [[ $REHEARSE == 0 ]]; then
+if [[ $REHEARSE == 0 ]] && wants lab; then
   lab=(-p profile auto -p precision bfloat16 -p results_dir "$OUT/lab/bf16" -p overwrite True)
   for p in "${LAB_PARAMS[@]}"; do lab+=(-p "${p%%=*}" "${p#*=}"); done
   step lab_bf16 "$PY" -m course_tools.inprocess notebooks/08_lab.ipynb "$OUT/lab/08_lab_bf16.ipynb" \
@@ -183,7 +191,7 @@ if [[ $REHEARSE == 0 ]]; then
 fi
 
 # 7. programs for an 8-chip v5e, compiled here
-if [[ $REHEARSE == 0 && -f $ROOT/tools/tpu_programs.py ]]; then
+if [[ $REHEARSE == 0 ]] && wants programs; then
   step programs "$PY" tools/tpu_programs.py --out "$OUT/programs"
 fi
 
@@ -208,7 +216,8 @@ with open(f"{out}/summary.txt", "w") as fh:
     for r in rows:
         print(f"{r['notebook']}: {'ok' if r['ok'] else 'FAILED at cell %s: %s' % (r['failed_cell'], r['error'])}"
               f" ({r['seconds']} s)", file=fh)
-    print(open(f"{out}/steps.txt").read(), file=fh, end="")
+    if os.path.exists(f"{out}/steps.txt"):
+        print(open(f"{out}/steps.txt").read(), file=fh, end="")
 print(open(f"{out}/summary.txt").read())
 PY
 )
