@@ -1,6 +1,7 @@
 """Numerical precision of a lab run: ``float32`` (default), ``float64`` or ``bfloat16`` mixed precision.
 
-- ``float64``: parameters, optimizer state, images and every computation in float64 (``jax_enable_x64``).
+- ``float64`` (XLA:CPU, XLA:GPU; refused on XLA:TPU, :func:`check_runs`): parameters, optimizer state, images
+  and every computation in float64 (``jax_enable_x64``).
   Every strategy then equals single-device ``jit`` at every step within 1e-10 relative (the lab asserts
   it and prints the largest difference): the evidence that the parallel programs compute the same
   mathematics (``notebooks/08_lab.ipynb``, "Parity").
@@ -229,3 +230,43 @@ def check_runs(precision: str, backend: str | None = None) -> str:
             "use precision='float32' (or 'bfloat16')"
         )
     return precision
+
+
+# ---- the lessons' parity checks (notebooks 10, 11) --------------------------------------------------------
+
+
+def parity_dtype(backend: str | None = None) -> Any:
+    """The dtype the lessons' parity checks compute in: ``jnp.float64`` where :func:`float64_runs`, else
+    ``jnp.float32`` (XLA:TPU). Float64 arrays need :func:`parity_x64` (or ``jax_enable_x64``) in force."""
+    return jnp.float64 if float64_runs(backend) else jnp.float32
+
+
+def parity_x64(backend: str | None = None) -> contextlib.AbstractContextManager:
+    """``jax.enable_x64(True)`` where the parity checks run in float64; a context that does nothing where
+    they run in float32."""
+    return jax.enable_x64(True) if float64_runs(backend) else contextlib.nullcontext()
+
+
+def parity_bound(float64_bound: float, backend: str | None = None) -> float:
+    """What a parity check asserts its :func:`parity_diff` below: ``float64_bound`` (an absolute
+    difference, e.g. 1e-10) where float64 runs; :func:`float32_rtol` (relative) where it does not.
+
+    Args:
+      float64_bound: the check's bound in float64, > 0.
+
+    Raises:
+      ValueError: ``float64_bound`` not a positive number (named).
+    """
+    if not float64_bound > 0:
+        raise ValueError(f"float64_bound={float64_bound!r} must be a positive number such as 1e-10")
+    return float64_bound if float64_runs(backend) else float32_rtol(backend)
+
+
+def parity_diff(diff: float, reference: Any, backend: str | None = None) -> float:
+    """A largest absolute difference ``diff`` from ``reference`` (an array or a number) as a parity check
+    compares it with :func:`parity_bound`: as it is where float64 runs; divided by ``max |reference|``
+    (1 for an all-zero reference) where it does not (float32 differences scale with the values)."""
+    if float64_runs(backend):
+        return float(diff)
+    scale = float(jnp.max(jnp.abs(jnp.asarray(reference))))
+    return float(diff) / (scale or 1.0)

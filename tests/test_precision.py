@@ -100,3 +100,22 @@ def test_parity_tolerances_follow_the_platform():
     assert parity.tolerance("bfloat16", "tpu") == parity.TOLERANCES["bfloat16"]
     with pytest.raises(ValueError, match="XLA:TPU"):
         parity.tolerance("float64", "tpu")
+
+
+def test_parity_checks_are_float64_where_it_runs_and_float32_relative_elsewhere():
+    assert (
+        precision.parity_dtype("cpu") == jnp.float64
+        and precision.parity_dtype("tpu") == jnp.float32
+    )
+    assert precision.parity_bound(1e-10, "cpu") == 1e-10
+    assert precision.parity_bound(1e-10, "tpu") == precision.float32_rtol("tpu")
+    ref = jnp.asarray([4.0, -8.0])
+    assert precision.parity_diff(2e-3, ref, "cpu") == 2e-3  # absolute, as written
+    assert precision.parity_diff(2e-3, ref, "tpu") == 2e-3 / 8  # relative to the largest value
+    assert precision.parity_diff(2e-3, jnp.zeros(2), "tpu") == 2e-3
+    with precision.parity_x64("cpu"):
+        assert jnp.zeros(1, precision.parity_dtype("cpu")).dtype == jnp.float64
+    with precision.parity_x64("tpu"):
+        assert jnp.zeros(1).dtype == jnp.float32
+    with pytest.raises(ValueError, match="float64_bound=0"):
+        precision.parity_bound(0)

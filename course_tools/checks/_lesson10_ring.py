@@ -7,10 +7,8 @@ The tensor-parallel MLP's checker reads its collectives with :func:`counted` too
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,7 +46,7 @@ def precise():
     (:func:`course_lib.precision.float64_runs`); nothing on XLA:TPU, whose float64 is emulated (programs
     take minutes to compile): there the inputs become float32 and :func:`close` takes the platform's
     float32 tolerance."""
-    return jax.enable_x64(True) if precision.float64_runs() else contextlib.nullcontext()
+    return precision.parity_x64()
 
 
 def close(got, want, atol: float, rtol: float = 0.0, equal_nan: bool = False) -> bool:
