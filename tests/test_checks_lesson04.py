@@ -345,6 +345,19 @@ def test_references_at_an_odd_device_count(report):
     assert lesson04.check_accumulated_grads(acc_scan, devices)
 
 
+def test_two_devices_set_the_predictions_for_four(report):
+    """On two devices a ring all-reduce sends 2 (n - 1) / n × S = (n - 1) × S, what a naive one sends: the
+    predictions are for 4 simulated devices, where the naive count (once accepted on two) is refused."""
+    two = report.devices[:2]
+    assert lesson04.prediction_count(two) == 4
+    assert lesson04.check_allreduce(_allreduce_right(4), two)
+    right = _allreduce_right(2)
+    naive = {**right, "bytes sent per device": right["bytes reduced"] * (2 - 1)}
+    assert naive == right  # the same numbers on two devices
+    rejects(lesson04.check_allreduce, naive, two, match="1 of your 4")
+    assert lesson04.check_gradient_scales({"a": 4, "b": 4, "c": 1, "d": "local"}, two)
+
+
 def test_one_device_answers_run_on_a_simulated_axis(report):
     """With 1 device local and global agree; the checks also map the answer over 4 simulated devices."""
     one = report.devices[:1]

@@ -257,6 +257,8 @@ def judge_on(check, answer, devices, *, need: int, why: str, **kwargs) -> bool |
         f"{here}: {why}"
     )
     error = got.get("error")
+    if error:
+        print(got["out"], end="")  # what the checker printed before it refused
     if error and error[0] == "not_written":
         raise NotWritten(error[1])
     if error:

@@ -93,13 +93,15 @@ def measure_gradient_scales(devices: Sequence[Any], seed: int = 0) -> dict[str, 
 
 
 SIMULATED = 4
-"""With a single device every program gives the true gradient; exercise 1 is then set for this many
+"""With a single device every program gives the true gradient, and with two a ring all-reduce sends
+``2 (n - 1) / n × S = (n - 1) × S``, what a naive one sends; exercises 1 and 2 are then set for this many
 simulated CPU devices, measured in a fresh process."""
 
 
 def prediction_count(devices: Sequence[Any]) -> int:
-    """The device count exercise 1's predictions are for: the run's, or :data:`SIMULATED` with one device."""
-    return len(devices) if len(devices) > 1 else SIMULATED
+    """The device count exercises 1 and 2's predictions are for: the run's, or :data:`SIMULATED` with one
+    or two devices."""
+    return len(devices) if len(devices) > 2 else SIMULATED
 
 
 @functools.cache
@@ -169,8 +171,8 @@ def check_gradient_scales(predictions: dict | None, devices: Sequence[Any]) -> b
 
     Spec: ``predictions[name]`` matches the measured gradient (to 0.1 %): a number (a multiple of the true
     gradient of the global batch's mean loss) or ``"local"`` (the devices end with different gradients),
-    for :func:`prediction_count` devices (with one device, measured on 4 simulated ones in a fresh
-    process). A wrong answer is told how many predictions are wrong, never which.
+    for :func:`prediction_count` devices (with one or two devices, measured on 4 simulated ones in a
+    fresh process). A wrong answer is told how many predictions are wrong, never which.
 
     Raises:
       ExerciseError: wrong keys, a value that is neither a number nor "local", or wrong predictions
@@ -193,8 +195,9 @@ def check_gradient_scales(predictions: dict | None, devices: Sequence[Any]) -> b
             f"give a dict with exactly the keys {list(GRADIENT_PROGRAMS)}",
         )
     guesses = {name: _prediction(name, predictions[name]) for name in GRADIENT_PROGRAMS}
-    measured = measure_gradient_scales(devices) if len(devices) > 1 else _measure_simulated()
-    where = f"{n} device(s)" if len(devices) > 1 else f"{n} simulated CPU devices (a fresh process)"
+    here = n == len(devices)
+    measured = measure_gradient_scales(devices) if here else _measure_simulated()
+    where = f"{n} device(s)" if here else f"{n} simulated CPU devices (a fresh process)"
     wrong = []
     for name, guess in guesses.items():
         got = measured[name]
@@ -239,7 +242,8 @@ def check_allreduce(predictions: dict | None, devices: Sequence[Any]) -> bool:
     Spec (``_lesson04_allreduce``): for :func:`prediction_count` devices, the number of arrays the compiled
     step all-reduces (exactly), their bytes ``S`` and the bytes each device sends, ``2 (n - 1) / n × S``
     (within 1 %), and the number of all-reduce instructions (exactly; judged only where the program is
-    XLA:CPU's). With one device the step is compiled for 4 simulated CPU devices in a fresh process. A
+    XLA:CPU's). With one or two devices the step is compiled for 4 simulated CPU devices in a fresh
+    process. A
     wrong answer is told how many predictions are wrong, never which.
 
     Raises:
@@ -248,7 +252,7 @@ def check_allreduce(predictions: dict | None, devices: Sequence[Any]) -> bool:
     n = prediction_count(devices)
     if predictions is None or all(v is None or v is Ellipsis for v in dict(predictions).values()):
         judge_allreduce(predictions, {})  # "not written yet", before anything is compiled
-    measured = measure_allreduce(devices) if len(devices) > 1 else _measure_allreduce_simulated()
+    measured = measure_allreduce(devices) if n == len(devices) else _measure_allreduce_simulated()
     notes = judge_allreduce(predictions, measured)
     print(f"  the compiled step's all-reduce on {n} device(s), as XLA wrote it:")
     for line in measured["hlo"]:
