@@ -30,6 +30,26 @@ MULTIHOST_STRATEGIES = tuple(k for k, info in REGISTRY.items() if info.multihost
 """The lab strategies run on a group: C (data × model, shard_map) and D (data parallel, sharded jit)."""
 
 
+def loopback_tcp() -> str | None:
+    """Whether this host lets a process listen on a TCP port of the loopback, as ``jax.distributed``'s
+    coordination service must (``notebooks/09_multihost.ipynb`` runs its process groups only where it can).
+
+    Returns:
+      None when a socket could be bound to ``127.0.0.1`` and listened on; else why not, e.g.
+      ``"PermissionError: [Errno 1] Operation not permitted"`` (some sandboxed accelerator hosts allow unix
+      sockets only).
+    """
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(1)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def plan(
     n_devices: int, n_processes: int | None = None, fallback: bool = False
 ) -> tuple[int, int, str]:

@@ -58,3 +58,16 @@ def test_string_parameters_work_on_the_multi_process_path(report, tmp_path):
     assert len(runs["sharded_jit"]["losses"]) == 3
     with pytest.raises(ValueError, match="steps='three' is not an integer"):
         distributed.prepare_inputs(tmp_path / "other", "tiny", "three")
+
+
+def test_loopback_tcp_says_why_a_host_allows_no_process_group(monkeypatch):
+    import socket
+
+    assert distributed.loopback_tcp() is None  # this machine: a process may listen on the loopback
+
+    class NoTCP:
+        def __init__(self, *args, **kwargs):
+            raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(socket, "socket", NoTCP)
+    assert distributed.loopback_tcp() == "PermissionError: [Errno 1] Operation not permitted"
