@@ -199,7 +199,7 @@ class Flip:
       layer: the pre-activation pooled (``"z1"``, ``"z2"``, ``"z3"``: after conv1, conv2, conv3).
       where: ``(example, row, column, channel)`` of the pooled pixel.
       a, b: the window's four values (after ReLU) in each forward.
-      gap_ulp: the top two values' distance in forward a, in ulp of the largest.
+      gap_ulp: the top two values' distance in forward a, in ulp of the window's largest value (a or b).
       moved_ulp: how far forward b moved each value, in ulp.
     """
 
@@ -226,7 +226,9 @@ def pool_flips(za: dict, zb: dict) -> list[Flip]:
         wb, _ = _windows(np.maximum(np.asarray(zb[layer]), 0))
         live = (wa.max(1) > 0) | (wb.max(1) > 0)
         for i in np.nonzero(live & (wa.argmax(1) != wb.argmax(1)))[0]:
-            ulp = float(np.spacing(wa[i].max().astype(wa.dtype)))
+            # ulp of the window's largest value in either forward: A's window may be all zeros after the
+            # ReLU where b's is not, and the spacing of 0 (a subnormal) would overflow the ratios below
+            ulp = float(np.spacing(max(wa[i].max(), wb[i].max()).astype(wa.dtype)))
             top = np.sort(wa[i])
             flips.append(
                 Flip(

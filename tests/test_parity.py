@@ -229,3 +229,14 @@ def test_nudge_by_a_bfloat16_ulp_changes_the_bfloat16_copy():
     assert q["w"].dtype == np.float32 and np.all(q["w"] > p["w"])
     low = p["w"].astype(jnp.bfloat16)
     assert np.array_equal(q["w"].astype(jnp.bfloat16), np.nextafter(low, jnp.bfloat16(np.inf)))
+
+
+def test_pool_flips_of_a_window_all_zero_in_one_forward():
+    # A's window is all zeros after the ReLU, b's has one small positive value: a flip, measured in ulp of
+    # b's value (the spacing of 0 is a subnormal: the ratio overflowed to infinity before)
+    za = {k: np.zeros((1, 2, 2, 1), np.float32) for k in ("z1", "z2", "z3")}
+    zb = {k: v.copy() for k, v in za.items()}
+    zb["z2"][0, 1, 1, 0] = 3e-6
+    (flip,) = parity.pool_flips(za, zb)
+    assert flip.layer == "z2" and flip.gap_ulp == 0 and flip.moved_ulp[:3] == (0, 0, 0)
+    assert 0 < flip.moved_ulp[3] < 2**24
