@@ -453,7 +453,8 @@ def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
 
 @checker
 @judged_on(
-    3, "on one device a bias summed n times is summed once, and a bias over n fits one count"
+    3,
+    "on one device a bias summed n times is summed once; two give one count, where a bias over 2 is right",
 )
 def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
     """Exercise 1 (debug): a tensor-parallel MLP.
