@@ -116,6 +116,9 @@ if [[ $SKIP_INSTALL == 0 ]]; then
   PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --only-binary=:all: --index-url "$INDEX" \
     --target "$SITE" flax optax pandas matplotlib tqdm orbax-checkpoint rich ipython toolz absl-py \
     || die 1 "installing the course's dependencies from $INDEX failed"
+  # what the notebooks' side paths use (00 inspects its parameters with papermill): best effort
+  PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --only-binary=:all: --index-url "$INDEX" \
+    --target "$SITE" papermill nbformat || echo "$PROG: papermill not in $INDEX: lesson 00's inspection cell will say so"
   if [[ -n $WHEELHOUSE ]]; then
     PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --no-index --no-deps --target "$SITE" \
       "$WHEELHOUSE"/*.whl || die 1 "installing the wheels of $WHEELHOUSE failed"
