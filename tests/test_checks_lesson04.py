@@ -3,6 +3,7 @@ other correct forms and rejects typical wrong answers with a specific hint, at 8
 and, for the references, at 1 and 3 (the checkers take the devices they run on)."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -428,13 +429,23 @@ def test_critical_batch_wrong_answers():
         "bidirectional ring": one_way,
         "2 \\(n − 1\\) / n": scaled(lambda p, fl, n, fab: n / (n - 1) if n > 1 else 1),
         "factors of 2": scaled(lambda p, fl, n, fab: 0.5),  # bfloat16 gradients: 2 bytes
-        "batch of ONE device": scaled(lambda p, fl, n, fab: n),  # the global batch
+        "batch of all devices": scaled(lambda p, fl, n, fab: n),  # the global batch
         "one device reduces nothing": lambda p, fl, n, fab: critical_ref(p, fl, max(n, 2), fab),
         "compute time = batch": lambda p, fl, n, fab: (
             critical_ref(p, fl, n, fab) * 197 / fab.chip.bf16
         ),
         "return a number": lambda p, fl, n, fab: None,
     }
+    # found by a red-team reading: a string, the ring told from the chip or the names, a whole number
+    cases_by_name = {
+        "return a number: a per": lambda p, fl, n, fab: str(critical_ref(p, fl, n, fab)),
+        "factors of 2|bidirectional": lambda p, fl, n, fab: critical_ref(p, fl, n, dataclasses.replace(
+            fab, link=dataclasses.replace(fab.link, topology="ring" if fab.chip.platform == "tpu" else "switch"))),
+        "factors of 2|bidirectional ": lambda p, fl, n, fab: critical_ref(p, fl, n, dataclasses.replace(
+            fab, link=dataclasses.replace(fab.link, topology="ring" if "ICI" in fab.link.name else "switch"))),
+        "not a whole number": lambda p, fl, n, fab: math.ceil(critical_ref(p, fl, n, fab)),
+    }  # fmt: skip
+    cases.update(cases_by_name)
     for hint, answer in cases.items():
         rejects(lesson04.check_critical_batch, answer, match=hint)
     library = lambda p, fl, n, fab: costs.critical_size(

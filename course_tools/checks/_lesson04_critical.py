@@ -11,13 +11,28 @@ to derive it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 
 from course_lib import costs
 
 from ._common import checker, fail, passed, plain
 from ._unaided import call_unaided
+
+FABRICS = dict(costs.FABRICS)
+FABRICS["TPU v5e across slices"] = dataclasses.replace(
+    costs.FABRICS["TPU v5e"],
+    name="TPU v5e chips, data axis over the data-centre network",
+    link=costs.LINKS["DCN"],
+)  # a TPU whose data axis is a switch: the topology, not the chip, decides
+FABRICS["A100 ring"] = dataclasses.replace(
+    costs.FABRICS["A100"], name="A100s joined in a ring of NVLink bridges",
+    link=dataclasses.replace(costs.LINKS["NVLink 3"], name="NVLink bridges", topology="ring"),
+)  # a GPU whose link is a ring  # fmt: skip
+"""The fabrics of :data:`CASES`: :data:`course_lib.costs.FABRICS` and two whose link's topology is not the one
+their chip usually has (an answer must read ``fabric.link.topology``, not the chip or the names)."""
 
 CASES = (
     # (n_params, flops_per_example, n_devices, fabric name)
@@ -26,6 +41,8 @@ CASES = (
     (1_000_000_000, 6.0e12, 2, "TPU v5p"),
     (350_000_000, 2.1e12, 64, "TPU v5e"),
     (7_000_000_000, 8.4e13, 8, "A100"),
+    (25_000_000, 2.0e10, 8, "TPU v5e across slices"),
+    (25_000_000, 2.0e10, 4, "A100 ring"),
     (25_000_000, 2.0e10, 1, "TPU v5e"),
 )
 """Inputs the checker calls the answer with; each exposes a part of the formula (see the module docstring)."""
@@ -46,9 +63,9 @@ def reference(
 
 def _why(ratio: float, case: tuple, ratios: list[float]) -> str:
     """A hint for an answer off by ``ratio`` on ``case``, from the part of the formula it points at."""
-    n, fabric = case[2], costs.FABRICS[case[3]]
+    n, fabric = case[2], FABRICS[case[3]]
     ring_only = all(
-        math.isclose(r, 2.0, rel_tol=1e-6) == (costs.FABRICS[c[3]].link.topology == "ring")
+        math.isclose(r, 2.0, rel_tol=1e-6) == (FABRICS[c[3]].link.topology == "ring")
         for r, c in zip(ratios, CASES)
         if c[2] > 1
     )
@@ -64,7 +81,14 @@ def _why(ratio: float, case: tuple, ratios: list[float]) -> str:
             "of S), float32 gradients are 4 bytes, and a ring fabric uses both directions"
         )
     if math.isclose(ratio, n, rel_tol=1e-6):
-        return "the answer is the batch of ONE device: each device computes its own examples"
+        return (
+            "off by n: either the batch of all devices (the answer is ONE device's), or the bytes sent "
+            "taken as 2 (n − 1) × S where a ring all-reduce sends 2 (n − 1) / n × S"
+        )
+    want = reference(*case[:3], fabric)
+    got = ratio * want
+    if got in (math.floor(want), math.ceil(want), round(want)):
+        return "return the exact batch at which the two times are equal, not a whole number of examples"
     return (
         f"compute time = batch × flops_per_example / peak (fabric.chip.bf16 is TFLOP/s); communication time = "
         f"bytes sent / bandwidth (fabric.link.bytes_per_s, one way); on {fabric.name} with n={n}"
@@ -83,7 +107,7 @@ def check_critical_batch(fn: Callable) -> bool:
     got, ratios = [], []
     for case in CASES:
         params, flops, n, name = case
-        what = f"critical_batch({params:,}, {flops:g}, {n}, costs.FABRICS[{name!r}])"
+        what = f"critical_batch({params:,}, {flops:g}, {n}, <{FABRICS[name].name}>)"
         value = call_unaided(
             what,
             fn,
@@ -93,17 +117,16 @@ def check_critical_batch(fn: Callable) -> bool:
             params,
             flops,
             n,
-            costs.FABRICS[name],
+            FABRICS[name],
         )
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
+        if isinstance(value, str | bytes) or not isinstance(plain(value), numbers.Real):
             fail(f"{what} returned {plain(value)!r}", "return a number: a per-device batch")
+        value = float(plain(value))
         got.append(value)
-        want = reference(*case[:3], costs.FABRICS[name])
+        want = reference(*case[:3], FABRICS[name])
         ratios.append(value / want if want else (1.0 if value == 0 else math.inf))
     for case, value, ratio in zip(CASES, got, ratios):
-        want = reference(*case[:3], costs.FABRICS[case[3]])
+        want = reference(*case[:3], FABRICS[case[3]])
         if want == 0 and value != 0:
             fail(
                 f"on one device critical_batch returned {value:g}",
