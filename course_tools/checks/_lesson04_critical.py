@@ -141,6 +141,6 @@ def check_critical_batch(fn: Callable) -> bool:
             )
     v5e = got[0]
     return passed(
-        f"the critical batch on every fabric; e.g. {v5e:,.0f} examples per device for 25 M parameters on "
+        f"the critical batch on every fabric; e.g. {v5e:,.1f} examples per device for 25 M parameters on "
         "8 TPU v5e chips: below it the gradients' all-reduce outlasts the step's compute"
     )
