@@ -32,6 +32,7 @@ from .chips import (  # noqa: F401
     FABRICS,
     LINKS,
     PEAKS,
+    SWITCH_LATENCY_S,
     TF32_PRECISIONS,
     Fabric,
     Link,
@@ -157,12 +158,13 @@ def mfu(flops_per_device: float, step_time_s: float, peak: float | None) -> floa
 
 # ---- a step-time model -------------------------------------------------------------------------------
 
-COLLECTIVE_LATENCY_S = 10e-6
-"""ASSUMPTION, not a measurement: a fixed cost of 10 µs per collective (launch and synchronisation), the
-order of magnitude NCCL collectives take on small messages within one NVLink server. :func:`step_time_model`
-adds it ``n_collectives`` times (the count its caller gives); the transformer lab's model
-(:func:`course_lib.lm_costs.step_time`) once per predicted transfer (a line of ``predict_bytes``; FSDP's
-gathers of all parameters count as one), not per collective the compiled program runs."""
+COLLECTIVE_LATENCY_S = SWITCH_LATENCY_S
+"""ASSUMPTION, not a measurement (NVLink's α in :mod:`course_lib.chips`): a fixed cost of 10 µs per
+collective (launch and synchronisation), the order of magnitude NCCL collectives take on small messages
+within one NVLink server. :func:`step_time_model` adds it ``n_collectives`` times (the count its caller
+gives); the transformer lab's model (:func:`course_lib.lm_costs.step_time`) once per predicted transfer (a
+line of ``predict_bytes``; FSDP's gathers of all parameters count as one), not per collective the compiled
+program runs."""
 
 
 @dataclasses.dataclass(frozen=True)
