@@ -62,18 +62,27 @@ class Strategy:
     param_specs: Any = None
 
     def batches(
-        self, ds: data_lib.SyntheticImages, key: jax.Array, steps: int, global_batch: int
+        self,
+        ds: data_lib.SyntheticImages,
+        key: jax.Array,
+        steps: int,
+        global_batch: int,
+        cast: Callable[[Any], Any] | None = None,
     ) -> list:
         """``steps`` global batches in this strategy's layout; batch *i* from ``fold_in(key, i)``.
+
+        ``cast`` (e.g. ``lambda b: precision.cast_batch(b, "bfloat16")``) is applied to each batch as it
+        is made (:func:`course_lib.data.batches`'s ``transform``).
 
         Raises:
           ValueError: ``global_batch`` not divisible by the strategy's data shards (numbers named).
         """
         data_lib.check_divisible(global_batch, self.global_batch_divisor, "global batch")
-        return [
-            self.to_step_batch(b)
-            for b in data_lib.batches(ds, key, steps, global_batch, self.batch_sharding)
-        ]
+        cast = cast or (lambda b: b)
+        return data_lib.batches(
+            ds, key, steps, global_batch, self.batch_sharding,
+            transform=lambda b: cast(self.to_step_batch(b)),
+        )  # fmt: skip
 
     def lower(self, state: Any, batch: Any):
         """``jax.stages.Lowered`` of the step for these placed inputs (compile it to measure it)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -143,14 +144,27 @@ def _batch_fn(ds, batch_size, out_shardings):
 
 
 def batches(
-    ds: SyntheticImages, key: jax.Array, steps: int, batch_size: int, sharding=None
+    ds: SyntheticImages,
+    key: jax.Array,
+    steps: int,
+    batch_size: int,
+    sharding=None,
+    transform: Callable[[Any], Any] | None = None,
 ) -> list:
     """``steps`` batches, batch *i* made from ``jax.random.fold_in(key, i)``: the same for every strategy.
 
-    Returns a list of ``(images, labels)`` tuples, each as :meth:`SyntheticImages.batch` describes.
+    ``transform`` (e.g. a cast to bfloat16) is applied to each batch as it is made, so only one batch in
+    its generated form is alive at a time: on a device with little memory to spare, a list of float32
+    batches cast afterwards would hold both lists at once (and fragment the allocator).
+
+    Returns a list of ``(images, labels)`` tuples, each as :meth:`SyntheticImages.batch` describes
+    (after ``transform``).
     """
     steps = _positive_int(steps, "steps")
-    return [ds.batch(jax.random.fold_in(key, i), batch_size, sharding) for i in range(steps)]
+    transform = transform or (lambda b: b)
+    return [
+        transform(ds.batch(jax.random.fold_in(key, i), batch_size, sharding)) for i in range(steps)
+    ]
 
 
 def split_leading(x: jax.Array, n: int) -> jax.Array:

@@ -138,10 +138,10 @@ def run_strategy(
         state = strat.place_state(
             precision_lib.cast_params(init_state(params, optimizer), precision)
         )
-        batches = [
-            precision_lib.cast_batch(b, precision)
-            for b in strat.batches(start.dataset, start.data_key, steps, config.global_batch)
-        ]
+        batches = strat.batches(
+            start.dataset, start.data_key, steps, config.global_batch,
+            cast=lambda b: precision_lib.cast_batch(b, precision),
+        )  # fmt: skip
         compiled, stats = measure.compile_and_analyse(
             lambda: strat.lower(state, batches[0]), strat.mesh_axes
         )

@@ -80,12 +80,16 @@ def program_bytes(compiled: Any) -> int:
 
 def kept_batch_bytes(config: Any, global_batch: int, precision: str, n_runs: int, n: int) -> int:
     """Bytes of the batches the lab's ``n_runs`` runs keep on device 0 of ``n`` (see the module's text):
-    ``steps`` batches of images (2 bytes a value in bfloat16, 8 in float64, else 4) and int32 labels."""
+    ``steps`` batches of images (2 bytes a value in bfloat16, 8 in float64, else 4) and int32 labels, plus
+    the one float32 batch a run makes before casting it (none when the lab computes in float32)."""
     itemsize = {"bfloat16": 2, "float64": 8}.get(precision, 4)
     m = config.model
-    one = global_batch * (m.image_size * m.image_size * m.in_channels * itemsize + 4)
+    pixels = m.image_size * m.image_size * m.in_channels
+    one = global_batch * (pixels * itemsize + 4)
     share = 1 + (n_runs - 1) * min(1.0, 2 / n)
-    return int(config.steps * one * share)
+    # each batch is made in float32, then cast (course_lib.data.batches' transform): one made batch at a time
+    made = global_batch * (pixels * 4 + 4) if itemsize != 4 else 0
+    return int(config.steps * one * share + made)
 
 
 def estimate(

@@ -84,3 +84,23 @@ def test_noise_drawn_flat_equals_the_shaped_draw():
             rtol=0,
             atol=FLOAT_ATOL,
         )
+
+
+def test_batches_transform_each_batch_as_made():
+    """The cast is applied batch by batch (one made batch alive at a time) and gives the same values as a
+    cast afterwards."""
+    ds = data.SyntheticImages(image_size=8)
+    key = jax.random.key(3)
+    made = []
+
+    def cast(b):
+        made.append(b[0].dtype)
+        return b[0].astype(jnp.bfloat16), b[1]
+
+    cast_each = data.batches(ds, key, 3, 4, transform=cast)
+    after = [(i.astype(jnp.bfloat16), lab) for i, lab in data.batches(ds, key, 3, 4)]
+    assert made == [jnp.float32] * 3
+    for (a, la), (b, lb) in zip(cast_each, after, strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        np.testing.assert_array_equal(la, lb)

@@ -178,10 +178,17 @@ def test_memory_estimate_parts(report):
 
     gpu = config.resolve_profile("auto", "tpu")
     one_image = 128 * 128 * 3 * 2 + 4  # bfloat16 images, int32 labels
+    made = 128 * (128 * 128 * 3 * 4 + 4)  # the one float32 batch made before its cast
     # one device: every run's batches are there; 8 devices: A's whole, the others at most a quarter
-    assert sizing.kept_batch_bytes(gpu, 128, "bfloat16", 8, 1) == gpu.steps * 128 * one_image * 8
+    assert sizing.kept_batch_bytes(gpu, 128, "bfloat16", 8, 1) == (
+        gpu.steps * 128 * one_image * 8 + made
+    )
     assert sizing.kept_batch_bytes(gpu, 128, "bfloat16", 8, 8) == int(
-        gpu.steps * 128 * one_image * (1 + 7 * 0.25)
+        gpu.steps * 128 * one_image * (1 + 7 * 0.25) + made
+    )
+    # float32: made in the dtype kept, nothing extra
+    assert sizing.kept_batch_bytes(gpu, 128, "float32", 1, 1) == gpu.steps * 128 * (
+        128 * 128 * 3 * 4 + 4
     )
     lowered = lab.lower_strategy("jit", report.devices[:1], config.resolve_profile("tiny", "cpu"))
     compiled = lowered.compile()
