@@ -84,6 +84,23 @@ class Strategy:
             transform=lambda b: cast(self.to_step_batch(b)),
         )  # fmt: skip
 
+    def batch(
+        self,
+        ds: data_lib.SyntheticImages,
+        key: jax.Array,
+        i: int,
+        global_batch: int,
+        cast: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """Batch ``i`` of :meth:`batches` alone (the same values: ``fold_in(key, i)``), made again."""
+        data_lib.check_divisible(global_batch, self.global_batch_divisor, "global batch")
+        cast = cast or (lambda b: b)
+        return cast(
+            self.to_step_batch(
+                ds.batch(jax.random.fold_in(key, i), global_batch, self.batch_sharding)
+            )
+        )
+
     def lower(self, state: Any, batch: Any):
         """``jax.stages.Lowered`` of the step for these placed inputs (compile it to measure it)."""
         return self.step.lower(state, batch)

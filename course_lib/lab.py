@@ -62,7 +62,8 @@ class StrategyRun:
         None for a strategy whose collectives are the compiler's choice.
       strategy: the built :class:`course_lib.strategies.Strategy`.
       compiled: its compiled step, to run it again (one-step parity, :func:`course_lib.parity.one_step`).
-      batches: the run's batches, in the strategy's layout.
+      batches: the run's batches, in the strategy's layout: a :class:`RemadeBatches`, which makes batch
+        ``i`` again when read (the run's device copies are dropped when it ends).
       states: with ``keep_states=True``: the state before every step and after the last, as host copies
         (``len(states) == steps + 1``); else None.
     """
@@ -75,8 +76,39 @@ class StrategyRun:
     predicted: list | None = None
     strategy: Any = None
     compiled: Any = None
-    batches: list | None = None
+    batches: Sequence | None = None
     states: list | None = None
+
+
+class RemadeBatches(Sequence):
+    """A finished run's batches, made again when read: ``batches[i]`` equals the batch step ``i`` trained on.
+
+    A run keeps its ``steps`` batches on the devices while it trains (timed steps read nothing but device
+    memory); afterwards they are dropped and this stands in for the list, so the lab's runs do not hold every
+    strategy's batches at once (on one 16 GiB TPU v5e chip, eight runs' float32 batches of the article's
+    size would not fit). Indexing makes batch ``i`` with the run's key, layout and cast (one small program).
+    """
+
+    def __init__(self, strategy, dataset, key, steps: int, global_batch: int, precision: str):
+        self._args = strategy, dataset, key, global_batch, precision
+        self._steps = steps
+
+    def _make(self, i: int):
+        strategy, dataset, key, global_batch, precision = self._args
+        with precision_lib.enabled(precision):  # float64 batches need x64 on while they are made
+            return strategy.batch(
+                dataset, key, i, global_batch, lambda b: precision_lib.cast_batch(b, precision)
+            )
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._steps))]
+        if not -self._steps <= i < self._steps:
+            raise IndexError(f"batch {i} of a run of {self._steps} steps")
+        return self._make(i % self._steps)
 
 
 def _devices_platform(devices: Sequence[Any]) -> str | None:
@@ -138,15 +170,17 @@ def run_strategy(
         state = strat.place_state(
             precision_lib.cast_params(init_state(params, optimizer), precision)
         )
-        batches = strat.batches(
-            start.dataset, start.data_key, steps, config.global_batch,
-            cast=lambda b: precision_lib.cast_batch(b, precision),
-        )  # fmt: skip
+        cast = lambda b: precision_lib.cast_batch(b, precision)  # noqa: E731
+        batches = strat.batches(start.dataset, start.data_key, steps, config.global_batch, cast)
         compiled, stats = measure.compile_and_analyse(
             lambda: strat.lower(state, batches[0]), strat.mesh_axes
         )
         desc = f"{strat.label} on {strat.n_devices} device(s)" if progress else None
         state, losses, times, states = _train(compiled, state, batches, desc, keep_states)
+        # the device copies go; reading a batch later makes it again (with the run's precision)
+        batches = RemadeBatches(
+            strat, start.dataset, start.data_key, steps, config.global_batch, precision
+        )
         after = measure.allocator_snapshot(list(devices))
         host_params = strat.host_params(state)
     timing = measure.Timing.from_samples(times[warmup:])

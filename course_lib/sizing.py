@@ -3,16 +3,17 @@
 On a TPU or GPU, ``profile="auto"`` in ``notebooks/08_lab.ipynb`` starts from the source article's setting
 (128 × 128 × 3 images, global batch 512) and keeps it when it fits the chip's memory; otherwise it takes the
 largest article-like batch (512 halved, 256, 128, …) that fits, and prints which and why. Measured on one
-TPU v5e chip (16 GiB HBM, ``bytes_limit`` 15.7 GiB): batch 512 in bfloat16 does not fit (XLA:TPU:
-``RESOURCE_EXHAUSTED … reserve 2.06G … 1.65G free``), batch 128 runs.
+TPU v5e chip (16 GiB HBM, ``bytes_limit`` 15.7 GiB) when every run kept its batches: batch 512 in bfloat16 did not fit (XLA:TPU:
+``RESOURCE_EXHAUSTED … reserve 2.06G … 1.65G free``), batch 128 ran.
 
 The estimate for one device (the first: A, single-device ``jit``, holds the whole global batch there):
 
 * **the step program**: A's step compiled for one device, ``memory_analysis()``: arguments + outputs +
   temporaries − the outputs that reuse (alias) argument buffers — the bytes the program needs at once;
-* **the batches the lab keeps**: every strategy's run keeps its ``steps`` batches on the devices
-  (``StrategyRun.batches``: the parity cells read them); device 0 holds all of A's and at most a
-  ``min(1, 2 / n)`` share of each other run's (C's data axis is ``n / 2``);
+* **the batches a run keeps**: a run keeps its ``steps`` batches on the devices while it trains, device 0
+  all of A's; when it ends they are dropped (``StrategyRun.batches`` makes one again when a parity cell
+  reads it: :class:`course_lib.lab.RemadeBatches`), so one run's batches are held at a time. (Kept for
+  every run, eight runs' float32 batches at 256 images took the chip's 15.75 GiB at the seventh run.)
 * against ``HEADROOM`` × the memory free on device 0 (``bytes_limit − bytes_in_use``), since XLA's
   allocator fragments and the lab's other cells hold a little more.
 
@@ -25,6 +26,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 HEADROOM = 0.8
 """The fraction of the free device memory a chosen batch may fill (an allowance for fragmentation and the
@@ -78,23 +81,20 @@ def program_bytes(compiled: Any) -> int:
     )
 
 
-def kept_batch_bytes(config: Any, global_batch: int, precision: str, n_runs: int, n: int) -> int:
-    """Bytes of the batches the lab's ``n_runs`` runs keep on device 0 of ``n`` (see the module's text):
-    ``steps`` batches of images (2 bytes a value in bfloat16, 8 in float64, else 4) and int32 labels, plus
-    the one float32 batch a run makes before casting it (none when the lab computes in float32)."""
-    itemsize = {"bfloat16": 2, "float64": 8}.get(precision, 4)
+def kept_batch_bytes(config: Any, global_batch: int, precision: str) -> int:
+    """Bytes of the batches one run keeps on device 0 while it trains (see the module's text): ``steps``
+    batches of images in the parameters' dtype (:data:`course_lib.precision.PARAM_DTYPES`: float32 for
+    ``"bfloat16"``, whose master weights and batches stay float32; 8 bytes a value in float64) and int32
+    labels."""
+    from .precision import PARAM_DTYPES, check
+
+    itemsize = np.dtype(PARAM_DTYPES[check(precision)]).itemsize
     m = config.model
-    pixels = m.image_size * m.image_size * m.in_channels
-    one = global_batch * (pixels * itemsize + 4)
-    share = 1 + (n_runs - 1) * min(1.0, 2 / n)
-    # each batch is made in float32, then cast (course_lib.data.batches' transform): one made batch at a time
-    made = global_batch * (pixels * 4 + 4) if itemsize != 4 else 0
-    return int(config.steps * one * share + made)
+    one = global_batch * (m.image_size * m.image_size * m.in_channels * itemsize + 4)
+    return int(config.steps * one)
 
 
-def estimate(
-    config: Any, devices: Sequence[Any], precision: str, global_batch: int, n_runs: int
-) -> Estimate:
+def estimate(config: Any, devices: Sequence[Any], precision: str, global_batch: int) -> Estimate:
     """The :class:`Estimate` of the lab at ``global_batch`` on ``devices`` (A's step is compiled, not run).
 
     Raises:
@@ -114,7 +114,7 @@ def estimate(
     return Estimate(
         global_batch,
         program_bytes(lowered.compile()),
-        kept_batch_bytes(config, global_batch, precision, n_runs, len(devices)),
+        kept_batch_bytes(config, global_batch, precision),
         int(HEADROOM * free),
     )
 
@@ -123,7 +123,6 @@ def fit_global_batch(
     config: Any,
     devices: Sequence[Any],
     precision: str,
-    n_runs: int,
     *,
     simulated: bool,
     chip: str = "",
@@ -138,7 +137,6 @@ def fit_global_batch(
       config: the resolved profile (:func:`course_lib.config.resolve_profile`).
       devices: ``report.devices``.
       precision: the lab's precision.
-      n_runs: how many strategy runs keep their batches (the lab's ``len(keys)``).
       simulated: ``report.simulated``.
       chip: the chip's name, for the printed reason.
 
@@ -154,7 +152,7 @@ def fit_global_batch(
     tried = []
     batch = config.global_batch
     while True:
-        est = estimate(config, devices, precision, batch, n_runs)
+        est = estimate(config, devices, precision, batch)
         tried.append(est)
         print(f"{chip or devices[0].device_kind}: {est}")
         smaller = batch // 2

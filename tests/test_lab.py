@@ -151,17 +151,17 @@ def test_fit_global_batch_keeps_the_cpu_profile_and_halves_on_a_small_chip(
     from course_lib import sizing
 
     gpu = config.resolve_profile("auto", "tpu")  # the article's setting: batch 512
-    unchanged, tried = sizing.fit_global_batch(gpu, report.devices, "bfloat16", 8, simulated=True)
+    unchanged, tried = sizing.fit_global_batch(gpu, report.devices, "bfloat16", simulated=True)
     assert unchanged is gpu and tried == []  # simulated CPU devices: nothing to fit
     gib = 2**30
     need = {512: 20 * gib, 256: 13 * gib, 128: 6 * gib}  # a 16 GiB chip, 12 GiB budget
 
-    def fake(cfg, devices, precision, batch, n_runs):
+    def fake(cfg, devices, precision, batch):
         return sizing.Estimate(batch, need[batch] // 4, need[batch] - need[batch] // 4, 12 * gib)
 
     monkeypatch.setattr(sizing, "estimate", fake)
     fitted, tried = sizing.fit_global_batch(
-        gpu, report.devices[:1], "bfloat16", 8, simulated=False, chip="TPU v5 lite"
+        gpu, report.devices[:1], "bfloat16", simulated=False, chip="TPU v5 lite"
     )
     assert fitted.global_batch == 128 and [e.global_batch for e in tried] == [512, 256, 128]
     assert [e.fits for e in tried] == [False, False, True]
@@ -170,26 +170,19 @@ def test_fit_global_batch_keeps_the_cpu_profile_and_halves_on_a_small_chip(
     need[128] = 13 * gib  # nothing fits: the error names the estimate and the fix
     need[64] = need[32] = need[16] = need[8] = need[4] = need[2] = need[1] = 13 * gib
     with pytest.raises(ValueError, match=r"no global batch from 512 down to 1 fits .*fewer steps"):
-        sizing.fit_global_batch(gpu, report.devices[:1], "bfloat16", 8, simulated=False)
+        sizing.fit_global_batch(gpu, report.devices[:1], "bfloat16", simulated=False)
 
 
 def test_memory_estimate_parts(report):
     from course_lib import sizing
 
     gpu = config.resolve_profile("auto", "tpu")
-    one_image = 128 * 128 * 3 * 2 + 4  # bfloat16 images, int32 labels
-    made = 128 * (128 * 128 * 3 * 4 + 4)  # the one float32 batch made before its cast
-    # one device: every run's batches are there; 8 devices: A's whole, the others at most a quarter
-    assert sizing.kept_batch_bytes(gpu, 128, "bfloat16", 8, 1) == (
-        gpu.steps * 128 * one_image * 8 + made
-    )
-    assert sizing.kept_batch_bytes(gpu, 128, "bfloat16", 8, 8) == int(
-        gpu.steps * 128 * one_image * (1 + 7 * 0.25) + made
-    )
-    # float32: made in the dtype kept, nothing extra
-    assert sizing.kept_batch_bytes(gpu, 128, "float32", 1, 1) == gpu.steps * 128 * (
-        128 * 128 * 3 * 4 + 4
-    )
+    # the batches one run keeps while it trains; bfloat16 keeps float32 batches (and master weights)
+    one_image = 128 * 128 * 3 * 4 + 4
+    assert sizing.kept_batch_bytes(gpu, 128, "bfloat16") == gpu.steps * 128 * one_image
+    assert sizing.kept_batch_bytes(gpu, 128, "float32") == gpu.steps * 128 * one_image
+    f64_image = 128 * 128 * 3 * 8 + 4
+    assert sizing.kept_batch_bytes(gpu, 128, "float64") == gpu.steps * 128 * f64_image
     lowered = lab.lower_strategy("jit", report.devices[:1], config.resolve_profile("tiny", "cpu"))
     compiled = lowered.compile()
     m = compiled.memory_analysis()
@@ -201,7 +194,7 @@ def test_memory_estimate_parts(report):
     )
     assert sizing.program_bytes(compiled) > m.argument_size_in_bytes > 0
     with pytest.raises(ValueError, match="reports no memory_stats"):
-        sizing.estimate(gpu, report.devices[:1], "float32", 64, 8)
+        sizing.estimate(gpu, report.devices[:1], "float32", 64)
 
 
 def test_float64_is_refused_on_a_tpu_before_anything_compiles():

@@ -33,6 +33,19 @@ def test_float64_every_strategy_equals_a_at_every_step(report):
         run = lab.run_strategy(key, report.devices, TINY, precision="float64", progress=False)
         worst = parity.relative_diff(run.losses, ref.losses).max()
         assert worst < parity.TOLERANCES["float64"].trajectory, (key, worst)
+    # a finished run's batches are made again when read: the same values, dtype and layout it trained on
+    start = config.init_run(TINY, 0)
+    made = data.batches(start.dataset, start.data_key, TINY.steps, TINY.global_batch)
+    assert isinstance(run.batches, lab.RemadeBatches) and len(run.batches) == TINY.steps
+    images, labels = run.batches[-1]
+    assert images.dtype == np.float64 and len(images.sharding.device_set) == len(report.devices)
+    np.testing.assert_array_equal(
+        np.asarray(images).reshape(made[-1][0].shape), np.asarray(made[-1][0], np.float64)
+    )
+    np.testing.assert_array_equal(np.asarray(labels).ravel(), np.asarray(made[-1][1]))
+    assert len(run.batches[1:3]) == 2
+    with pytest.raises(IndexError, match=f"batch {TINY.steps} of a run of {TINY.steps} steps"):
+        run.batches[TINY.steps]
 
 
 def _reference_states(seed, n_steps):

@@ -84,8 +84,6 @@ def test_the_lab_fits_the_articles_batch_to_the_chip():
     from course_lib.config import resolve_profile
 
     config = resolve_profile("auto", "tpu")
-    fitted, tried = sizing.fit_global_batch(
-        config, jax.devices()[:1], "bfloat16", 8, simulated=False
-    )
+    fitted, tried = sizing.fit_global_batch(config, jax.devices()[:1], "bfloat16", simulated=False)
     assert tried[-1].fits and fitted.global_batch <= 512
     assert tried[0].global_batch == 512 and all(not e.fits for e in tried[:-1])

@@ -42,16 +42,15 @@ def main() -> None:
         print("too many chips ->", e, flush=True)
         assert "platform='cpu'" in str(e)
 
-    from course_lib import costs, lab, measure, sizing, strategies
+    from course_lib import costs, lab, measure, sizing
     from course_lib.config import resolve_profile
 
-    keys = [*strategies.STRATEGIES, "shard_map_pairs", "shard_map_article", "fsdp_jit"]
     fitted = {}
     for precision in (args.precision, "float32"):
         config = resolve_profile("auto", report.platform, n_devices=report.n_devices)
         t0 = time.perf_counter()
         cfg, tried = sizing.fit_global_batch(
-            config, report.devices, precision, len(keys), simulated=False, chip=report.device_kind
+            config, report.devices, precision, simulated=False, chip=report.device_kind
         )
         fitted[precision] = cfg
         print(
