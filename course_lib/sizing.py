@@ -3,8 +3,8 @@
 On a TPU or GPU, ``profile="auto"`` in ``notebooks/08_lab.ipynb`` starts from the source article's setting
 (128 × 128 × 3 images, global batch 512) and keeps it when it fits the chip's memory; otherwise it takes the
 largest article-like batch (512 halved, 256, 128, …) that fits, and prints which and why. Measured on one
-TPU v5e chip (16 GiB HBM, ``bytes_limit`` 15.7 GiB) when every run kept its batches: batch 512 in bfloat16 did not fit (XLA:TPU:
-``RESOURCE_EXHAUSTED … reserve 2.06G … 1.65G free``), batch 128 ran.
+TPU v5e chip (16 GiB HBM, ``bytes_limit`` 15.7 GiB) when every run kept its batches: batch 512 in bfloat16
+did not fit (XLA:TPU: ``RESOURCE_EXHAUSTED … reserve 2.06G … 1.65G free``), batch 128 ran.
 
 The estimate for one device (the first: A, single-device ``jit``, holds the whole global batch there):
 
