@@ -28,6 +28,7 @@ from course_lib.distributed import (
     prepare_inputs,
     train_strategies,
 )
+from course_lib.group_checkpoint import checkpoint_round_trip, hybrid_mesh
 
 FAIL_STAGES = ("init", "train")
 """Where a worker told to fail raises: before ``jax.distributed.initialize`` or after it, before the first
@@ -52,8 +53,11 @@ def run_worker(args: Any) -> dict:
     Returns:
       The JSON-able dict the worker writes to ``out/process_<i>.json``: ``process_id``, ``process_count``,
       ``local_devices``, ``global_devices`` (``"id@process"`` strings, global order), ``wall_s``, and per
-      strategy ``losses``, ``mesh``, ``rows``; process 0 adds ``params_summary`` and writes
-      ``params_<strategy>.npz``.
+      strategy ``losses``, ``mesh``, ``rows``; ``hybrid_mesh`` (the ``"id@process"`` grid of
+      :func:`course_lib.group_checkpoint.hybrid_mesh`) and ``checkpoint`` (what
+      :func:`course_lib.group_checkpoint.checkpoint_round_trip` returned in this process, written under
+      ``out/checkpoint``; only with ``inputs``, a folder every process sees); process 0 adds
+      ``params_summary`` and writes ``params_<strategy>.npz``.
 
     Raises:
       RuntimeError: ``fail`` was given (on purpose); JAX errors from initialisation or training.
@@ -113,6 +117,12 @@ def _train_and_save(args: Any, me: int) -> dict:
     out = {
         "strategies": {k: {f: v for f, v in r.items() if f != "params"} for k, r in runs.items()}
     }
+    # a hybrid mesh (data across processes, model inside each) and, where the processes share a folder
+    # (--inputs, as launch() runs them), a checkpoint every process writes
+    mesh = hybrid_mesh()
+    out["hybrid_mesh"] = [[f"{d.id}@{d.process_index}" for d in row] for row in mesh.devices]
+    if args.inputs:
+        out["checkpoint"] = checkpoint_round_trip(Path(args.out) / "checkpoint", mesh)
     if (
         me == 0
     ):  # saving (and printing) from process 0 only: the values are global copies everywhere

@@ -86,6 +86,18 @@ def fsdp_tp_step_whole_auto(params, velocity, x, y, lr):  # wrong: auto_axes aro
     return (*_momentum(params, velocity, grads, lr), loss)
 
 
+def fsdp_tp_step_no_reshard(
+    params, velocity, x, y, lr
+):  # borderline: no reshard, out_sharding twice
+    def loss_fn(p):
+        h = jax.nn.relu(jnp.matmul(x, p["w1"], out_sharding=P(DATA, MODEL)) + p["b1"])
+        out = jnp.matmul(h, p["w2"], out_sharding=ROWS) + p["b2"]
+        return jnp.mean((out - y) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return (*_momentum(params, velocity, grads, lr), loss)
+
+
 def fsdp_tp_step_gather_all(
     params, velocity, x, y, lr
 ):  # wrong: reshard(..., P()) gathers over model too

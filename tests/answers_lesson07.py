@@ -130,7 +130,7 @@ def remat_loss_scan(weights, x):  # wrong: a scan with a checkpointed body keeps
     return jnp.mean(h**2)
 
 
-def remat_loss_scan_blocks(weights, x):  # wrong here: a scan over checkpointed blocks of √L layers
+def remat_loss_scan_blocks(weights, x):  # right: a scan over checkpointed blocks of √L layers
     n_layers = weights.shape[0]
     k = max(1, round(n_layers**0.5))
     n = n_layers // k
@@ -145,6 +145,19 @@ def remat_loss_scan_blocks(weights, x):  # wrong here: a scan over checkpointed 
     for i in range(n * k, n_layers):  # the layers left over
         h = layer(h, weights[i])
     return jnp.mean(h**2)
+
+
+def remat_loss_scan_whole(weights, x):  # wrong: one checkpoint around a scan over every layer
+    def run(h, w):
+        h, _ = lax.scan(lambda h, wi: (layer(h, wi), None), h, w)
+        return h
+
+    return jnp.mean(jax.checkpoint(run)(x, weights) ** 2)
+
+
+def remat_loss_fixed_3_dummy_scan(weights, x):  # wrong: blocks of 3 after a scan over 2 layers
+    h, _ = lax.scan(lambda h, w: (layer(h, w), None), x, weights[:2])
+    return remat_loss_fixed_3(weights[2:], h)
 
 
 def remat_loss_skips_a_layer(weights, x):  # wrong: the last layer left out

@@ -364,6 +364,11 @@ def test_fsdp_tp_step_accepts(report, answer):
     "answer, match",
     [
         (a.fsdp_tp_step_whole_auto, "gathers 3,072 bytes.*2,048 bytes.*auto_axes"),  # the review's
+        # values and layouts right, refused for its bytes: the hint says so (review 3)
+        (
+            a.fsdp_tp_step_no_reshard,
+            "gathers .* bytes.*values and its layouts are right.*no jax.reshard",
+        ),
         (a.fsdp_tp_step_gather_all, "all-gather over \\('model',\\).*P\\(None, 'model'\\)"),
         (a.fsdp_tp_step_replicated_out, "gathers 4,096 bytes.*stay split over data"),
         (a.fsdp_tp_step_keeps_gathered, "parameters \\['w1', 'w2'\\] changed sharding"),

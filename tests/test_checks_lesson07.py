@@ -45,8 +45,13 @@ def test_memory_prediction():
     rejects(lesson07.check_memory_prediction, lambda: {(): (3, 2, 0)}, match="keys")
 
 
-@pytest.mark.parametrize("answer", [a.remat_loss, a.remat_loss_sqrt], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "answer",
+    [a.remat_loss, a.remat_loss_sqrt, a.remat_loss_scan_blocks],
+    ids=lambda f: f.__name__,
+)
 def test_remat_loss_accepts(answer):
+    """The scan over checkpointed √L blocks (the idiomatic form) is judged against the best scan."""
     assert lesson07.check_remat_loss(answer)
 
 
@@ -56,11 +61,10 @@ def test_remat_loss_accepts(answer):
         (a.remat_loss_given, "with 4 layers the gradient's temporaries are 5.2.*Around one layer"),
         (a.remat_loss_whole, "with 4 layers .* without any checkpoint 5.2.*around the whole loss"),
         (a.remat_loss_dots, "with 4 layers .* the best split into checkpointed blocks .* 4.3"),
-        (a.remat_loss_scan, "with 4 layers the gradient's temporaries are 7.1"),
-        (
-            a.remat_loss_scan_blocks,
-            "(?s)with 4 layers .*loop .*of 2 iterations of 2 layer.*Python for loop need 4.3",
-        ),
+        # a scan over per-layer checkpoints: as good as the best scan at 4 layers, not at 9
+        (a.remat_loss_scan, "with 9 layers .*blocks of consecutive layers in a loop like yours"),
+        (a.remat_loss_scan_whole, "with 4 layers .*in a loop like yours"),
+        (a.remat_loss_fixed_3_dummy_scan, "with 4 layers .*consecutive layers 4.3"),
         (a.remat_loss_fixed_4, "with 4 layers .*as a function of k, and choose k from L"),
         (a.remat_loss_pairs, "with 25 layers .* the best split into checkpointed blocks"),
         (a.remat_loss_fixed_3, "with 25 layers .* the best split into checkpointed blocks"),

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 from flax import traverse_util
@@ -95,6 +96,20 @@ def test_the_group_is_one_global_mesh(two_by_four):
         "params_summary" in outs[0] and "params_summary" not in outs[1]
     )  # saved from process 0 only
     assert _no_survivors(set(two_by_four.pids))
+
+
+def test_every_worker_builds_the_hybrid_mesh_and_restores_the_groups_checkpoint(two_by_four):
+    """data across the 2 processes, model inside each; a checkpoint written by both processes (one folder
+    each), restored onto another layout with every local shard exact (course_lib.group_checkpoint)."""
+    outs = two_by_four.outputs
+    grid = outs[0]["hybrid_mesh"]
+    assert [[d.split("@")[1] for d in row] for row in grid] == [["0"] * 4, ["1"] * 4]
+    assert outs[1]["hybrid_mesh"] == grid
+    for o in outs:
+        c = o["checkpoint"]
+        assert c["max_abs_error"] == 0 and c["shards_checked"] == 12  # w, b, step on 4 devices
+        assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(c["written"])
+        assert c["restored"]["w"] == str(jax.P("model", "data"))
 
 
 def test_failing_worker_is_named_and_nothing_is_left(inputs, tmp_path):

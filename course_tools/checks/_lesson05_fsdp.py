@@ -210,7 +210,7 @@ def _same_layout(a, spec) -> bool:
     return a.sharding.is_equivalent_to(spec, a.ndim) and got == want
 
 
-def _judge_program(compiled, mesh, weight_block_bytes: int, where) -> None:
+def _judge_program(compiled, jaxpr, mesh, weight_block_bytes: int, where) -> None:
     sizes = dict(mesh.shape)
     ops = programs.collective_ops(compiled.as_text(), mesh)
     over_model = [o for o in ops if o.op != "all-reduce" and MODEL in (o.axes or ())]
@@ -224,13 +224,29 @@ def _judge_program(compiled, mesh, weight_block_bytes: int, where) -> None:
         )
     gathered = sum(o.nbytes for o in ops if o.op == "all-gather")
     if sizes[DATA] > 1 and gathered > 1.01 * weight_block_bytes:
+        chosen = (
+            ""
+            if _reshards_weights(jaxpr)
+            else (
+                "Your step's values and its layouts are right, and JAX's Explicit types accepted it; "
+                "but no jax.reshard gathers w1 or w2, so XLA's partitioner chose what to move, and it "
+                "moved more than the two weights. Gather them yourself (jax.reshard to the spec each "
+                "matmul needs) so that the program moves only them. "
+            )
+        )
         fail(
             f"the compiled step gathers {gathered:,} bytes per device over data {where}; gathering "
             f"w1's and w2's model blocks once each is {weight_block_bytes:,} bytes",
-            "gather each weight once, inside the loss, and nothing else: the batch and the activations "
-            "stay split over data (out_sharding=P('data', None) on the second matmul). Under "
-            "auto_axes the compiler may gather more than you would",
+            chosen
+            + "gather each weight once, inside the loss, and nothing else: the batch and the "
+            "activations stay split over data (out_sharding=P('data', None) on the second matmul). "
+            "Under auto_axes the compiler may gather more than you would",
         )
+
+
+def _reshards_weights(jaxpr) -> bool:
+    """The traced step holds a ``jax.reshard`` that gathers over data (on Explicit types)."""
+    return any(what.startswith("reshard") and DATA in lost for what, lost in typed_gathers(jaxpr))
 
 
 def check_fsdp_tp_step(fn: Callable, devices: Sequence[Any]) -> bool:
@@ -268,7 +284,7 @@ def check_fsdp_tp_step(fn: Callable, devices: Sequence[Any]) -> bool:
         _judge_values(params, new, new_v, loss, ref, where)
         _judge_layout(specs, {"parameters": new, "velocity": new_v}, where)
         blocks = (params["w1"].size + params["w2"].size) // n_model * 4
-        _judge_program(compiled, mesh, blocks, where)
+        _judge_program(compiled, jaxpr, mesh, blocks, where)
         _judge_first_layer(jaxpr, b, h, where)
         if min(n_data, n_model) == 1:
             lost = [g for g in typed_gathers(jaxpr) if MODEL in g[1]]
