@@ -26,6 +26,8 @@ Modules (import them explicitly; importing ``course_lib`` starts no JAX backend 
 - ``distributed`` — multi-process JAX: processes, each process's rows, one global mesh
 - ``splits``      — the transformer split in ``shard_map``: TP, SP, ring and Ulysses attention, per-layer ZeRO-3
 - ``split_diagrams`` — pictures of heads over devices, the ring of key/value blocks, ZeRO-3's per-layer timeline
+- ``split_time``  — time beside bytes for those splits: FLOPs per byte sent, the communication-bound degree on a
+  named fabric, a ring matmul's overlap plan and XLA:TPU's start/done windows (a model, not a measurement)
 - ``schedules``   — pipeline schedules as tables of ticks × stages (GPipe, 1F1B, circular), their bubble and stash
 - ``pipeline``    — pipeline parallelism in ``shard_map``: stages as layer slices, the executors that run a table
 - ``pipeline_measure`` — a pipeline's bubble in compiled FLOPs and in time, its stash in memory, its sends

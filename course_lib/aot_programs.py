@@ -12,7 +12,10 @@ devices, and nothing is placed or run. The programs are the course's own, at the
   the lab at: ``profile="auto"`` picks ``gpu`` only on GPUs), ``tiny`` for tests.
 - ``lesson10.*``: the transformer splits of ``notebooks/10_transformers.ipynb`` (:mod:`course_lib.splits`)
   at its ``cpu`` sizes (:data:`LESSON10_CONFIG`, batch 4), on one axis of 8 devices, in float32 (the
-  notebook checks parity in float64; a TPU computes in float32 and emulates float64).
+  notebook checks parity in float64; a TPU computes in float32 and emulates float64), and the ring matmuls
+  of its overlap section: all-gather × matmul one way round the ring (``collective_matmul``) and half of
+  each block each way (``collective_matmul_bidi``), matmul × reduce-scatter (``collective_matmul_rs``,
+  beside the plain ``matmul_reducescatter``).
 - ``lab12.*``: the transformer lab's layouts (``notebooks/12_transformer_lab.ipynb``,
   :mod:`course_lib.lm_layouts`) on their 8-device meshes, ``transformer.TINY``, global batch 16, float32,
   and ``tp_sp`` left to the partitioner (``lab12.tp_sp_partitioner``).
@@ -207,6 +210,8 @@ def _matmul(ring: bool, devices, profile) -> Made:
     )
 
     def body(a, b):
+        if ring == "bidirectional":
+            return splits.collective_matmul_bidirectional(a, b, MODEL)
         return (
             splits.collective_matmul(a, b, MODEL)
             if ring
@@ -216,6 +221,24 @@ def _matmul(ring: bool, devices, profile) -> Made:
     fn = jax.shard_map(
         body, mesh=mesh, in_specs=(P(MODEL), P(None, MODEL)), out_specs=P(None, MODEL)
     )
+    return jax.jit(fn), (x, w), mesh
+
+
+def _matmul_rs(ring: bool, devices, profile) -> Made:
+    """``psum_scatter(x @ w)``, the contraction split (SP's row-parallel matmul): x [8n, 2Dn], w [2Dn, D]."""
+    mesh = mesh_of({MODEL: N_DEVICES}, devices, axis_type="auto")
+    n, d = N_DEVICES, LESSON10_CONFIG.d_model
+    x = jax.ShapeDtypeStruct(
+        (8 * n, 2 * d * n), jnp.float32, sharding=NamedSharding(mesh, P(None, MODEL))
+    )
+    w = jax.ShapeDtypeStruct((2 * d * n, d), jnp.float32, sharding=NamedSharding(mesh, P(MODEL)))
+
+    def body(a, b):
+        if ring:
+            return splits.matmul_reduce_scatter(a, b, MODEL)
+        return lax.psum_scatter(a @ b, MODEL, scatter_dimension=0, tiled=True)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(None, MODEL), P(MODEL)), out_specs=P(MODEL))
     return jax.jit(fn), (x, w), mesh
 
 
@@ -270,6 +293,17 @@ _LESSON10 = (  # name, what it is, how it is made
     ("zero3_step", "ZeRO-3 per layer, nothing_saveable", partial(_data_step, True)),
     ("allgather_matmul", "all-gather, then matmul", partial(_matmul, False)),
     ("collective_matmul", "collective matmul (ppermute ring)", partial(_matmul, True)),
+    (
+        "collective_matmul_bidi",
+        "collective matmul, half of each block each way",
+        partial(_matmul, "bidirectional"),
+    ),
+    ("matmul_reducescatter", "matmul, then reduce-scatter", partial(_matmul_rs, False)),
+    (
+        "collective_matmul_rs",
+        "matmul-reduce-scatter as a ppermute ring",
+        partial(_matmul_rs, True),
+    ),
 )
 
 

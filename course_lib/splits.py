@@ -21,7 +21,8 @@ runs any of them over the layers.
   ``jax.checkpoint`` so the backward pass gathers them again; the gradients leave each layer
   reduce-scattered.
 - **Overlap**: :func:`collective_matmul` computes ``all_gather(x) @ w`` as a ring of ``ppermute`` steps,
-  one block's matmul per step.
+  one block's matmul per step; :func:`collective_matmul_bidirectional` sends half of each block each way;
+  :func:`matmul_reduce_scatter` computes ``psum_scatter(x @ w)`` passing partial sums round the ring.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ __all__ = [
     "zero3_specs",
     "zero3_blocks",
     "collective_matmul",
+    "collective_matmul_bidirectional",
+    "matmul_reduce_scatter",
     "block_bytes",
     "predict_tp_sp",
 ]
@@ -262,6 +265,55 @@ def collective_matmul(x: jax.Array, w: jax.Array, axis: str) -> jax.Array:
         out = lax.dynamic_update_slice_in_dim(out, x @ w, ((me - t) % n) * rows, axis=0)
         if t < n - 1:
             x = lax.ppermute(x, axis, ring)
+    return out
+
+
+def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis: str) -> jax.Array:
+    """``psum_scatter(x @ w, axis, tiled=True)`` without the reduce-scatter: x [M, K/n] (this device's slice
+    of the contraction), w [K/n, N] → this device's rows of the sum, [M/n, N].
+
+    ``n`` steps round the ring: multiply the x rows of one output block, add the partial sum received from
+    the next device, pass the sum on to the previous one with ``ppermute`` (``n − 1`` sends of one
+    ``[M/n, N]`` block: the reduce-scatter's bytes). Step ``t``'s matmul does not need step ``t``'s
+    send, so a compiler can overlap them (SP's reduce-scatter after the row-parallel matmul).
+    """
+    n = lax.axis_size(axis)
+    me = lax.axis_index(axis)
+    rows = x.shape[0] // n
+    left = [(i, (i - 1) % n) for i in range(n)]
+
+    def part(t):  # the partial sum of the output block that ends on device me - (n - 1 - t)
+        block = (me + t + 1) % n
+        return lax.dynamic_slice_in_dim(x, block * rows, rows, axis=0) @ w
+
+    acc = part(0)
+    for t in range(1, n):
+        acc = lax.ppermute(acc, axis, left) + part(t)
+    return acc
+
+
+def collective_matmul_bidirectional(x: jax.Array, w: jax.Array, axis: str) -> jax.Array:
+    """:func:`collective_matmul` with each block cut in two halves sent opposite ways round the ring:
+    x [M/n, K] (rows split, M/n even), w [K, N'] → [M, N'].
+
+    The top halves travel to ``r + 1``, the bottom halves to ``r − 1``: ``n − 1`` steps of two sends of
+    half a block, one each way, so on a bidirectional ring (a TPU's ICI) both directions of every link
+    carry data and each step's sends take half the time of :func:`collective_matmul`'s; the bytes are the
+    all-gather's. Each step's two matmuls do not need that step's sends.
+    """
+    n = lax.axis_size(axis)
+    me = lax.axis_index(axis)
+    rows = x.shape[0]
+    half = rows // 2
+    top, bottom = x[:half], x[half:]
+    out = jnp.zeros((n * rows, w.shape[1]), jnp.result_type(x, w))
+    right = [(i, (i + 1) % n) for i in range(n)]
+    left = [(i, (i - 1) % n) for i in range(n)]
+    for t in range(n):  # top half of block me - t, bottom half of block me + t
+        out = lax.dynamic_update_slice_in_dim(out, top @ w, ((me - t) % n) * rows, axis=0)
+        out = lax.dynamic_update_slice_in_dim(out, bottom @ w, ((me + t) % n) * rows + half, axis=0)
+        if t < n - 1:
+            top, bottom = lax.ppermute(top, axis, right), lax.ppermute(bottom, axis, left)
     return out
 
 

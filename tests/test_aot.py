@@ -31,6 +31,9 @@ def compiled(devs):
         "lesson10.ring_attention",
         "lesson10.allgather_matmul",
         "lesson10.collective_matmul",
+        "lesson10.collective_matmul_bidi",
+        "lesson10.matmul_reducescatter",
+        "lesson10.collective_matmul_rs",
     ]
     return aot.compile_all(devs, names, profile="tiny", jobs=2)  # two at once: the threaded path
 
@@ -44,7 +47,7 @@ def test_the_catalogue_names_its_notebooks_and_covers_the_three_lessons():
 
     root = Path(__file__).resolve().parent.parent
     names = list(aot_programs.PROGRAMS)
-    assert len(names) == len(set(names)) == 25
+    assert len(names) == len(set(names)) == 28
     for prefix in ("lab08.", "lesson10.", "lab12."):
         assert any(n.startswith(prefix) for n in names), prefix
     for prog in aot_programs.PROGRAMS.values():
@@ -137,6 +140,28 @@ def test_collective_matmul_sends_the_all_gathers_bytes(compiled):
     assert len(perms) == N - 1 and all(p["bytes"] == 8 * d * 4 for p in perms)  # one block per step
     assert sum(p["bytes_sent"] for p in perms) == pytest.approx(ag["bytes_sent"])
     assert not any(p["async"] or p["in_loop"] for p in perms)  # XLA:CPU: synchronous, unrolled
+
+
+def test_the_bidirectional_and_reduce_scatter_rings(compiled):
+    """The bidirectional ring sends half a block each way at every step (the all-gather's bytes in all);
+    the reduce-scatter ring passes n − 1 partial sums (the reduce-scatter's bytes)."""
+    d = aot_programs.LESSON10_CONFIG.d_model
+    plain, _ = compiled["lesson10.allgather_matmul"]
+    bidi, _ = compiled["lesson10.collective_matmul_bidi"]
+    perms = _ops(bidi, "collective-permute")
+    assert len(perms) == 2 * (N - 1) and all(p["bytes"] == 4 * d * 4 for p in perms)
+    assert sum(p["bytes_sent"] for p in perms) == pytest.approx(
+        _ops(plain, "all-gather")[0]["bytes_sent"]
+    )
+    rs_plain, _ = compiled["lesson10.matmul_reducescatter"]
+    rs_ring, _ = compiled["lesson10.collective_matmul_rs"]
+    (rs,) = _ops(rs_plain, "reduce-scatter")
+    perms = _ops(rs_ring, "collective-permute")
+    assert len(perms) == N - 1 and all(
+        p["bytes"] == 8 * d * 4 for p in perms
+    )  # an [8, D] partial sum
+    assert sum(p["bytes_sent"] for p in perms) == pytest.approx(rs["bytes_sent"])
+    assert {c["op"] for c in rs_ring["collectives"]} == {"collective-permute"}
 
 
 def test_a_program_that_fails_is_recorded(devs, monkeypatch):

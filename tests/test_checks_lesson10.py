@@ -231,3 +231,76 @@ def test_tpu_rules_accept_the_references(report, monkeypatch):
 def test_tpu_rules_still_refuse_wrong_answers(report, monkeypatch, check, answer, match):
     tpu_rules(monkeypatch)
     rejects(check, answer, report.devices, match=match)
+
+
+# ---- exercise 5: the tensor-parallel degree beyond which a block is communication-bound ---------------------
+
+
+def critical_ref(cfg, batch, fabric):
+    ways = 2 if fabric.link.topology == "ring" else 1
+    return 1 + (cfg.d_model + (cfg.seq_len + cfg.d_ff) / 2) * ways * fabric.link.bytes_per_s / (
+        fabric.chip.bf16 * 1e12
+    )
+
+
+def critical_from_times(cfg, batch, fabric):
+    # solve compute(n) = comm(n) from the two times per device at n = 2 (both are a / n and b (n - 1) / n)
+    t, d = batch * cfg.seq_len, cfg.d_model
+    flops = t * (8 * d * d + 4 * cfg.seq_len * d + 4 * d * cfg.d_ff)
+    compute_n1 = flops / (fabric.chip.bf16 * 1e12)  # compute(n) = compute_n1 / n
+    ways = 2 if fabric.link.topology == "ring" else 1
+    comm_per = (
+        2 * 2 * t * d * 2 / (ways * fabric.link.bytes_per_s)
+    )  # comm(n) = comm_per (n - 1) / n
+    return 1 + compute_n1 / comm_per
+
+
+def test_critical_degree_accepts_correct_forms(monkeypatch, capsys):
+    assert lesson10.check_tp_critical_degree(critical_ref)
+    assert lesson10.check_tp_critical_degree(critical_from_times)
+    not_written(lesson10.check_tp_critical_degree, stub, monkeypatch=monkeypatch, capsys=capsys)
+
+
+def test_critical_degree_wrong_answers():
+    import dataclasses
+    import math
+
+    from course_lib import costs, split_time
+
+    def switch(fab):
+        return dataclasses.replace(fab, link=dataclasses.replace(fab.link, topology="switch"))
+
+    def ring(fab):
+        return dataclasses.replace(fab, link=dataclasses.replace(fab.link, topology="ring"))
+
+    def no_scores(c, b, fab):
+        ways = 2 if fab.link.topology == "ring" else 1
+        return 1 + (c.d_model + c.d_ff / 2) * ways * fab.link.bytes_per_s / (fab.chip.bf16 * 1e12)
+
+    cases = {
+        "counts twice there": lambda c, b, fab: critical_ref(c, b, switch(fab)),
+        "only a ring uses both": lambda c, b, fab: critical_ref(c, b, ring(fab)),
+        "the degree is 1 \\+": lambda c, b, fab: critical_ref(c, b, fab) - 1,
+        "scores and their product": no_scores,
+        "factors of 2": lambda c, b, fab: 1 + (critical_ref(c, b, fab) - 1) / 2,  # float32 bytes
+        "factors of 2:": lambda c, b, fab: 1 + 2 * (critical_ref(c, b, fab) - 1),  # 1 FLOP per MAC
+        "1/n of the block": lambda c, b, fab: 1 / (2 - critical_ref(c, b, fab)),  # FLOPs not split
+        "exact degree": lambda c, b, fab: math.ceil(critical_ref(c, b, fab)),
+        "return a number": lambda c, b, fab: str(critical_ref(c, b, fab)),
+        "T·\\(8D²": lambda c, b, fab: critical_ref(c, b, fab) * (1 + b / 1e4),  # the batch kept
+        "T·\\(8D² ": lambda c, b, fab: (
+            1 + (critical_ref(c, b, fab) - 1) * 1e12
+        ),  # TFLOP/s as FLOP/s
+    }
+    for hint, answer in cases.items():
+        rejects(lesson10.check_tp_critical_degree, answer, match=hint)
+    for library in (
+        lambda c, b, fab: split_time.tp_critical_degree(c, fab),
+        lambda c, b, fab: 1 + (c.d_model + (c.seq_len + c.d_ff) / 2) / split_time.fabric_ratio(fab),
+        lambda c, b, fab: costs.critical_size(
+            1, split_time.timing(split_time.split_cost("tp", c, b, 2), fab)
+        ),
+    ):
+        rejects(
+            lesson10.check_tp_critical_degree, library, match="do not call course_lib.split_time"
+        )

@@ -1,7 +1,7 @@
 """Checkers for ``10_transformers.ipynb``, numbered as its exercises: 1 (debug) a tensor-parallel MLP whose
 silent bug hides behind zero biases, 2 (predict) the bytes and activation memory of tensor vs sequence
 parallelism predicted before the measurement, 3 (project) ring attention built from ``ppermute``, 4 per-layer
-ZeRO-3 on the transformer's blocks.
+ZeRO-3 on the transformer's blocks, 5 the TP degree beyond which a block is communication-bound.
 
 None of them holds an answer, and each refuses an answer that calls into :mod:`course_lib.splits` (the
 library that computes it). The MLP is compared with :func:`course_lib.transformer.mlp` on two device counts
@@ -13,8 +13,7 @@ float64, and the MLP likewise), with B, S, H and Dh all different; its sends (lo
 iteration) and largest intermediate are read from its jaxpr on rings of 2, 4 and 8 traced without devices,
 and the bytes one device holds at once from its jaxpr on a ring of 32. ZeRO-3 is compiled and its
 gradients, collectives (trip-weighted bytes) and ``memory_analysis()`` compared with data parallelism's with
-each block under ``jax.checkpoint`` saving nothing.
-"""
+each block under ``jax.checkpoint`` saving nothing."""
 
 from __future__ import annotations
 
@@ -51,10 +50,12 @@ from ._lesson10_ring import (
     ring_low_scores,
     sends_in_cond,
 )
+from ._lesson10_time import check_tp_critical_degree
 from ._lesson10_zero3 import dp_compiled, z_held, z_setup, z_step, z_upfront, z_values, z_wire
 from ._spmd import abstract
 
 __all__ = ["check_tp_mlp", "check_predict_tp_sp", "check_ring_attention", "check_zero3"]
+__all__ += ["check_tp_critical_degree"]
 
 _ONCE = {"xla_backend_optimization_level": 0}
 
