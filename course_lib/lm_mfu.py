@@ -232,10 +232,19 @@ def init_params(
     config: transformer.TransformerConfig, key: jax.Array, device: Any, dtype=jnp.bfloat16
 ) -> dict:
     """:func:`course_lib.transformer.init_model`'s parameters cast to ``dtype`` (bfloat16), made on
-    ``device`` in one jitted program (the float32 draw is not kept)."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    make = lambda k: jax.tree.map(lambda a: a.astype(dtype), transformer.init_model(k, config)[1])  # noqa: E731
-    return jax.jit(make, out_shardings=sharding)(key)
+    ``device`` in one jitted program (compiled once per size, dtype and device; the float32 draw is not
+    kept): the nested dict of :func:`course_lib.transformer.init_model`, every leaf ``dtype``."""
+    cache_key = (config, jnp.dtype(dtype).name, device)
+    if cache_key not in _INIT:
+
+        def cast(k):
+            return jax.tree.map(lambda a: a.astype(dtype), transformer.init_model(k, config)[1])
+
+        _INIT[cache_key] = jax.jit(cast, out_shardings=jax.sharding.SingleDeviceSharding(device))
+    return _INIT[cache_key](key)
+
+
+_INIT: dict[Any, Any] = {}
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -247,11 +256,25 @@ def _is_oom(error: BaseException) -> bool:
     )
 
 
-def _compile(step, abstract, tokens, targets, name: str, batch: int):
+def _compile(step, where, tokens, targets, name: str, batch: int):
+    """``(compiled, seconds, memory_analysis() as a dict)`` for the parameters of ``where``:
+    ``(config, key, device)``; XLA's ``RESOURCE_EXHAUSTED`` becomes :class:`OutOfMemory`."""
+    cfg, key, device = where
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+        jax.eval_shape(lambda k: init_params(cfg, k, device), key),
+    )
     try:
         t0 = time.perf_counter()
         compiled = step.lower(abstract, tokens, targets).compile()
-        return compiled, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        ma = compiled.memory_analysis()
+        memory = {
+            "argument": int(ma.argument_size_in_bytes), "output": int(ma.output_size_in_bytes),
+            "temp": int(ma.temp_size_in_bytes), "alias": int(ma.alias_size_in_bytes),
+        }  # fmt: skip
+        return compiled, seconds, memory
     except Exception as error:  # noqa: BLE001 - XLA raises its own runtime error type
         if _is_oom(error):
             raise OutOfMemory(
@@ -323,17 +346,8 @@ def measure(
     tokens, targets = CopyWalk(cfg.vocab, cfg.seq_len).batch(
         jax.random.fold_in(key, 1), batch, sharding
     )
-    abstract = jax.eval_shape(lambda k: init_params(cfg, k, device), key)
-    abstract = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), abstract
-    )
     step = make_step(cfg, remat, learning_rate)
-    compiled, compile_s = _compile(step, abstract, tokens, targets, name, batch)
-    ma = compiled.memory_analysis()
-    memory = {
-        "argument": int(ma.argument_size_in_bytes), "output": int(ma.output_size_in_bytes),
-        "temp": int(ma.temp_size_in_bytes), "alias": int(ma.alias_size_in_bytes),
-    }  # fmt: skip
+    compiled, compile_s, memory = _compile(step, (cfg, key, device), tokens, targets, name, batch)
     _check_fit(memory, device, name, batch)
     state = {"params": init_params(cfg, jax.random.fold_in(key, 0), device)}
     losses = []
