@@ -1,25 +1,20 @@
 """One chip at full size: the transformer's bfloat16 training step, timed, and its model FLOP utilisation.
 
-The step (:func:`make_step`): :func:`course_lib.transformer.forward` on **bfloat16** parameters (so bfloat16
-activations and matmuls), the logits cast to float32 for the loss (mean token cross-entropy), the gradient,
-and plain SGD from optax (``optax.sgd``, no momentum: no optimizer state), the parameters donated so the
-update is written in place. With ``remat=True`` every block runs under ``jax.checkpoint``: the backward pass
-keeps only each block's input ``[B, S, D]`` and recomputes the block's forward, instead of keeping its
-attention scores ``[B, H, S, S]`` and MLP activations ``[B, S, F]``.
+The step (:func:`make_step`): :func:`course_lib.transformer.forward` on **bfloat16** parameters (bfloat16
+activations and matmuls), the logits cast to float32 for the loss, and plain SGD (``optax.sgd``: no optimizer
+state), the parameters donated. With ``remat=True`` every block runs under ``jax.checkpoint``: the backward
+pass keeps each block's input ``[B, S, D]`` and recomputes its forward, instead of keeping its attention
+scores ``[B, H, S, S]`` and MLP activations ``[B, S, F]``.
 
-:func:`measure` compiles it once for one device, checks the compiled program's memory
-(``memory_analysis()``) against what the device has free, then runs warm-up and timed steps (the median,
-each ended by ``jax.block_until_ready``; :func:`course_lib.measure.time_calls`) and returns a
-:class:`Measurement`. Its MFU counts the **model's** FLOPs: 3 × the forward's
-(:func:`course_lib.transformer.flops_per_token` × tokens: forward, and two matmuls per matmul backward)
-over the chip's dense bfloat16 peak (:func:`course_lib.costs.peak_flops`, the table of
-:mod:`course_lib.chips`). The recomputed forward of ``remat`` is work the hardware does but the model does
-not need: it counts in the HFU (:func:`hardware_flops`), not in the MFU. The compiled program's
-``cost_analysis()`` is not used: it counts the body of the layer scan (a ``while`` loop) once, not once per
-layer. Simulated CPU devices have no peak: their MFU is None (the machinery runs, no figure is claimed).
-
+:func:`measure` compiles it once for one device, checks its ``memory_analysis()`` against the device's free
+bytes, runs warm-up and timed steps (the median, each ended by ``jax.block_until_ready``) and returns a
+:class:`Measurement`. Its MFU counts the **model's** FLOPs, 3 × the forward's
+(:func:`course_lib.transformer.flops_per_token` × tokens), over the chip's dense bfloat16 peak
+(:func:`course_lib.costs.peak_flops`); ``remat``'s recomputed forward counts in the HFU
+(:func:`hardware_flops`) only. ``cost_analysis()`` is not used: it counts the layer scan's body once, not once
+per layer. Simulated CPU devices have no peak: their MFU is None (the machinery runs, no figure is claimed).
 ``notebooks/12_transformer_lab.ipynb`` ("One chip at full size") measures the ``GPU`` size on a TPU or GPU
-and shows the committed TPU v5e measurement (:func:`reference`, written by ``tools/lm_mfu.py``) elsewhere.
+and shows the committed TPU v5e measurement (:func:`reference`, written by ``tools/lm_mfu.py``).
 """
 
 from __future__ import annotations
@@ -38,9 +33,7 @@ from . import costs, transformer
 from . import measure as _measure  # the module; this module's measure() is the function below
 from .tokens import CopyWalk
 
-REFERENCE_CSV = (
-    Path(__file__).resolve().parent.parent / "data" / "tpu_reference" / "lm_mfu" / "mfu.csv"
-)
+REFERENCE_CSV = Path(__file__).resolve().parents[1] / "data/tpu_reference/lm_mfu/mfu.csv"
 """Where the committed measurement lives: ``tools/lm_mfu.py --out DIR`` run on a TPU, ``DIR/mfu.csv`` copied."""
 
 LEARNING_RATE = 0.5
@@ -73,7 +66,7 @@ class Measurement:
       config: the model's shape.
       batch: sequences per step (of ``config.seq_len`` tokens each).
       remat: whether every block ran under ``jax.checkpoint``.
-      timing: the timed steps (seconds; :class:`course_lib._measure.Timing`).
+      timing: the timed steps (seconds; :class:`course_lib.measure.Timing`).
       compile_s: seconds to compile the step.
       model_flops: the model's FLOPs per step (:func:`model_flops`).
       hardware_flops: the FLOPs the step computes, the recomputed forward included (:func:`hardware_flops`).
@@ -117,8 +110,7 @@ class Measurement:
     @property
     def need_bytes(self) -> int:
         """Bytes the compiled step holds at once: arguments + outputs + temporaries − donated aliases."""
-        m = self.memory
-        return m["argument"] + m["output"] + m["temp"] - m["alias"]
+        return sum(self.memory[k] for k in ("argument", "output", "temp")) - self.memory["alias"]
 
     def row(self) -> dict[str, Any]:
         """One flat row with the columns :data:`FIELDS` (``fits`` True; the date in UTC)."""
@@ -155,10 +147,7 @@ class Measurement:
 
 def resolve_config(config: str | transformer.TransformerConfig) -> tuple[str, Any]:
     """``(name, TransformerConfig)`` for a key of :data:`course_lib.transformer.CONFIGS` or a config.
-
-    Raises:
-      ValueError: an unknown name or something that is not a config, naming the known ones.
-    """
+    Raises ValueError for an unknown name or something that is not a config, naming the known ones."""
     if isinstance(config, transformer.TransformerConfig):
         names = [k for k, v in transformer.CONFIGS.items() if v == config]
         return (names[0] if names else "custom"), config
@@ -248,12 +237,8 @@ _INIT: dict[Any, Any] = {}
 
 
 def _is_oom(error: BaseException) -> bool:
-    text = str(error)
-    return (
-        "RESOURCE_EXHAUSTED" in text
-        or "Ran out of memory" in text
-        or "out of memory" in text.lower()
-    )
+    text = str(error).lower()  # XLA: "RESOURCE_EXHAUSTED: ... Ran out of memory ..."
+    return "resource_exhausted" in text or "out of memory" in text
 
 
 def _compile(step, where, tokens, targets, name: str, batch: int):
@@ -398,9 +383,7 @@ def sweep(
     """
     name, cfg = resolve_config(config)
     if not batches or not remats:
-        raise ValueError(
-            f"batches={batches!r} and remats={remats!r} must each name at least one value"
-        )
+        raise ValueError(f"batches={batches!r}, remats={remats!r}: each must name a value")
     for b in batches:
         _check_batch(b)
     rows = []
@@ -409,15 +392,12 @@ def sweep(
             try:
                 row = measure(cfg, batch, device, remat=remat, **kwargs).row()
             except OutOfMemory as error:
-                row = dict.fromkeys(FIELDS)
-                row.update(config=name, batch=batch, remat=remat, fits=False, note=str(error)[:300])
-                row.update(
-                    device_kind=device.device_kind, platform=device.platform, jax=jax.__version__
-                )
-                row.update(
-                    model_flops=model_flops(cfg, batch),
-                    date=dt.datetime.now(dt.UTC).isoformat(),
-                )
+                row = dict.fromkeys(FIELDS) | dict(
+                    batch=batch, remat=remat, fits=False, note=str(error)[:300],
+                    model_flops=model_flops(cfg, batch), device_kind=device.device_kind,
+                    platform=device.platform, jax=jax.__version__,
+                    date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                )  # fmt: skip
             row["config"] = name
             rows.append(row)
             if log is not None:
@@ -425,6 +405,30 @@ def sweep(
             if not row["fits"]:
                 break
     return rows
+
+
+def largest_batch(
+    config: str | transformer.TransformerConfig,
+    device: Any,
+    batches: tuple[int, ...] = (1, 2, 4, 8),
+    *,
+    remat: bool = True,
+    log: Any = print,
+    **kwargs: Any,
+) -> Measurement | None:
+    """:func:`measure` at the largest of ``batches`` that fits ``device``, the largest tried first (each
+    checked against the free memory before it runs); None when none fits. ``log`` gets one line per batch
+    that does not fit (None: silent); ``kwargs`` go to :func:`measure`. Raises ValueError as :func:`measure`
+    does, or for an empty ``batches``."""
+    if not batches:
+        raise ValueError(f"batches={batches!r} must name at least one batch, e.g. (1, 2, 4, 8)")
+    for batch in sorted(set(map(_check_batch, batches)), reverse=True):
+        try:
+            return measure(config, batch, device, remat=remat, **kwargs)
+        except OutOfMemory as error:
+            if log is not None:
+                log(f"batch {batch}, remat={remat}: does not fit ({str(error)[:160]})")
+    return None
 
 
 def _row_line(row: dict[str, Any]) -> str:

@@ -82,7 +82,7 @@ def test_bad_configs_and_counts_are_refused():
         lm_mfu.measure("tiny", 1, jax.devices()[0], steps=0)
     with pytest.raises(ValueError, match="learning_rate=0 must be > 0"):
         lm_mfu.make_step(transformer.TINY, learning_rate=0)
-    with pytest.raises(ValueError, match="must each name at least one value"):
+    with pytest.raises(ValueError, match="each must name a value"):
         lm_mfu.sweep("tiny", jax.devices()[0], batches=())
     assert lm_mfu.resolve_config(transformer.GPU) == ("gpu", transformer.GPU)
 
@@ -150,3 +150,27 @@ def test_the_tool_refuses_bad_arguments_and_an_existing_measurement(tmp_path):
     r = tool("--out", str(tmp_path))
     assert r.returncode == 2 and "is never overwritten" in r.stderr
     assert (tmp_path / "mfu.csv").read_text() == "kept\n"
+
+
+def test_the_largest_batch_that_fits_is_found_from_the_top(monkeypatch):
+    tried = []
+
+    def fake(cfg, batch, device, remat, **kwargs):
+        tried.append(batch)
+        if batch >= 4:
+            raise lm_mfu.OutOfMemory(f"batch {batch} does not fit")
+        return ("measured", batch, remat)
+
+    monkeypatch.setattr(lm_mfu, "measure", fake)
+    lines = []
+    assert lm_mfu.largest_batch("gpu", _Chip(), (1, 2, 4, 8), log=lines.append) == (
+        "measured",
+        2,
+        True,
+    )
+    assert tried == [8, 4, 2] and lines[0].startswith("batch 8, remat=True: does not fit")
+    assert lm_mfu.largest_batch("gpu", _Chip(), (4, 8), remat=False, log=None) is None
+    with pytest.raises(ValueError, match=r"batches=\(\) must name at least one batch"):
+        lm_mfu.largest_batch("gpu", _Chip(), ())
+    with pytest.raises(ValueError, match="batch=0 must be a positive integer"):
+        lm_mfu.largest_batch("gpu", _Chip(), (0, 1))
