@@ -129,3 +129,20 @@ def test_tpu_check_without_a_tpu_stops_before_installing(tmp_path):
     r = sh("--python", sys.executable, "--out", str(tmp_path / "ref"))
     assert r.returncode == 3 and "no TPU found (JAX's backend: cpu" in r.stderr
     assert not (tmp_path / "ref").exists()
+
+
+def test_tpu_check_rehearses_the_mfu_step_at_the_tiny_size(tmp_path):
+    import csv
+
+    out = tmp_path / "ref"
+    r = sh("--rehearse", "--steps", "mfu", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "mfu rc=0" in (out / "steps.txt").read_text()
+    rows = list(csv.DictReader((out / "lm_mfu" / "mfu.csv").open()))
+    # both settings of remat at batch 2, on the CPU: timed, no MFU claimed
+    assert [(r["config"], r["batch"], r["remat"], r["fits"]) for r in rows] == [
+        ("tiny", "2", "True", "True"),
+        ("tiny", "2", "False", "True"),
+    ]
+    assert all(float(r["step_s"]) > 0 and r["mfu"] == "" and r["platform"] == "cpu" for r in rows)
+    assert all(float(r["last_loss"]) < float(r["first_loss"]) for r in rows)

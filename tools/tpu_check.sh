@@ -9,7 +9,7 @@ PROG="tools/tpu_check.sh"
 usage() {
   cat <<EOF
 Usage: $PROG [--out DIR] [--python PATH] [--index URL] [--wheelhouse DIR] [--site DIR] [--skip-install]
-                         [--notebooks "01 08 …"] [--steps "tests notebooks lab programs"] [--timeout SECONDS]
+                         [--notebooks "01 08 …"] [--steps "tests notebooks lab programs mfu"] [--timeout SECONDS]
                          [--lab-param NAME=VALUE]... [--rehearse]
                          [-h|--help]
 
@@ -26,10 +26,13 @@ no TCP sockets. One program holds the chips at a time, so everything runs one af
   5. runs every notebook (or --notebooks) at the host's chip count, each in its own process;
   6. runs the lab (08_lab) at profile auto in bfloat16: the largest article-like batch that fits the chip;
   7. compiles the course's programs for an 8-chip v5e (tools/tpu_programs.py, when present);
-  8. writes everything into a new folder data/tpu_reference/<date>-<chip>-x<count>/: summary.txt (which
+  8. measures the transformer's bfloat16 training step at its gpu size on one chip, batches 1 2 4 8 with and
+     without remat: step time, MFU, memory (tools/lm_mfu.py: lm_mfu/mfu.csv, the file committed as
+     data/tpu_reference/lm_mfu/mfu.csv);
+  9. writes everything into a new folder data/tpu_reference/<date>-<chip>-x<count>/: summary.txt (which
      notebooks passed, each one's seconds and failing cell), notebooks.csv, versions.txt, device.txt,
      the lab's results CSVs, memory.csv (each notebook's allocator peak, memory_stats()), logs/ (one per step).
-Steps 4 to 7 run even when an earlier one fails; summary.txt says which passed.
+Steps 4 to 8 run even when an earlier one fails; summary.txt says which passed.
 
 Options:
   --out DIR             results folder (default data/tpu_reference/<date>-<chip>-x<count>, -2, -3 … when it
@@ -41,13 +44,14 @@ Options:
   --site DIR            where step 2 installs (default /tmp/course-site); added to the end of PYTHONPATH
   --skip-install        use the environment as it is
   --notebooks LIST      which notebooks (by number), default every one
-  --steps LIST          which of steps 4-7 to run: tests notebooks lab programs (default all four); a
+  --steps LIST          which of steps 4-8 to run: tests notebooks lab programs mfu (default all five); a
                         host's session too short for all of them runs them in two calls, e.g. --steps
                         "tests programs" --notebooks "01 02", then --steps "notebooks lab" --notebooks "08 10"
   --timeout SECONDS     limit for each notebook (default 300)
   --lab-param N=V       one more parameter for the lab run of step 6, e.g. --lab-param steps=10
   --rehearse            check this script on a machine without a TPU: 2 simulated CPU devices, the notebooks
-                        named by --notebooks (default 03), no install; needs --out; NOT a TPU reference
+                        named by --notebooks (default 03), the mfu step at the tiny size, no install; needs
+                        --out; NOT a TPU reference
   -h, --help            this text
 
 Exit status: 0 every step passed; 1 a test, notebook or lab run failed (results still written); 2 bad
@@ -63,7 +67,7 @@ die() {
 }
 need_value() { [[ $# -ge 2 && -n $2 && $2 != --* ]] || die 2 "$1 needs a value (see $PROG --help)"; }
 
-STEPS="tests notebooks lab programs" OUT="" PY="" INDEX="" WHEELHOUSE="" SITE="/tmp/course-site" SKIP_INSTALL=0 NOTEBOOKS="" TIMEOUT=300 REHEARSE=0
+STEPS="tests notebooks lab programs mfu" OUT="" PY="" INDEX="" WHEELHOUSE="" SITE="/tmp/course-site" SKIP_INSTALL=0 NOTEBOOKS="" TIMEOUT=300 REHEARSE=0
 LAB_PARAMS=()
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -83,7 +87,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $TIMEOUT =~ ^[0-9]+$ && $TIMEOUT -gt 0 ]] || die 2 "--timeout $TIMEOUT is not a positive number of seconds"
-for s in $STEPS; do [[ $s =~ ^(tests|notebooks|lab|programs)$ ]] || die 2 "--steps: no step '$s' (tests notebooks lab programs)"; done
+for s in $STEPS; do [[ $s =~ ^(tests|notebooks|lab|programs|mfu)$ ]] || die 2 "--steps: no step '$s' (tests notebooks lab programs mfu)"; done
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 for p in "${LAB_PARAMS[@]}"; do [[ $p == *=* ]] || die 2 "--lab-param $p is not NAME=VALUE"; done
 [[ -z $WHEELHOUSE || -d $WHEELHOUSE ]] || die 2 "--wheelhouse $WHEELHOUSE is not a folder"
@@ -129,7 +133,7 @@ if [[ $SKIP_INSTALL == 0 ]]; then
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE:$ROOT"
 
-# 8. the results folder: new, writable
+# 9. the results folder: new, writable
 if [[ -z $OUT ]]; then
   base="$ROOT/data/tpu_reference/$(date -u +%Y-%m-%d)-$CHIP-x$N"
   OUT=$base k=2
@@ -144,7 +148,7 @@ step() { # step NAME COMMAND...: run, log, record
   local name=$1
   shift
   local t0=$SECONDS
-  (cd "$ROOT" && timeout "$TIMEOUT" "$@") >"$OUT/logs/$name.log" 2>&1
+  (cd "$ROOT" && timeout "${STEP_TIMEOUT:-$TIMEOUT}" "$@") >"$OUT/logs/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
   [[ $rc == 0 ]] || status=1
@@ -196,6 +200,13 @@ fi
 # 7. programs for an 8-chip v5e, compiled here
 if [[ $REHEARSE == 0 ]] && wants programs; then
   step programs "$PY" tools/tpu_programs.py --out "$OUT/programs"
+fi
+
+# 8. the transformer's MFU on one chip (the gpu size; --rehearse: the tiny size on a CPU, no MFU), at least 15 min
+if wants mfu; then
+  mfu=()
+  [[ $REHEARSE == 1 ]] && mfu=(--config tiny --batches 2 --steps 2 --warmup 1)
+  STEP_TIMEOUT=$((TIMEOUT > 900 ? TIMEOUT : 900)) step mfu "$PY" tools/lm_mfu.py --out "$OUT/lm_mfu" "${mfu[@]}"
 fi
 
 # summary
