@@ -275,6 +275,29 @@ def test_median_time_accepts_correct_forms():
     assert lesson02.check_median_time(_device_get_median)
 
 
+# WRONG on real JAX: a step's output is a pytree, which has no such method
+def _method_on_output(fn, *args, repeats=5):
+    return statistics.median(_timed(fn, args, repeats, lambda out: out.block_until_ready()))
+
+
+def test_median_time_refuses_a_method_the_output_pytree_lacks():
+    out = lesson02.StandInStep(0.001, 0.0)(None)
+    assert type(out) is tuple and len(jax.tree.leaves(out)) == 2  # a plain pytree, like a step's
+    rejects(lesson02.check_median_time, _method_on_output, match="jax.block_until_ready")
+
+
+def test_median_time_judges_a_fresh_run_when_load_delays_a_right_answer_once():
+    runs = []
+
+    def delayed_once(fn, *args, repeats=5):  # right; its first run descheduled 50 ms a call
+        runs.append(repeats)
+        extra = 0.05 if len(runs) == 1 else 0.0
+        return _median_time(fn, *args, repeats=repeats) + extra
+
+    assert lesson02.check_median_time(delayed_once)
+    assert runs == [5, 5, 1]  # the first run was past the bound; a fresh one was judged
+
+
 @pytest.fixture
 def busy_sleep(monkeypatch):
     """time.sleep as a loaded machine gives it: every wait wakes 30 ms late."""

@@ -99,9 +99,45 @@ def _loop_over_members(apply, stacked, key, x):
     return jnp.stack(outs)
 
 
-def _grid_of_keys(apply, stacked, key, x):  # other keys than the spec's: one split into a grid
+def _grid_of_keys(apply, stacked, key, x):  # right too: independent keys, one split into a grid
     members, batch = jax.tree.leaves(stacked)[0].shape[0], x.shape[0]
     keys = jax.random.split(key, (members, batch))
+    inner = jax.vmap(apply, in_axes=(None, 0, 0))
+    return jax.vmap(inner, in_axes=(0, 0, None))(stacked, keys, x)
+
+
+def _flat_split(apply, stacked, key, x):  # right too: split(dropout_key, members * batch), reshaped
+    members, batch = jax.tree.leaves(stacked)[0].shape[0], x.shape[0]
+    keys = jax.random.split(key, members * batch).reshape(members, batch)
+    inner = jax.vmap(apply, in_axes=(None, 0, 0))
+    return jax.vmap(inner, in_axes=(0, 0, None))(stacked, keys, x)
+
+
+def test_ensemble_judges_independent_keys_not_one_derivation():
+    assert lesson03.check_ensemble(ensemble_of(_init_vmap, _grid_of_keys))
+    assert lesson03.check_ensemble(ensemble_of(_init_vmap, _flat_split))
+
+
+def _fixed_key(apply, stacked, key, x):  # WRONG: the masks do not come from dropout_key
+    return _predict(apply, stacked, jax.random.key(0), x)
+
+
+def _dropout_from_init_key(
+    init, apply, init_key, dropout_key, x, members
+):  # WRONG: init_key reused
+    stacked = _init_vmap(init, init_key, members)
+    return stacked, _predict(apply, stacked, jax.random.fold_in(init_key, 1), x)
+
+
+def _rows_shifted(apply, stacked, key, x):  # WRONG: example b gets row b + 1's input
+    return _predict(apply, stacked, key, jnp.roll(x, 1, axis=0))
+
+
+def _members_collide(apply, stacked, key, x):  # WRONG: member 2 reuses member 1's keys
+    members, batch = jax.tree.leaves(stacked)[0].shape[0], x.shape[0]
+    member_keys = jax.random.split(key, members)
+    member_keys = jnp.stack([member_keys[0], member_keys[1], member_keys[1], member_keys[3]])
+    keys = jax.vmap(lambda k: jax.random.split(k, batch))(member_keys)
     inner = jax.vmap(apply, in_axes=(None, 0, 0))
     return jax.vmap(inner, in_axes=(0, 0, None))(stacked, keys, x)
 
@@ -119,7 +155,10 @@ def test_ensemble_wrong_answers(monkeypatch, tolerance):
     rejects(check, ensemble_of(_init_vmap, _members_share_keys), match="share their example keys")
     rejects(check, ensemble_of(_init_vmap, _unmapped_params), match="stacked parameters")
     rejects(check, ensemble_of(_init_vmap, _loop_over_members), match="Python loop")
-    rejects(check, ensemble_of(_init_vmap, _grid_of_keys), match="differ from the spec's")
+    rejects(check, ensemble_of(_init_vmap, _fixed_key), match="do not come from dropout_key")
+    rejects(check, _dropout_from_init_key, match="another init_key changed")
+    rejects(check, ensemble_of(_init_vmap, _rows_shifted), match=r"not apply\(member m")
+    rejects(check, ensemble_of(_init_vmap, _members_collide), match="drew the same dropout mask")
     not_stacked = lambda init, key, m: init(key)  # noqa: E731
     rejects(check, ensemble_of(not_stacked, _predict), match="not stacked")
 

@@ -91,6 +91,22 @@ def test_allreduce_measured(report):
     assert measured["hlo"] and all("all-reduce" in line for line in measured["hlo"])
 
 
+def test_allreduce_says_which_numbers_are_read_and_which_modelled(report, capsys):
+    """S and the counts come from the HLO; the bytes sent are the ring model of that S, and the check says so."""
+    from course_tools.checks._lesson04_allreduce import judge_allreduce
+
+    n = len(report.devices)
+    if lesson04.prediction_count(report.devices) != n:
+        pytest.skip("judged on 4 simulated devices in a fresh process: tested below")
+    measured = lesson04.measure_allreduce(report.devices)
+    ring = 2 * (n - 1) / n
+    assert measured["bytes sent per device"] == pytest.approx(ring * measured["bytes reduced"])
+    notes = judge_allreduce(_allreduce_right(n), measured)
+    assert any("ring model" in note and "not a measurement" in note for note in notes)
+    lesson04.check_allreduce(_allreduce_right(n), report.devices)
+    assert "ring model" in capsys.readouterr().out
+
+
 def test_allreduce_accepts_correct_forms(report):
     n = len(report.devices)
     assert lesson04.check_allreduce(_allreduce_right(n), report.devices)
@@ -273,6 +289,42 @@ def acc_all_gather(
 ):  # no all-reduce: every gradient gathered
     g = acc_local(loss_fn, params, batch, axis_name, n_micro)
     return jax.tree.map(lambda a: lax.all_gather(a, axis_name).mean(axis=0), g)
+
+
+def acc_checkpointed_loop(
+    loss_fn, params, batch, axis_name, n_micro
+):  # lesson 01 accepts it eagerly
+    x, y = batch
+    m = x.shape[0] // n_micro
+    parts = [(x[i * m : (i + 1) * m], y[i * m : (i + 1) * m]) for i in range(n_micro)]
+    total = lambda p: sum(jax.checkpoint(loss_fn)(p, mb) for mb in parts) / n_micro  # noqa: E731
+    return lax.pmean(jax.grad(total)(params), axis_name)
+
+
+def test_a_checkpointed_python_loop_is_refused_with_the_reason(report):
+    """Lesson 01's eager exercise 4 accepts one grad over checkpointed micro-batch losses; in one compiled
+    program the order is XLA's: XLA:CPU keeps as many temporaries for it as for a plain Python loop, at
+    every n_micro, where a scan's shrink. The refusal says why (both specs state it)."""
+    from functools import partial
+
+    from course_tools.checks import _lesson04_memory as memory
+
+    device = report.devices[0]
+    loss = partial(lesson04._mlp_loss, seen=[])
+    temps = {
+        fn.__name__: [memory._temp_bytes(fn, device, loss, m) for m in memory.MEMORY_MICRO]
+        for fn in (acc_checkpointed_loop, acc_python_loop, acc_scan)
+    }
+    if device.platform == "cpu":
+        few, many = temps["acc_checkpointed_loop"]
+        assert few == many == temps["acc_python_loop"][0]  # the checkpoints bound nothing here
+        assert temps["acc_scan"][1] < 0.6 * temps["acc_scan"][0]  # a loop of the program does
+    rejects(
+        lesson04.check_accumulated_grads,
+        acc_checkpointed_loop,
+        report.devices,
+        match="runs outside any loop.*\n.*jax.checkpoint around each micro-batch",
+    )
 
 
 def test_accumulated_grads(report):

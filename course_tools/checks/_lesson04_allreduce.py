@@ -3,10 +3,11 @@
 The step (:data:`STEP_SOURCE`, printed by the notebook and executed here, so what is printed is what is
 measured) trains two dense layers on top of a frozen embedding table; under ``pmap`` it averages the loss
 and the gradients with ``lax.pmean``. The checker compiles it and reads the compiled program's all-reduces
-with ``course_lib.comms.collectives``: how many arrays they reduce, their bytes ``S``, the bytes each
-device sends by the ring formula ``2 (n - 1) / n × S``, and how many all-reduce instructions XLA made of
-them (the last is judged only where the program is XLA:CPU's: how far a compiler combines all-reduces is
-its own choice).
+with ``course_lib.comms.collectives``: how many arrays they reduce, their bytes ``S`` and how many
+all-reduce instructions XLA made of them (the last is judged only where the program is XLA:CPU's: how far
+a compiler combines all-reduces is its own choice). The bytes each device sends are *not* in the program:
+they are the ring model (NCCL's bus bytes) ``2 (n - 1) / n × S`` applied to the ``S`` read from it, so
+that prediction tests the learner's ``S`` and use of the model, and the checker says so.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def _measure(devices: tuple) -> tuple:
     return (
         ("arrays reduced", sum(len(c.shapes) for c in reduces)),
         ("bytes reduced", sum(c.size_bytes for c in reduces)),
-        ("bytes sent per device", sum(c.sent_bytes for c in reduces)),
+        ("bytes sent per device", sum(c.sent_bytes for c in reduces)),  # the ring model of S
         ("all-reduce ops", len(reduces)),
         ("platform", devices[0].platform),
         ("n", n),
@@ -137,9 +138,13 @@ def judge_allreduce(predictions: Mapping | None, measured: Mapping[str, Any]) ->
             "2 (n - 1) / n of the bytes it reduces from every device; and XLA combines the all-reduces "
             "of one step into as few instructions as it can",
         )
+    notes = [
+        "bytes sent per device: the ring model 2 (n - 1) / n x S (NCCL's bus bytes) applied to the S read "
+        "from the program, not a measurement (XLA:CPU runs no ring)"
+    ]
     if measured["platform"] != "cpu":
-        return [
+        notes.append(
             f"XLA:{measured['platform'].upper()} made {measured['all-reduce ops']} all-reduce "
             "instruction(s); not judged (how far a compiler combines them is its own choice)"
-        ]
-    return []
+        )
+    return notes

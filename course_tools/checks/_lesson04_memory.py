@@ -5,7 +5,11 @@
   ``lax.fori_loop``, ``lax.while_loop``, ``lax.map``), so that the micro-batches run one after another
   and one iteration's buffers serve every micro-batch; a Python loop, a ``vmap`` or one ``jax.grad`` of
   their summed losses put every forward pass into one straight-line program instead; and what that loop
-  carries or stacks must not grow with ``n_micro`` (stacked per-micro-batch gradients do);
+  carries or stacks must not grow with ``n_micro`` (stacked per-micro-batch gradients do). A Python loop
+  over ``jax.checkpoint``'d micro-batch losses is refused too, unlike in lesson 01's exercise 4, which runs
+  eagerly, one operation after another in the order Python issues them: inside one compiled program the
+  order is the compiler's, and XLA:CPU (JAX 0.12 and 0.10.2) keeps the same temporaries for it as for a
+  plain Python loop, 540,696 B at both ``n_micro`` of the probe (``tests/test_checks_lesson04.py``);
 - where the program is XLA:CPU's, also by its compiled temporary memory (``memory_analysis``), which must
   shrink as ``n_micro`` grows. Another compiler schedules buffers its own way, so elsewhere the bytes are
   printed, not judged.
@@ -25,6 +29,8 @@ from ._common import fail
 MEMORY_ROWS, MEMORY_MICRO = 1024, (2, 8)
 """The memory probe: one device's batch of rows, and the two micro-batch counts compared."""
 LOOPS = ("scan", "while")
+CHECKPOINTS = ("checkpoint", "remat", "remat2")
+"""The names ``jax.checkpoint``'s primitive has had (``remat2`` in JAX 0.10.2 and 0.12)."""
 
 
 def _inputs():
@@ -66,13 +72,22 @@ def judge_loop(fn: Callable, device, loss_fn: Callable) -> None:
         for e, in_loop in _walk(jaxpr)
         if e.primitive.name == "tanh" and not in_loop
     ]
+    checkpointed = any(e.primitive.name in CHECKPOINTS for e, _ in _walk(jaxpr))
     if outside:
         fail(
             f"with n_micro={n_micro}, loss_fn's forward pass runs outside any loop ({len(outside)} "
             f"time(s), on activations of shape {outside[0]}): the micro-batches are in one "
             "straight-line program, where all their activations may be alive at once",
-            "a Python loop, a vmap or one jax.grad over a sum of the micro-batch losses does that; run the "
-            "micro-batches one after another with lax.scan or lax.fori_loop, each taking its own jax.grad",
+            (
+                "jax.checkpoint around each micro-batch does not change that inside one compiled program: "
+                "the order of its operations is the compiler's (run eagerly, as in lesson 01, it would be "
+                "Python's); "
+                if checkpointed
+                else "a Python loop, a vmap or one jax.grad over a sum of the "
+                "micro-batch losses does that; "
+            )
+            + "run the micro-batches one after another with lax.scan or lax.fori_loop, each taking its own "
+            "jax.grad",
         )
 
 

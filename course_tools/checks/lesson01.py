@@ -332,9 +332,11 @@ def check_accumulate(accumulated_value_and_grad: Callable) -> bool:
     never sees more than ``micro`` rows at once. ``params`` is a nested pytree. ``loss_fn`` logs
     (``jax.debug.callback`` in a ``custom_vjp``) when its forward pass starts and when its backward pass
     ends: each micro-batch's backward pass must end before the next one's forward pass starts, so that only
-    one micro-batch's activations are alive at a time. (A checkpointed forward pass that is recomputed just before its
-    backward pass counts as one: it keeps no activations, so one ``grad`` over a sum of
-    ``jax.checkpoint``'d micro-batch losses passes.)
+    one micro-batch's activations are alive at a time. (A checkpointed forward pass that is recomputed just
+    before its backward pass counts as one: it keeps no activations, so one ``grad`` over a sum of
+    ``jax.checkpoint``'d micro-batch losses passes. That holds because the answer runs eagerly, each
+    operation when Python issues it; lesson 04's exercise 3 compiles one program, whose order is XLA's,
+    and there the same answer keeps every micro-batch's activations on XLA:CPU, and is refused.)
 
     Raises:
       ExerciseError: ``loss_fn`` called on more than ``micro`` rows, a result of the wrong structure, the loss

@@ -16,7 +16,16 @@ import numpy as np
 
 from course_lib.programs import CompileLog
 
-from ._common import call_answer, checker, close, fail, matmul_rtol, not_written, passed
+from ._common import (
+    ExerciseError,
+    call_answer,
+    checker,
+    close,
+    fail,
+    matmul_rtol,
+    not_written,
+    passed,
+)
 from ._lesson02_bucket import LENGTHS, judge_bucket_pad
 from ._lesson02_recompile import RECOMPILE_CASES, RECOMPILE_SETUP, measure_recompiles
 
@@ -122,34 +131,6 @@ class _Pending:
         return np.zeros((), dtype or np.float32)
 
 
-class _StepOutput:
-    """What the stand-in step returns, like a training step's ``(params, metrics)``: a pytree of two results,
-    the loss ready early in the step and the new params at its end (``jax.tree.leaves`` lists the loss first)."""
-
-    def __init__(self, loss: _Pending, params: _Pending):
-        self.loss, self.params = loss, params
-
-    def block_until_ready(self):
-        self.loss.block_until_ready()
-        self.params.block_until_ready()
-        return self
-
-    def __array__(self, dtype=None, copy=None):
-        self.block_until_ready()
-        return np.zeros(2, dtype or np.float32)
-
-
-def _register_step_output() -> None:
-    import jax
-
-    try:
-        jax.tree_util.register_pytree_node(
-            _StepOutput, lambda o: ((o.loss, o.params), None), lambda _, c: _StepOutput(*c)
-        )
-    except ValueError:  # already registered
-        pass
-
-
 SLOW_CALLS = {4: 8.0, 5: 0.5}
 """With ``repeats > 1``, the stand-in's 4th call computes for 8 times its usual time and its 5th for half of
 it, like a step that meets a slow and a fast moment: both fall among the timed calls after one or two
@@ -159,17 +140,19 @@ are not."""
 
 class StandInStep:
     """Behaves like a jitted step for timing purposes: the first call compiles (blocks ``compile_s``); every
-    call returns at once (asynchronous dispatch) a :class:`_StepOutput` whose params are ready the call's
-    compute time after the previous call's (a queue); call ``k`` computes for ``work_s * slow.get(k, 1)``."""
+    call returns at once (asynchronous dispatch) a plain tuple ``(loss, params)`` of two :class:`_Pending`
+    results, as a jitted step returns a pytree of arrays (a tuple has no ``block_until_ready`` method, as on
+    real JAX: ``jax.block_until_ready(out)`` waits for every leaf): the loss is ready early in the call, the
+    params the call's compute time after the previous call's (a queue); call ``k`` computes for
+    ``work_s * slow.get(k, 1)``."""
 
     def __init__(self, work_s: float, compile_s: float, slow: Mapping[int, float] | None = None):
-        _register_step_output()
         self.work_s, self.compile_s, self.slow = work_s, compile_s, dict(slow or {})
         self.calls = 0
         self.waited = 0  # results someone waited for
         self.late: list[float] = []  # seconds each wait woke after its result was ready
         self.busy_until = 0.0
-        self.outputs: list[_StepOutput] = []
+        self.outputs: list[tuple[_Pending, _Pending]] = []
 
     def __call__(self, *args):
         self.calls += 1
@@ -177,9 +160,7 @@ class StandInStep:
             time.sleep(self.compile_s)
         start = max(self.busy_until, time.perf_counter())
         self.busy_until = start + self.work_s * self.slow.get(self.calls, 1.0)
-        out = _StepOutput(
-            _Pending(start + 0.1 * self.work_s, self), _Pending(self.busy_until, self)
-        )
+        out = (_Pending(start + 0.1 * self.work_s, self), _Pending(self.busy_until, self))
         self.outputs.append(out)
         return out
 
@@ -205,7 +186,7 @@ def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
             f"median_time called fn {step.calls} times for repeats={repeats}",
             "one or two untimed warm-up calls, then `repeats` timed calls",
         )
-    part = [o for o in step.outputs if o.loss.waited != o.params.waited]
+    part = [(loss, params) for loss, params in step.outputs if loss.waited != params.waited]
     if part:
         fail(
             f"median_time waited for one of the 2 results of a call only ({len(part)} of "
@@ -237,6 +218,15 @@ def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
             f"{work * 1e3:.0f} ms: that is the mean of the timed calls, and one of them was slow",
             "one slow call moves the mean, not the median: return statistics.median of the timed calls",
         )
+    return seconds
+
+
+def _judge_bounds(seconds: float, step: StandInStep, repeats: int) -> None:
+    """The bounds a loaded machine can push a right answer past: judged on the answer less the median of
+    how late this run's waits woke (see :func:`_judge_seconds`); :func:`check_median_time` judges a fresh
+    run again when one fails."""
+    work = step.work_s
+    late = float(np.median(step.late)) if step.late else 0.0
     if seconds - late > 2 * work:
         fail(
             f"median_time says {seconds * 1e3:.0f} ms with repeats={repeats} for a step of "
@@ -250,7 +240,23 @@ def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
             + (f" (its waits woke {late * 1e3:.1f} ms late)" if late > 1e-3 else ""),
             "time each call from just before it to just after its result is ready, and take the median",
         )
-    return seconds
+
+
+BOUND_ATTEMPTS = 3
+"""Fresh runs a timing gets before its bounds refuse it: a right answer measures what a loaded machine adds
+(a wait that wakes late, a thread not scheduled between the call and the clock), which can push it past a
+bound once; a wrong one (the compile counted in, another statistic) is past it every time."""
+
+
+def _explain_timing_error(error: Exception):
+    """A learner's message for calling ``block_until_ready`` on the output pytree itself."""
+    if isinstance(error, AttributeError) and "block_until_ready" in str(error):
+        return (
+            f"median_time called .block_until_ready() on the step's output: {error}",
+            "a step returns a pytree (here a tuple of two arrays), which has no such method; "
+            "jax.block_until_ready(out) waits for every array in it",
+        )
+    return None
 
 
 @checker
@@ -258,30 +264,40 @@ def check_median_time(median_time: Callable) -> bool:
     """Exercise 3: ``median_time(fn, *args, repeats=5)`` returns the median seconds per call of a jitted ``fn``.
 
     Spec: within 0.75–1.6 × the usual compute time of one call (the upper bound judged on the answer less
-    the median time the run's waits woke late, which a busy machine adds to a right answer), for
-    ``repeats`` 5 and 1, with ``repeats`` to ``repeats + 5`` calls, each waited-for output waited for whole.
-    Judged against a stand-in step (asynchronous dispatch, a queue, a first call that compiles, an output
-    of two results ready at different moments) whose compute time is drawn from ``WORK_RANGE_S`` anew for
-    each of the two runs, so neither a constant nor a time measured once passes; with ``repeats=5`` one
-    timed call is slow and one fast (``SLOW_CALLS``), so the mean, the minimum and the maximum miss.
+    the median time the run's waits woke late, which a busy machine adds to a right answer; a run past the
+    bounds is judged again on a fresh stand-in, up to ``BOUND_ATTEMPTS`` runs), for ``repeats`` 5 and 1,
+    with ``repeats`` to ``repeats + 5`` calls, each waited-for output waited for whole. Judged against a
+    stand-in step (asynchronous dispatch, a queue, a first call that compiles, an output that is a plain
+    tuple of two results ready at different moments) whose compute time is drawn from ``WORK_RANGE_S``
+    anew for each run, so neither a constant nor a time measured once passes; with ``repeats=5`` one timed
+    call is slow and one fast (``SLOW_CALLS``), so the mean, the minimum and the maximum miss.
 
     Raises:
-      ExerciseError: the time of the dispatch only (no synchronisation), a wait for part of the output, the
+      ExerciseError: the time of the dispatch only (no synchronisation), a wait for part of the output (or a
+        ``.block_until_ready()`` method called on the output pytree, which has none), the
         compile included (no warm-up), the mean (or another statistic) for the median, milliseconds instead
         of seconds, too many or too few calls, or not a number.
     """
     rng = np.random.default_rng()
     for repeats in (5, 1):
-        work = float(rng.uniform(*WORK_RANGE_S))
-        step = StandInStep(work, 10 * work, SLOW_CALLS if repeats > 1 else None)
-        seconds = call_answer(
-            f"median_time(step, x, repeats={repeats})",
-            median_time,
-            step,
-            np.ones(3),
-            repeats=repeats,
-        )
-        seconds = _judge_seconds(seconds, step, repeats)
+        for attempt in range(BOUND_ATTEMPTS):
+            work = float(rng.uniform(*WORK_RANGE_S))
+            step = StandInStep(work, 10 * work, SLOW_CALLS if repeats > 1 else None)
+            seconds = call_answer(
+                f"median_time(step, x, repeats={repeats})",
+                median_time,
+                step,
+                np.ones(3),
+                repeats=repeats,
+                explain=_explain_timing_error,
+            )
+            seconds = _judge_seconds(seconds, step, repeats)
+            try:
+                _judge_bounds(seconds, step, repeats)
+                break
+            except ExerciseError:
+                if attempt == BOUND_ATTEMPTS - 1:
+                    raise
     return passed(
         f"median_time measures the compute ({seconds * 1e3:.1f} ms for a {work * 1e3:.0f} ms step), "
         "not the dispatch or the compile"

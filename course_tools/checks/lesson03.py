@@ -24,13 +24,16 @@ def check_ensemble(ensemble: Callable) -> bool:
 
     Spec (in full in ``_lesson03_ensemble``): ``ensemble(init, apply, init_key, dropout_key, x, members)``
     returns ``(stacked, outputs)``: the members' parameters stacked, member m being ``init(split(init_key,
-    members)[m])``; outputs ``[members, batch, out]`` with entry ``[m, b] = apply(params_m,
-    split(split(dropout_key, members)[m], batch)[b], x[b])``; ``apply`` traced once.
+    members)[m])``; outputs ``[members, batch, out]`` with entry ``[m, b] = apply(params_m, k_mb, x[b])``,
+    every ``k_mb`` a key of its own derived from ``dropout_key`` alone (judged by the dropout masks
+    ``apply`` draws: all distinct, unchanged by another ``init_key``, changed by another ``dropout_key``);
+    ``apply`` traced once.
 
     Raises:
       ExerciseError: parameters not stacked or all equal, a member not initialised from its key, apply
-        given stacked parameters or a batch, a Python loop, axes swapped, examples or members sharing a
-        dropout key, other keys than the spec's.
+        given stacked parameters or a batch, a Python loop, axes swapped, an entry not apply's on member
+        m's parameters and example b, examples or members sharing a dropout key, dropout keys not derived
+        from dropout_key alone.
     """
     judge_ensemble(ensemble)
     return passed(

@@ -240,8 +240,9 @@ def check_allreduce(predictions: dict | None, devices: Sequence[Any]) -> bool:
     """Exercise 2: predict the all-reduce of ``STEP_SOURCE``'s data-parallel step from its shapes.
 
     Spec (``_lesson04_allreduce``): for :func:`prediction_count` devices, the number of arrays the compiled
-    step all-reduces (exactly), their bytes ``S`` and the bytes each device sends, ``2 (n - 1) / n × S``
-    (within 1 %), and the number of all-reduce instructions (exactly; judged only where the program is
+    step all-reduces (exactly), their bytes ``S`` (read from the HLO) and the bytes each device sends by the
+    ring model ``2 (n - 1) / n × S`` applied to that ``S`` (within 1 %; a cost model, not read from the
+    program), and the number of all-reduce instructions (exactly; judged only where the program is
     XLA:CPU's). With one or two devices the step is compiled for 4 simulated CPU devices in a fresh
     process. A
     wrong answer is told how many predictions are wrong, never which.
@@ -379,13 +380,16 @@ def check_accumulated_grads(fn: Callable, devices: Sequence[Any]) -> bool:
 
     Spec: ``fn(loss_fn, params, batch, axis_name, n_micro)`` under ``pmap`` returns, on every device, the
     gradient of the global batch's mean loss (within ``course_lib.precision.float32_rtol()``: 1e-5 on
-    XLA:CPU, 1.6e-2 on a TPU), computed from micro-batches of ``b // n_micro`` rows
-    (``loss_fn`` never sees more), with one cross-device reduction after the loop, not one per
-    micro-batch, and its count not growing with ``n_micro``; each micro-batch's forward pass inside a loop
-    body, so they run one after another (``_lesson04_memory``: judged on the traced program on every
-    platform, and by the compiled temporary bytes shrinking with ``n_micro`` where the program is
-    XLA:CPU's). Values are checked with 3 micro-batches (with fewer than 2 devices also under
-    ``jax.vmap`` over a simulated axis of :data:`FAKE_AXIS`); the reductions with 3 and with 4.
+    XLA:CPU, 1.6e-2 on a TPU), computed from micro-batches of ``b // n_micro`` rows (``loss_fn`` never
+    sees more), with one cross-device reduction after the loop, not one per micro-batch, and its count
+    not growing with ``n_micro``; each micro-batch's forward pass inside a loop body, so they run one
+    after another (``_lesson04_memory``: judged on the traced program on every platform, and by the
+    compiled temporary bytes shrinking with ``n_micro`` where the program is XLA:CPU's). A Python loop
+    over ``jax.checkpoint``'d micro-batch losses is refused, although lesson 01's eager exercise 4 accepts
+    it: in one compiled program XLA orders the work, and XLA:CPU keeps as many temporary bytes for it as
+    for a plain Python loop (``_lesson04_memory``). Values are checked with 3 micro-batches (with fewer
+    than 2 devices also under ``jax.vmap`` over a simulated axis of :data:`FAKE_AXIS`); the reductions
+    with 3 and with 4.
 
     Raises:
       ExerciseError: another loss than the global mean's gradient (naming a missing division, a psum, a
