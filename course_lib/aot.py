@@ -308,6 +308,19 @@ def tpu_summary(name: str, *, path: str | Path | None = None, live: bool | None 
     return {**summary, **host, "source": "compiled now"}
 
 
+def tpu_summaries(
+    names: Iterable[str], *, path: str | Path | None = None, live: bool | None = None, jobs: int = 4
+) -> dict[str, dict]:
+    """:func:`tpu_summary` of every name, ``{name: summary}`` in the order given; compiled live (on a TPU
+    host) ``jobs`` at once in threads (XLA compiles with the GIL released), else read from the reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = list(names)
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        done = pool.map(lambda n: tpu_summary(n, path=path, live=live), names)
+        return dict(zip(names, done))
+
+
 def hlo_text(name: str, path: str | Path | None = None) -> str:
     """The reference's HLO text of program ``name`` (``hlo/<name>.txt.gz`` beside ``programs.json``)."""
     base = Path(path) if path is not None else REFERENCE_DIR

@@ -214,7 +214,8 @@ def test_the_reference_is_read_as_xla_tpu_for_one_chip_and_its_differences_are_c
     loss, grads = sorted(d16["collectives"], key=lambda c: c["bytes"])
     assert loss["dtypes"] == ["f32"] and grads["bytes"] * 2 + 4 == d32["collectives"][0]["bytes"]
     names = ["lab08.sharded_jit.float32", "lab08.sharded_jit.bfloat16"]
-    tpu = {n: aot.reference(n) for n in names}
+    tpu = aot.tpu_summaries(names, live=False)
+    assert list(tpu) == names and all(s["source"] == "reference" for s in tpu.values())
     alone = aot.overview(tpu)
     assert list(alone.index) == names and "differs" not in alone.columns
     assert list(alone["XLA:TPU collectives"]) == [1, 2]
