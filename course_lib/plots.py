@@ -293,10 +293,11 @@ def notebook_runs(runs: pd.DataFrame, title: str = "", ax=None):
         fig = ax[0].figure
     y = np.arange(len(runs))[::-1]
     ok = runs["ok"].astype(bool).to_numpy()
-    limit = float(runs["bytes_limit"].max()) / 2**20
+    limit = float(runs["bytes_limit"].max()) / 2**20  # NaN where the run did not record it
+    of = f" (limit {limit:,.0f} MiB)" if limit == limit else ""
     panels = (
         ("seconds", "seconds (cells run in order, in-process)", 1.0),
-        ("peak_bytes_in_use", f"peak MiB in use (limit {limit:,.0f} MiB)", 1 / 2**20),
+        ("peak_bytes_in_use", f"peak MiB in use{of}", 1 / 2**20),
     )
     for a, (col, name, scale) in zip(ax, panels, strict=True):
         vals = runs[col].astype(float).to_numpy() * scale

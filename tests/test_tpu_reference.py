@@ -37,7 +37,12 @@ def test_the_lab_report_draws_the_newest_tpu_reference_with_lab_results(tmp_path
     root.mkdir()
     (root / "programs").mkdir()  # not a run folder
     _tpu_run(root, "2026-12-05-tpu-v5-lite-x1", lab="lab")
-    _tpu_run(root, "2026-12-06-tpu-v5-lite-x1")
+    bare = _tpu_run(root, "2026-12-06-tpu-v5-lite-x1")
+    # as tools/tpu_check.sh writes it: no run column, a lab row, a memory peak not recorded
+    (bare / "notebooks.csv").write_text(
+        "notebook,ok,seconds,failed_cell,error,peak_bytes_in_use,bytes_limit\n"
+        "06_shard_map,True,50.9,,,,\n08_lab_bf16,False,12.0,40,AssertionError: ,,\n"
+    )
     assert [r.date for r in tpu_reference.runs(root)] == ["2026-12-06", "2026-12-05"]
     assert tpu_reference.newest(root).folder.name == "2026-12-06-tpu-v5-lite-x1"
     assert tpu_reference.newest(root, with_lab=True).folder.name == "2026-12-05-tpu-v5-lite-x1"
@@ -69,7 +74,8 @@ def test_the_lab_report_draws_the_newest_tpu_reference_with_lab_results(tmp_path
     assert "| 11.6% |" in shown and "No TPU reference committed so far" not in shown
     for folder in (newer, root / "2026-12-05-tpu-v5-lite-x1"):  # no lab results anywhere: said so
         shutil.rmtree(folder)
-    bare = tpu_reference.context(tmp_path / "staging", root)
-    assert bare["labs"] == [] and bare["lab_folder"] is None
-    assert "No TPU reference committed so far has lab results" in page(bare)
+    alone = tpu_reference.context(tmp_path / "staging", root)
+    assert alone["labs"] == [] and alone["lab_folder"] is None and alone["passed"] == "1 of 2"
+    assert alone["notebooks"]["rows"][1][:4] == ["08_lab_bf16", "failed", "12.0", "40"]
+    assert "No TPU reference committed so far has lab results" in page(alone)
     assert "No TPU reference run is committed" in page(tpu_reference.context(staging, tmp_path))
