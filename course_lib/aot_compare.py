@@ -146,7 +146,9 @@ def overview(tpu: dict[str, dict], cpu: dict[str, dict | None] | None = None):
             row["differs"] = "; ".join(f"{o} over {a}" for o, a in bad.itertuples(index=False))
             row["differs"] = row["differs"] or "-"
         rows[name] = row
-    return pd.DataFrame.from_dict(rows, orient="index")
+    table = pd.DataFrame.from_dict(rows, orient="index")
+    counts = [c for c in table.columns if c.split(" ")[-1] in ("collectives", "bytes", "async")]
+    return table.astype({c: "Int64" for c in counts})  # whole numbers, <NA> where a side is absent
 
 
 def collective_table(summary: dict):
