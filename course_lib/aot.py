@@ -11,13 +11,17 @@ run on 8 chips (``as_text()``, ``memory_analysis()``, ``cost_analysis()``); noth
 
 ``tools/tpu_programs.py`` writes the summaries (``programs.json``) and the HLO texts; the TPU host's output is
 kept in ``data/tpu_reference/programs/`` (:data:`REFERENCE_DIR`). :func:`reference` reads it, and
-:func:`compare` sets a program's collectives on XLA:CPU (compiled here, now) beside XLA:TPU's (the reference):
-kind, dtypes, bytes, asynchronous pairs and loop placement, for ``notebooks/08_lab.ipynb``,
+:func:`compare` sets a program's collectives on XLA:CPU (compiled here, now, or compiled by the notebook and
+passed as its :func:`summarise` summary) beside XLA:TPU's (the reference, or :func:`tpu_summary`'s, compiled
+live on a TPU host): kind, dtypes, bytes, asynchronous pairs and loop placement
+(:mod:`course_lib.aot_compare`: :func:`differences` in words, :func:`overview` per program, :func:`label`
+names the compiler, devices and JAX), for ``notebooks/08_lab.ipynb``,
 ``notebooks/10_transformers.ipynb`` and ``notebooks/12_transformer_lab.ipynb``. In a notebook on 8 simulated
 CPU devices::
 
     from course_lib import aot
     aot.compare("lab08.sharded_jit.bfloat16", devices)   # one row per (collective, axes), "same" per row
+    aot.compare(name, aot.summarise(compiled, mesh)[0])   # a program the notebook compiled itself
     aot.collective_table(aot.reference("lesson10.collective_matmul"))   # XLA:TPU's alone, any device count
 
 The catalogue's names are :data:`course_lib.aot_programs.PROGRAMS`' keys. A program that differs on the two
@@ -39,6 +43,13 @@ from typing import Any
 import jax
 
 from . import aot_programs
+from .aot_compare import (  # noqa: F401 - the comparison's functions, read as aot.<name>
+    collective_table,
+    compare_summaries,
+    differences,
+    label,
+    overview,
+)
 from .programs import arrays, collective_ops
 
 REFERENCE_DIR = Path(__file__).resolve().parent.parent / "data" / "tpu_reference" / "programs"
@@ -270,8 +281,10 @@ def tpu_summary(name: str, *, path: str | Path | None = None, live: bool | None 
         backend here.
 
     Returns:
-      A summary as :func:`compile_program` makes it; a live one at the reference's ``profile`` when there
-      is a reference, else ``"cpu"``.
+      A summary as :func:`compile_program` makes it, plus ``jax`` (the version that compiled it),
+      ``host_devices`` (the TPU chips of the host that compiled it; None where the reference does not
+      record it) and ``source`` (``"reference"`` or ``"compiled now"``), which :func:`label` names; a live
+      one at the reference's ``profile`` when there is a reference, else ``"cpu"``.
 
     Raises:
       RuntimeError: ``live=True`` without a TPU backend.
@@ -283,12 +296,29 @@ def tpu_summary(name: str, *, path: str | Path | None = None, live: bool | None 
         except RuntimeError:
             live = False
     if not live:
-        return reference(name, path)
+        meta = load(path)["meta"]
+        about = {k: meta.get(k) for k in ("jax", "host_devices")}
+        return {**reference(name, path), **about, "source": "reference"}
     try:
         profile = reference(name, path).get("profile", "cpu")
     except (FileNotFoundError, KeyError):
         profile = "cpu"
-    return compile_program(name, devices(TOPOLOGY), profile=profile, topology=TOPOLOGY)[0]
+    summary = compile_program(name, devices(TOPOLOGY), profile=profile, topology=TOPOLOGY)[0]
+    host = {"jax": jax.__version__, "host_devices": len(jax.devices("tpu"))}
+    return {**summary, **host, "source": "compiled now"}
+
+
+def tpu_summaries(
+    names: Iterable[str], *, path: str | Path | None = None, live: bool | None = None, jobs: int = 4
+) -> dict[str, dict]:
+    """:func:`tpu_summary` of every name, ``{name: summary}`` in the order given; compiled live (on a TPU
+    host) ``jobs`` at once in threads (XLA compiles with the GIL released), else read from the reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = list(names)
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        done = pool.map(lambda n: tpu_summary(n, path=path, live=live), names)
+        return dict(zip(names, done))
 
 
 def hlo_text(name: str, path: str | Path | None = None) -> str:
@@ -299,95 +329,26 @@ def hlo_text(name: str, path: str | Path | None = None) -> str:
         return f.read()
 
 
-def _by_kind(summary: dict) -> dict[tuple[str, str], dict]:
-    """Per ``(op, axes)``: instructions, dtypes, bytes, async and in-loop counts of one summary."""
-    out: dict[tuple[str, str], dict] = {}
-    for c in summary.get("collectives") or []:
-        row = out.setdefault(
-            (c["op"], _axes(c["axes"])),
-            {"n": 0, "dtypes": set(), "bytes": 0, "async": 0, "in_loop": 0},
-        )
-        row["n"] += 1
-        row["dtypes"].update(c["dtypes"])
-        row["bytes"] += c["bytes"]
-        row["async"] += bool(c["async"])
-        row["in_loop"] += bool(c["in_loop"])
-    return out
-
-
-def collective_table(summary: dict):
-    """One summary's collectives as a table (pandas DataFrame), one row per instruction (an async pair once):
-    ``op``, ``axes``, ``dtypes``, ``shape``, ``bytes`` (its result on one device), ``async``, ``in_loop``,
-    ``runs`` (None: a loop of unknown trip count). For the reference alone, e.g. where a notebook runs on
-    fewer than 8 devices: ``collective_table(reference(name))``."""
-    import pandas as pd
-
-    cols = ["op", "axes", "dtypes", "shape", "bytes", "async", "in_loop", "runs"]
-    rows = [
-        {
-            **{k: c[k] for k in cols},
-            "axes": _axes(c["axes"]),
-            "dtypes": ",".join(sorted(set(c["dtypes"]))),
-        }
-        for c in summary.get("collectives") or []
-    ]
-    return pd.DataFrame(rows, columns=cols)
-
-
-def _axes(axes) -> str:
-    return "?" if axes is None else ",".join(axes) or "-"
-
-
-def compare_summaries(here: dict, ref: dict):
-    """A table (pandas DataFrame) of two summaries' collectives side by side, one row per ``(op, axes)``.
-
-    Columns: ``op``, ``axes`` (``"-"``: groups of one device; ``"?"``: not named), then for each summary,
-    prefixed by its compiler (``"XLA:CPU n"``, ``"XLA:TPU n"``; the second marked ``(reference)`` when both
-    are one compiler's): ``n`` (instructions; an async pair once), ``dtypes`` (``"bf16,f32"``), ``bytes``
-    (their results' bytes on one device, each instruction once, not times its loop's trips), ``async``
-    (how many are asynchronous start/done pairs), ``in_loop`` (how many sit in a ``while`` loop); and
-    ``same``: True when the two agree on all five.
-    """
-    import pandas as pd
-
-    labels = [f"XLA:{s.get('platform', '?').upper()}" for s in (here, ref)]
-    if labels[0] == labels[1]:
-        labels[1] += " (reference)"
-    sides = [_by_kind(here), _by_kind(ref)]
-    fields = ("n", "dtypes", "bytes", "async", "in_loop")
-    rows = []
-    for op, axes in sorted({k for side in sides for k in side}):
-        row: dict[str, Any] = {"op": op, "axes": axes}
-        values = []
-        for label, side in zip(labels, sides):
-            got = side.get(
-                (op, axes), {"n": 0, "dtypes": set(), "bytes": 0, "async": 0, "in_loop": 0}
-            )
-            cells = [got[f] if f != "dtypes" else ",".join(sorted(got[f])) for f in fields]
-            values.append(cells)
-            row.update({f"{label} {f}": v for f, v in zip(fields, cells)})
-        row["same"] = values[0] == values[1]
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
 def compare(
     name: str,
-    devs: Sequence[Any] | None = None,
+    cpu: dict | Sequence[Any] | None = None,
     *,
     path: str | Path | None = None,
     tpu: dict | None = None,
 ):
-    """Program ``name`` compiled now on ``devs`` (default ``jax.devices()``, 8 of them: the simulated CPU
-    devices of a notebook) beside XLA:TPU's: :func:`compare_summaries`'s table.
+    """Program ``name`` as XLA:CPU builds it beside XLA:TPU's: :func:`compare_summaries`'s table.
 
     Args:
+      cpu: XLA:CPU's side: a summary (:func:`summarise` of the program a notebook compiled itself), or
+        the devices to compile it on now (default ``jax.devices()``, 8 of them: a notebook's simulated
+        CPU devices).
       tpu: XLA:TPU's summary (e.g. :func:`tpu_summary`'s, compiled live on a TPU host); default the
         reference's (:func:`reference`).
 
     Raises:
-      ValueError: not 8 devices (the reference's mesh has 8: run the notebook with ``n_devices=8``), or the
-        program failed to compile there (the reference's error) or here (its error).
+      ValueError: not 8 devices (the reference's mesh has 8: run the notebook with ``n_devices=8``), a
+        summary on another mesh than the reference's (not the same program), or the program failed to
+        compile there (the reference's error) or here (its error).
       FileNotFoundError, KeyError: as :func:`reference`.
     """
     tpu = reference(name, path) if tpu is None else tpu
@@ -395,7 +356,14 @@ def compare(
         raise ValueError(
             f"the reference records that {name} did not compile for the TPU: {tpu['error']}"
         )
-    devs = list(jax.devices() if devs is None else devs)
+    if isinstance(cpu, dict):
+        if cpu.get("mesh") != tpu.get("mesh"):
+            raise ValueError(
+                f"{name}: the program given runs on mesh {cpu.get('mesh')}, XLA:TPU's on "
+                f"{tpu.get('mesh')}: not the same program; compare at n_devices={aot_programs.N_DEVICES}"
+            )
+        return compare_summaries(cpu, tpu)
+    devs = list(jax.devices() if cpu is None else cpu)
     if len(devs) != aot_programs.N_DEVICES:
         raise ValueError(
             f"{len(devs)} device(s) given; the reference was compiled for {aot_programs.N_DEVICES}: "

@@ -53,6 +53,7 @@ def comparison(
     reference: pd.DataFrame | None = None,
     simulated: bool | None = None,
     reference_label: str = "reference",
+    label: str = "this run",
 ):
     """Four panels, one bar per strategy: samples/s, median step time, bytes per device, achieved FLOP/s.
 
@@ -61,6 +62,7 @@ def comparison(
       reference: optional rows of a reference run (same columns), drawn as hatched bars beside; pass only a
         comparable one (same profile and platform).
       reference_label: legend text for the reference bars, e.g. its device kind and profile.
+      label: legend text for ``results``' bars (the TPU reference's: its device kind).
       simulated: label the timing panels as relative (simulated CPU devices); default read from the rows.
 
     Returns:
@@ -85,7 +87,7 @@ def comparison(
             1 / 2**20 if col == "bytes_per_device" else 1e-9 if col == "achieved_flops_per_s" else 1
         )
         vals = results[col].astype(float).to_numpy() * scale
-        ax.bar(x - (width / 2 if reference is not None else 0), vals, width, label="this run")
+        ax.bar(x - (width / 2 if reference is not None else 0), vals, width, label=label)
         if reference is not None and col in reference.columns:
             ref = reference.set_index("strategy")
             rvals = [float(ref.loc[k, col]) * scale if k in ref.index else np.nan for k in keys]
@@ -268,6 +270,48 @@ def time_breakdown(timings: dict, ax=None, title: str = "Step time on a fabric (
     ax.set_title(title)
     ax.legend(fontsize=7, loc="lower right")
     return ax
+
+
+def notebook_runs(runs: pd.DataFrame, title: str = "", ax=None):
+    """Two panels, one bar per notebook of a run on an accelerator (``notebooks.csv`` of a TPU reference,
+    :func:`course_tools.tpu_reference.notebooks`): its seconds, and the allocator's peak
+    (``memory_stats()["peak_bytes_in_use"]``, MiB) against the chip's limit (``bytes_limit``, named in the
+    title). Bars of notebooks that failed are hatched and labelled with their failing cell.
+
+    Args:
+      runs: columns ``notebook``, ``ok`` (bool), ``seconds``, ``failed_cell``, ``peak_bytes_in_use``,
+        ``bytes_limit`` (bytes).
+      title: the figure's title (the run and its chip).
+      ax: two matplotlib Axes to draw on (default a new figure).
+
+    Returns:
+      The Figure.
+    """
+    if ax is None:
+        fig, ax = plt.subplots(1, 2, figsize=(12, 0.35 * len(runs) + 1.4), sharey=True)
+    else:
+        fig = ax[0].figure
+    y = np.arange(len(runs))[::-1]
+    ok = runs["ok"].astype(bool).to_numpy()
+    limit = float(runs["bytes_limit"].max()) / 2**20  # NaN where the run did not record it
+    of = f" (limit {limit:,.0f} MiB)" if limit == limit else ""
+    panels = (
+        ("seconds", "seconds (cells run in order, in-process)", 1.0),
+        ("peak_bytes_in_use", f"peak MiB in use{of}", 1 / 2**20),
+    )
+    for a, (col, name, scale) in zip(ax, panels, strict=True):
+        vals = runs[col].astype(float).to_numpy() * scale
+        a.barh(y[ok], vals[ok], color="tab:green", label="ran clean")
+        a.barh(y[~ok], vals[~ok], color="tab:red", hatch="//", alpha=0.6, label="failed")
+        a.set_title(name, fontsize=9)
+    for yi, v, cell in zip(y[~ok], runs["seconds"].to_numpy()[~ok], runs["failed_cell"][~ok]):
+        ax[0].annotate(f" cell {int(cell)}" if cell == cell else " failed", (v, yi), va="center",
+                       fontsize=7)  # fmt: skip
+    ax[0].set_yticks(y, runs["notebook"])
+    ax[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def save(fig, path) -> str:

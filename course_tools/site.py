@@ -29,7 +29,7 @@ if (
 
 import nbformat  # noqa: E402
 
-from . import book, folders, results  # noqa: E402
+from . import book, folders, results, tpu_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "docs" / "book"
@@ -153,8 +153,9 @@ def _stage(
         if lab:
             ref["comparable"], ref["difference"] = book.comparable(lab["rows"], ref["rows"])
         context.update(
-            run=run, lab=lab, ref=ref, simulated=run["simulated"], results_file=results.RESULTS_FILE
-        )
+            run=run, lab=lab, ref=ref, simulated=run["simulated"], results_file=results.RESULTS_FILE,
+            tpu=tpu_reference.context(staging),
+        )  # fmt: skip
         for name in ("lab-report", "run"):
             (staging / f"{name}.md").write_text(
                 env.get_template(f"{name}.md.jinja").render(**context), encoding="utf-8"

@@ -204,6 +204,53 @@ def test_written_reference_reads_back_and_compares(compiled, devs, tmp_path):
     assert list(aot.collective_table(tpu)["async"]) == [True, True]
 
 
+def test_a_summary_the_notebook_compiled_is_compared_and_labelled(compiled):
+    """The notebooks pass their own compiled programs (a summary); the platform is named with its JAX."""
+    here, _ = compiled["lesson10.collective_matmul"]
+    assert aot.label(here) == f"XLA:CPU on 8 simulated devices, JAX {jax.__version__}"
+    tpu = json.loads(json.dumps(here)) | {"platform": "tpu", "topology": "v5e:2x4", "jax": "0.10.2"}
+    assert aot.label(tpu | {"host_devices": 1}) == (
+        "XLA:TPU for v5e:2x4, compiled on one chip, JAX 0.10.2"
+    )
+    assert aot.label(tpu | {"host_devices": 8}).endswith(
+        "compiled on a host of 8 chips, JAX 0.10.2"
+    )
+    table = aot.compare("lesson10.collective_matmul", here, tpu=tpu)
+    assert table["same"].all() and aot.differences(table) == []
+    ring, _ = compiled["lesson10.ring_attention"]  # on another mesh: not the same program
+    with pytest.raises(ValueError, match="not the same program"):
+        aot.compare("lesson10.collective_matmul", ring, tpu=tpu)
+
+
+def test_the_reference_is_read_as_xla_tpu_for_one_chip_and_its_differences_are_computed():
+    """The committed reference (no compile): D's float32 and bfloat16 programs set side by side."""
+    d32 = aot.tpu_summary("lab08.sharded_jit.float32", live=False)
+    assert d32["source"] == "reference" and d32["platform"] == "tpu"
+    assert aot.label(d32) == "XLA:TPU for v5e:2x4, compiled on one chip, JAX 0.10.2"
+    d16 = aot.reference("lab08.sharded_jit.bfloat16")
+    table = aot.compare_summaries(d32, d16)
+    (line,) = aot.differences(table)
+    assert line == (
+        "all-reduce over data: instructions 1 on XLA:TPU, 2 on XLA:TPU (reference); dtypes f32 on "
+        "XLA:TPU, bf16,f32 on XLA:TPU (reference); bytes 755,244 on XLA:TPU, 377,624 on XLA:TPU "
+        "(reference)"
+    )
+    # the bfloat16 gradients: every leaf in one all-reduce, half the float32 bytes; the loss apart
+    loss, grads = sorted(d16["collectives"], key=lambda c: c["bytes"])
+    assert loss["dtypes"] == ["f32"] and grads["bytes"] * 2 + 4 == d32["collectives"][0]["bytes"]
+    names = ["lab08.sharded_jit.float32", "lab08.sharded_jit.bfloat16"]
+    tpu = aot.tpu_summaries(names, live=False)
+    assert list(tpu) == names and all(s["source"] == "reference" for s in tpu.values())
+    alone = aot.overview(tpu)
+    assert list(alone.index) == names and "differs" not in alone.columns
+    assert list(alone["XLA:TPU collectives"]) == [1, 2]
+    assert list(alone["XLA:TPU bytes"]) == [755244, 377624]
+    assert list(alone["XLA:TPU dtypes"]) == ["f32", "bf16,f32"]
+    both = aot.overview(tpu, {names[1]: d32})  # a stand-in for XLA:CPU's side
+    assert both.loc[names[1], "differs"] == "all-reduce over data"
+    assert both["XLA:CPU bytes"].isna().tolist() == [True, False]
+
+
 # HLO as XLA:TPU writes it (shortened): an async permute pair in a while loop without known_trip_count, a
 # reduce-scatter wrapped by async-start, and one as XLA prints such a pair in short (start, update, done)
 TPU_LIKE = """HloModule m
@@ -272,6 +319,7 @@ def test_the_tool_writes_programs_and_hlo(tmp_path):
     )
     doc = json.loads((out / "programs.json").read_text())
     assert doc["meta"]["platform"] == "cpu" and doc["meta"]["topology"] is None
+    assert doc["meta"]["host_devices"] == len(jax.devices())
     assert list(doc["programs"]) == ["lesson10.allgather_matmul"]
     with gzip.open(out / "hlo" / "lesson10.allgather_matmul.txt.gz", "rt") as f:
         assert f.read().startswith("HloModule")

@@ -13,7 +13,7 @@ import disks
 import nbformat
 import pytest
 
-from course_tools import book, site, student
+from course_tools import book, site, student, tpu_reference
 
 
 def _nb(cells, executed=True, **metadata):
@@ -298,6 +298,21 @@ def test_run_pages_state_the_devices_and_the_failed_and_missing_notebooks(tmp_pa
         and "## Reference run" in report_page
     )
     assert (staging / "reference" / "comparison.png").stat().st_size > 10_000
+    # the committed TPU reference beside it: the chip, the versions, which notebooks ran there
+    tpu = tpu_reference.newest()  # the newest committed run folder
+    assert (
+        "## TPU reference" in report_page
+        and f"`data/tpu_reference/{tpu.folder.name}`" in report_page
+    )
+    assert tpu_reference.device(tpu.folder)["chip"] in report_page
+    assert f"JAX {tpu_reference.versions(tpu.folder)['jax']}" in report_page
+    first = tpu_reference.notebooks(tpu.folder).iloc[0]
+    assert f"| {first['notebook']} |" in report_page
+    assert (staging / "tpu" / "notebooks.png").stat().st_size > 10_000
+    if tpu_reference.newest(with_lab=True) is None:
+        assert "No TPU reference committed so far has lab results" in report_page
+    else:
+        assert "### The lab on the TPU" in report_page
 
 
 # --- a full disk while the book is built: one message, nothing half-written left -------------------------

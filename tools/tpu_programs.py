@@ -31,6 +31,8 @@ def _meta(args, devs, started: float) -> dict:
         "device_kind": devs[0].device_kind,
         "topology": None if args.cpu else args.topology,
         "n_devices": len(devs),
+        # the chips of the host that compiled (one v5e chip compiles for the 8 of a 2x4 slice)
+        "host_devices": len(jax.devices()),
         "profile": args.profile,
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
