@@ -22,8 +22,9 @@ from . import results
 
 ROOT = results.DATA_DIR / "tpu_reference"
 """Where the TPU reference runs are committed."""
-FOLDER = re.compile(r"^(?P<date>\d{4}-\d{2}-\d{2})-(?P<chip>.+)-x(?P<count>\d+)$")
-"""A run folder's name: ``<date>-<chip>-x<number of chips>`` (``programs/`` and others do not match)."""
+FOLDER = re.compile(r"^(?P<date>\d{4}-\d{2}-\d{2})-(?P<chip>.+)-x(?P<count>\d+)(?:-(?P<k>\d+))?$")
+"""A run folder's name: ``<date>-<chip>-x<number of chips>``, then ``-2``, ``-3`` … for a later run of the
+same day (``tools/tpu_check.sh`` never overwrites one); ``programs/`` and others do not match."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +40,16 @@ class Run:
 
 
 def runs(root: str | Path | None = None) -> list[Run]:
-    """Every run folder under ``root`` (default :data:`ROOT`), newest first (by date, then name)."""
+    """Every run folder under ``root`` (default :data:`ROOT`), newest first (by date, then the day's run
+    number: ``-x1-10`` after ``-x1-9``)."""
     root = Path(root) if root is not None else ROOT
     found = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
         m = FOLDER.match(path.name)
         if m and path.is_dir():
             lab = tuple(sorted(path.rglob(results.RESULTS_FILE)))
-            found.append(Run(path, m["date"], m["chip"], int(m["count"]), lab))
-    return sorted(found, key=lambda r: (r.date, r.folder.name), reverse=True)
+            found.append((int(m["k"] or 1), Run(path, m["date"], m["chip"], int(m["count"]), lab)))
+    return [run for _, run in sorted(found, key=lambda kr: (kr[1].date, kr[0]), reverse=True)]
 
 
 def newest(root: str | Path | None = None, *, with_lab: bool = False) -> Run | None:

@@ -46,6 +46,18 @@ def test_the_lab_report_draws_the_newest_tpu_reference_with_lab_results(tmp_path
     assert [r.date for r in tpu_reference.runs(root)] == ["2026-12-06", "2026-12-05"]
     assert tpu_reference.newest(root).folder.name == "2026-12-06-tpu-v5-lite-x1"
     assert tpu_reference.newest(root, with_lab=True).folder.name == "2026-12-05-tpu-v5-lite-x1"
+    # a later run of the same day (tools/tpu_check.sh adds -2, -3, … -10): the day's highest number first
+    for k in (2, 9, 10):
+        _tpu_run(root, f"2026-12-06-tpu-v5-lite-x1-{k}")
+    assert tpu_reference.newest(root).folder.name == "2026-12-06-tpu-v5-lite-x1-10"
+    assert [r.folder.name[-5:] for r in tpu_reference.runs(root)][:4] == [
+        "x1-10",
+        "-x1-9",
+        "-x1-2",
+        "ite-x1",
+    ]
+    for k in (2, 9, 10):
+        shutil.rmtree(root / f"2026-12-06-tpu-v5-lite-x1-{k}")
     newer = _tpu_run(root, "2026-12-07-tpu-v5-lite-x8", lab="lab/bf16")
     assert tpu_reference.newest(root, with_lab=True).folder == newer
     assert tpu_reference.newest(root, with_lab=True).count == 8
