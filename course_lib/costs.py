@@ -16,9 +16,12 @@
   everything it computes, work computed twice included). MFU ≤ HFU: the model's count leaves out what the
   step does not need, the lab asserts model ≤ compiled FLOPs for every strategy. None on simulated CPU
   devices: no peak is claimed.
-- **A step-time model** (:func:`step_time_model`): FLOPs at 100 % of a stated peak, plus bytes sent at a
-  stated link bandwidth, plus an ASSUMED fixed latency per collective (:data:`COLLECTIVE_LATENCY_S`), for
-  the device profiles in :data:`DEVICE_PROFILES`. A model, not a measurement.
+- **Time beside bytes** (:func:`step_time`): a compiled program's FLOPs, HBM bytes and collectives on a named
+  fabric (:data:`FABRICS`): compute, memory (the roofline's two terms) and each collective's time, with and
+  without overlap; the critical size below which communication binds (:func:`critical_size`, and
+  :func:`critical_batch` where part of the traffic grows with the batch). A model, not a measurement.
+- :class:`DeviceProfile`, :data:`DEVICE_PROFILES` and :data:`COLLECTIVE_LATENCY_S`: the transformer lab's
+  (:mod:`course_lib.lm_costs`) older profile of a GPU server.
 """
 
 from __future__ import annotations
@@ -161,15 +164,14 @@ def mfu(flops_per_device: float, step_time_s: float, peak: float | None) -> floa
 COLLECTIVE_LATENCY_S = SWITCH_LATENCY_S
 """ASSUMPTION, not a measurement (NVLink's α in :mod:`course_lib.chips`): a fixed cost of 10 µs per
 collective (launch and synchronisation), the order of magnitude NCCL collectives take on small messages
-within one NVLink server. :func:`step_time_model` adds it ``n_collectives`` times (the count its caller
-gives); the transformer lab's model (:func:`course_lib.lm_costs.step_time`) once per predicted transfer (a
-line of ``predict_bytes``; FSDP's gathers of all parameters count as one), not per collective the compiled
-program runs."""
+within one NVLink server. The transformer lab's model (:func:`course_lib.lm_costs.step_time`) adds it once
+per predicted transfer (a line of ``predict_bytes``; FSDP's gathers of all parameters count as one), not
+per collective the compiled program runs."""
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceProfile:
-    """A GPU and its links, for :func:`step_time_model` (per device; bandwidths per direction).
+    """A GPU and its links, for :func:`course_lib.lm_costs.step_time` (per device; bandwidths per direction).
 
     Attributes:
       name: e.g. ``"H100 SXM5 80GB, NVLink 4"``.
@@ -208,59 +210,7 @@ DEVICE_PROFILES = {
     "A100": device_profile("A100 SXM4 80GB, NVLink 3", "A100 SXM4 80GB"),
     "H100": device_profile("H100 SXM5 80GB, NVLink 4", "H100 SXM"),
 }
-"""The profiles the lab's step-time model is drawn for (the source article used 8 × A100 80 GB)."""
-
-
-def step_time_model(
-    flops_per_device: float,
-    sent_bytes_per_device: float,
-    profile: DeviceProfile,
-    precision: str = "float32",
-    bytes_accessed: float | None = None,
-    *,
-    n_collectives: int = 0,
-    latency_s: float = COLLECTIVE_LATENCY_S,
-    matmul_precision: str = "default",
-) -> dict[str, float]:
-    """Seconds per step on ``profile``, as a model: compute at 100 % of the peak + bytes at link speed +
-    a fixed latency per collective.
-
-    Args:
-      flops_per_device: FLOPs each device runs per step (``cost_analysis()["flops"]``).
-      sent_bytes_per_device: bytes each device sends per step (:mod:`course_lib.comms`).
-      profile: the device and its links.
-      precision: which peak applies (:func:`peak_flops` rules: TF32 for float32 under the default matmul
-        precision, applied to every FLOP — an upper bound of the speed).
-      bytes_accessed: memory traffic per device (``cost_analysis()["bytes accessed"]``); given, the compute
-        term becomes ``max(FLOPs / peak, bytes / HBM bandwidth)`` (a roofline). XLA:GPU fuses differently
-        from the CPU compiler that measured it: an indication only.
-      n_collectives: collectives per step; each costs ``latency_s`` on top of its bytes.
-      latency_s: the per-collective latency (default :data:`COLLECTIVE_LATENCY_S`, an assumption).
-      matmul_precision: ``jax_default_matmul_precision`` of the run (``"float32"``/``"highest"``: FP32 rate).
-
-    Returns:
-      ``{"compute_s", "bandwidth_s", "latency_s", "comm_s", "step_s"}`` (``comm_s`` = bandwidth + latency),
-      no overlap of compute and communication assumed.
-
-    Raises:
-      ValueError: the profile has no rate for ``precision``.
-    """
-    peak = rate(profile.peak, precision, matmul_precision)
-    if peak is None:
-        raise ValueError(f"{profile.name} has no peak for precision={precision!r}")
-    compute = flops_per_device / peak
-    if bytes_accessed is not None:
-        compute = max(compute, bytes_accessed / profile.hbm_bytes_per_s)
-    bandwidth = sent_bytes_per_device / profile.link_bytes_per_s
-    latency = n_collectives * latency_s
-    comm = bandwidth + latency
-    return {
-        "compute_s": compute,
-        "bandwidth_s": bandwidth,
-        "latency_s": latency,
-        "comm_s": comm,
-        "step_s": compute + comm,
-    }
+"""The profiles :mod:`course_lib.lm_costs` draws its step-time model for."""
 
 
 # ---- time beside bytes: collectives on a named fabric, the roofline, overlap -------------------------
@@ -384,3 +334,79 @@ def critical_size(size: float, timing: dict[str, Any]) -> float:
     if timing["roofline_s"] <= 0:
         return math.inf
     return size * timing["comm_s"] / timing["roofline_s"]
+
+
+def scaled_step_time(
+    factor: float,
+    flops: float,
+    bytes_accessed: float | None,
+    transfers: Any,
+    fabric: Fabric,
+    precision: str = "bfloat16",
+    *,
+    grows: Any = None,
+    matmul_precision: str = "default",
+) -> dict[str, Any]:
+    """:func:`step_time` of the same step with its batch multiplied by ``factor``: FLOPs and HBM bytes scale
+    with it, and so do the collectives marked in ``grows`` (activations: a tensor-parallel layout's); the others
+    (gradients, parameters) keep their size. Each collective's latency α stays fixed.
+
+    Args:
+      factor: the batch's multiple (> 0).
+      grows: one bool per item of ``transfers`` (True: its bytes grow with the batch); None: none grows.
+
+    Raises:
+      ValueError: ``factor`` ≤ 0, or ``grows`` of another length than ``transfers``.
+    """
+    transfers = list(transfers)
+    grows = [False] * len(transfers) if grows is None else list(grows)
+    if not factor > 0 or len(grows) != len(transfers):
+        raise ValueError(
+            f"factor={factor!r} must be > 0 and grows ({len(grows)} flags) one per transfer ({len(transfers)})"
+        )
+    scaled = [
+        dataclasses.replace(t, size_bytes=t.size_bytes * factor) if g else t
+        for t, g in zip(transfers, grows, strict=True)
+    ]
+    hbm = None if bytes_accessed is None else bytes_accessed * factor
+    return step_time(
+        flops * factor, hbm, scaled, fabric, precision, matmul_precision=matmul_precision
+    )
+
+
+def critical_batch(
+    batch: float,
+    flops: float,
+    bytes_accessed: float | None,
+    transfers: Any,
+    fabric: Fabric,
+    precision: str = "bfloat16",
+    *,
+    grows: Any = None,
+    matmul_precision: str = "default",
+) -> float:
+    """The per-device batch at which the roofline time equals the communication time, when part of the
+    traffic grows with the batch (:func:`scaled_step_time`'s rule). The roofline time is ``r × b`` and the
+    communication ``a + c × b`` (α and the fixed collectives in ``a``, the growing ones' bandwidth in ``c``),
+    so ``b* = a / (r − c)``: ``inf`` when ``c ≥ r`` (communication-bound at every batch), 0 without traffic.
+    With nothing growing it is :func:`critical_size`.
+
+    Args:
+      batch: the per-device batch the program was compiled for (images, tokens …).
+      flops, bytes_accessed, transfers, fabric, precision, matmul_precision: as :func:`step_time`.
+      grows: as :func:`scaled_step_time`.
+
+    Returns:
+      The critical per-device batch, same unit as ``batch``.
+    """
+    args = (flops, bytes_accessed, transfers, fabric, precision)
+    one = scaled_step_time(1.0, *args, grows=grows, matmul_precision=matmul_precision)
+    two = scaled_step_time(2.0, *args, grows=grows, matmul_precision=matmul_precision)
+    per_batch = two["comm_s"] - one["comm_s"]  # c: the growing collectives' bandwidth time
+    fixed = one["comm_s"] - per_batch  # a
+    roofline = one["roofline_s"]  # r (at factor 1)
+    if fixed <= 0 and per_batch <= 0:
+        return 0.0
+    if per_batch >= roofline:
+        return math.inf
+    return batch * fixed / (roofline - per_batch)

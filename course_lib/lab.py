@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import comms, costs, measure, parallel
+from . import comms, costs, lab_time, measure, parallel
 from . import data as data_lib
 from . import precision as precision_lib
 from . import strategies as strategies_lib
@@ -207,6 +207,7 @@ def lower_strategy(
     precision: str = "float32",
     global_batch: int | None = None,
     mesh_shape: tuple[int, int] | None = None,
+    optimizer: Any = None,
 ) -> Any:
     """Strategy ``key``'s step lowered for one batch (``jax.stages.Lowered``), nothing run: to read its
     program (e.g. :func:`course_lib.xla_dump.compile_with_dump`) without training.
@@ -218,6 +219,8 @@ def lower_strategy(
         the run's own (:func:`course_lib.config.init_run` with ``seed``).
       global_batch: images of that one batch (default ``config.global_batch``); the program's collectives
         on the gradients do not depend on it.
+      optimizer: an optax optimizer (default the lab's SGD with momentum, :func:`course_lib.steps.make_optimizer`),
+        e.g. ``optax.adam`` to measure its two moments.
 
     Raises:
       ValueError: as :func:`run_strategy`.
@@ -228,7 +231,7 @@ def lower_strategy(
             start = init_run(config, seed)
             graphdef, params = start.graphdef, start.params
         params = precision_lib.cast_params(params, precision)
-        optimizer = make_optimizer(config.learning_rate)
+        optimizer = make_optimizer(config.learning_rate) if optimizer is None else optimizer
         strat = strategies_lib.build(
             key, graphdef, params, optimizer, devices, mesh_shape, precision=precision
         )
@@ -308,6 +311,17 @@ def _row(
         "mfu": costs.mfu(model_flops / n, timing.median_s, peak),
         "hfu": costs.mfu(stats.flops_per_device, timing.median_s, peak),
         "collectives": stats.collectives_str(),
+        # the time model on the chip it runs on, or a named fabric's PREDICTION on simulated devices
+        **lab_time.time_columns(
+            stats,
+            local_batch,
+            comms.param_shapes(config.model),
+            precision,
+            precision_lib.matmul_precision(),
+            kind,
+            _devices_platform(devices),
+            timing.median_s,
+        ),  # fmt: skip
         **_metadata(report, devices),
     }
 

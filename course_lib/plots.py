@@ -314,6 +314,62 @@ def notebook_runs(runs: pd.DataFrame, title: str = "", ax=None):
     return fig
 
 
+def roofline(
+    results: pd.DataFrame,
+    peak_flops_per_s: float,
+    hbm_bytes_per_s: float,
+    ax=None,
+    title: str = "Roofline (a model)",
+    measured: bool = False,
+):
+    """Log-log roofline of one chip, each strategy a point from its compiled program.
+
+    The roof: attainable FLOP/s = ``min(peak, intensity × HBM bandwidth)``, bending at the ridge point
+    ``peak / HBM bandwidth`` (FLOPs per byte; dotted). Each row is drawn at its ``arithmetic_intensity``
+    (``cost_analysis()`` FLOPs ÷ bytes accessed) and the model's FLOP/s, ``flops_per_device /
+    model_roofline_s`` (on the roof). With ``measured=True`` (a run on that chip) each strategy's measured
+    ``flops_per_device / step_time_s`` is drawn hollow beneath it.
+
+    Args:
+      results: rows with ``strategy``, ``arithmetic_intensity``, ``flops_per_device``, ``model_roofline_s``
+        and ``step_time_s`` (:data:`course_lib.lab_time.TIME_COLUMNS`).
+      peak_flops_per_s, hbm_bytes_per_s: the chip's (:func:`course_lib.costs.rate`, ``Peak.hbm_bytes_per_s``).
+
+    Returns:
+      The Axes.
+
+    Raises:
+      ValueError: no row has a finite intensity and roofline time.
+    """
+    rows = results[
+        np.isfinite(results["arithmetic_intensity"]) & np.isfinite(results["model_roofline_s"])
+    ]
+    if rows.empty:
+        raise ValueError("no row has a finite arithmetic_intensity and model_roofline_s to draw")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4.2))
+    ridge = peak_flops_per_s / hbm_bytes_per_s
+    lo = min(rows["arithmetic_intensity"].min(), ridge) / 4
+    hi = max(rows["arithmetic_intensity"].max(), ridge) * 4
+    x = np.geomspace(lo, hi, 200)
+    ax.plot(x, np.minimum(peak_flops_per_s, x * hbm_bytes_per_s), "k-", lw=1.5, label="roof")
+    ax.axvline(ridge, color="gray", ls=":", label=f"ridge {ridge:.0f} FLOP/byte")
+    for _, r in rows.iterrows():
+        y = r["flops_per_device"] / r["model_roofline_s"]
+        (line,) = ax.plot(r["arithmetic_intensity"], y, _marker(r["strategy"]), ms=8,
+                          label=f"{r['strategy']} (model)")  # fmt: skip
+        if measured and r["step_time_s"] > 0:
+            ax.plot(r["arithmetic_intensity"], r["flops_per_device"] / r["step_time_s"],
+                    _marker(r["strategy"]), ms=8, mfc="none", color=line.get_color())  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity: FLOPs per HBM byte (compiled program)")
+    ax.set_ylabel("FLOP/s per device" + ("  (hollow: measured)" if measured else ""))
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="lower right")
+    return ax
+
+
 def save(fig, path) -> str:
     """Save a Figure (or the Figure of an Axes) as PNG at 110 dpi; returns the path as a string.
 

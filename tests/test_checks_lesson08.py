@@ -455,3 +455,116 @@ def test_zero1_hints_name_what_the_numbers_show(report):
         four,
         match="update of dense2/bias.*dense2/bias is kept whole.*mean of the devices' gradients",
     )
+
+
+# ---- exercise 3: E's critical batch on a fabric ------------------------------------------------------
+
+
+def critical_ref(flops, hbm, param_bytes, n, fabric):
+    sent = 2 * (n - 1) / n * param_bytes
+    ways = 2 if fabric.link.topology == "ring" else 1
+    per_image = max(flops / (fabric.chip.bf16 * 1e12), hbm / fabric.chip.hbm_bytes_per_s)
+    return sent / (ways * fabric.link.bytes_per_s) / per_image
+
+
+def critical_other_form(flops, hbm, param_bytes, n, fabric):
+    # the two collectives timed apart, each with its α (0 on the checker's links), and the roofline's
+    # rates per image inverted
+    if n == 1:
+        return 0
+    bw = fabric.link.bytes_per_s * (2 if fabric.link.topology == "ring" else 1)
+    gather = (n - 1) * fabric.link.latency_s + (n - 1) / n * param_bytes / bw
+    images_per_s = min(fabric.chip.bf16 * 1e12 / flops, fabric.chip.hbm_bytes_per_s / hbm)
+    return 2 * gather * images_per_s
+
+
+def _fake_fsdp_run(precision="float32", n=8, batch=8):
+    """A run of E as the checker reads it: the cpu profile's gathers and reduce-scatters, per-device numbers."""
+    import types
+
+    import numpy as np
+
+    from course_lib import comms
+    from course_lib.config import PROFILES
+
+    shapes = comms.param_shapes(PROFILES["cpu"].model)
+    transfers = []
+    for layer in shapes.values():
+        for shape in layer.values():
+            size = 4 * int(np.prod(shape))
+            for kind, dims in (
+                ("all-gather", shape),
+                ("reduce-scatter", shape[:-1] + (shape[-1] // n,)),
+            ):
+                transfers.append(comms.Collective(kind, ("data",), n, (("f32", tuple(dims)),), size,
+                                                  comms.ring_bytes(kind, size, n), kind))  # fmt: skip
+    stats = types.SimpleNamespace(
+        flops_per_device=3.4e8, bytes_accessed=5.7e7, transfers=tuple(transfers)
+    )
+    row = {"n_devices": n, "local_batch": batch, "device_kind": "cpu", "platform": "cpu",
+           "precision": precision, "profile": "cpu"}  # fmt: skip
+    param_bytes = sum(4 * int(np.prod(s)) for layer in shapes.values() for s in layer.values())
+    return types.SimpleNamespace(row=row, stats=stats), param_bytes
+
+
+def test_fsdp_critical_batch_accepts_correct_forms(capsys):
+    assert lesson08.check_fsdp_critical_batch(critical_ref)
+    assert lesson08.check_fsdp_critical_batch(critical_other_form)
+    run, param_bytes = _fake_fsdp_run()
+    assert lesson08.check_fsdp_critical_batch(critical_ref, run, param_bytes)
+    assert "this run's E" in capsys.readouterr().out
+    # a bfloat16 run's gathers may send bfloat16 copies: not compared with param_bytes
+    run16, _ = _fake_fsdp_run("bfloat16")
+    assert lesson08.check_fsdp_critical_batch(critical_ref, run16, param_bytes)
+    assert "this run's E" not in capsys.readouterr().out
+
+
+def test_fsdp_critical_batch_not_written(monkeypatch, capsys):
+    from checking import not_written
+
+    def stub(*args):
+        raise NotImplementedError("Exercise: write this part")
+
+    not_written(lesson08.check_fsdp_critical_batch, stub, monkeypatch=monkeypatch, capsys=capsys)
+
+
+def test_fsdp_critical_batch_wrong_answers():
+    import dataclasses
+
+    from course_lib import costs
+
+    def with_link(**fields):
+        return lambda f, h, p, n, fab: critical_ref(
+            f, h, p, n, dataclasses.replace(fab, link=dataclasses.replace(fab.link, **fields))
+        )
+
+    cases = {
+        # FLOPs only: the HBM term forgotten
+        "roofline": lambda f, h, p, n, fab: critical_ref(f, 0, p, n, fab),
+        # a ring taken as one direction
+        "carries data both ways": with_link(topology="switch"),
+        # only the all-gather
+        "both directions of the step": lambda f, h, p, n, fab: critical_ref(f, h, p, n, fab) / 2,
+        # ZeRO-3's re-gather counted
+        "second all-gather": lambda f, h, p, n, fab: 1.5 * critical_ref(f, h, p, n, fab),
+        # the global batch
+        "ONE device's batch": lambda f, h, p, n, fab: n * critical_ref(f, h, p, n, fab),
+        # bfloat16 parameters assumed: no single typical mistake, the hint names the parts, not a formula
+        "communication time = bytes": lambda f, h, p, n, fab: (
+            critical_ref(f, h, p / 2, n, fab) + (n == 2)
+        ),
+        "return a number": lambda f, h, p, n, fab: str(critical_ref(f, h, p, n, fab)),
+        "one device sends nothing": lambda f, h, p, n, fab: critical_ref(f, h, p, max(n, 2), fab),
+    }
+    for hint, answer in cases.items():
+        rejects(lesson08.check_fsdp_critical_batch, answer, match=hint)
+    library = lambda f, h, p, n, fab: costs.critical_batch(  # noqa: E731
+        1, f, h, [comms_transfer("all-reduce", n, p)], fab, "bfloat16"
+    )
+    rejects(lesson08.check_fsdp_critical_batch, library, match="do not call the costs module")
+
+
+def comms_transfer(kind, n, size):
+    from course_lib import comms
+
+    return comms.transfer(kind, "data", n, size, "parameters")

@@ -99,24 +99,26 @@ def test_model_flops_count_the_work_a_step_needs():
     assert 3 * model.flops_per_example(cpu) / per_image == pytest.approx(1.154, abs=1e-3)
 
 
-def test_step_time_model():
-    h100 = costs.DEVICE_PROFILES["H100"]
-    t = costs.step_time_model(
-        494.7e9, 450e6, h100, "float32"
-    )  # 1 ms of compute, 1 ms of communication
-    assert t["compute_s"] == pytest.approx(1e-3) and t["comm_s"] == pytest.approx(1e-3)
-    assert t["step_s"] == pytest.approx(2e-3)
-    roofline = costs.step_time_model(494.7e9, 0, h100, "float32", bytes_accessed=6.7e9)
-    assert roofline["compute_s"] == pytest.approx(2e-3)  # memory-bound: 6.7 GB at 3.35 TB/s
-    fp32 = costs.step_time_model(67e9, 0, h100, "float32", matmul_precision="highest")
-    assert fp32["compute_s"] == pytest.approx(1e-3)  # FP32 rate, not TF32
-    # the assumed latency per collective: 3 collectives of 1.3 MB cost more than their bytes
-    lat = costs.step_time_model(0, 1.3e6, h100, "float32", n_collectives=3)
-    assert lat["latency_s"] == pytest.approx(3 * costs.COLLECTIVE_LATENCY_S)
-    assert lat["comm_s"] == pytest.approx(lat["bandwidth_s"] + lat["latency_s"])
-    assert lat["latency_s"] > lat["bandwidth_s"]
-    with pytest.raises(ValueError, match="no peak for precision='float64'"):
-        costs.step_time_model(1, 1, h100, "float64")
+def test_the_critical_batch_when_part_of_the_traffic_grows_with_the_batch():
+    v5e = costs.FABRICS["TPU v5e"]
+    grads = comms.transfer("all-reduce", "data", 4, 4e8, "gradients")
+    acts = comms.transfer("all-reduce", "model", 2, 1e7, "activations")
+    flops, hbm = 197e12 * 0.01, 819e9 * 0.02  # HBM-bound: 20 ms
+    # nothing grows: the library's critical_size
+    t = costs.step_time(flops, hbm, [grads], v5e, "bfloat16")
+    alone = costs.critical_batch(16, flops, hbm, [grads], v5e, "bfloat16")
+    assert math.isclose(alone, costs.critical_size(16, t))
+    # the activations grow with the batch: at b* the roofline equals the communication, to rounding
+    both, grows = [grads, acts], [False, True]
+    b = costs.critical_batch(16, flops, hbm, both, v5e, "bfloat16", grows=grows)
+    at = costs.scaled_step_time(b / 16, flops, hbm, both, v5e, "bfloat16", grows=grows)
+    assert math.isclose(at["roofline_s"], at["comm_s"], rel_tol=1e-9) and b > alone
+    # traffic that grows faster than the roofline: communication-bound at every batch; none: 0
+    big = dataclasses.replace(acts, size_bytes=1e12)
+    assert costs.critical_batch(16, flops, hbm, [big], v5e, "bfloat16", grows=[True]) == math.inf
+    assert costs.critical_batch(16, flops, hbm, [], v5e, "bfloat16") == 0.0
+    with pytest.raises(ValueError, match="one per transfer"):
+        costs.scaled_step_time(2, flops, hbm, both, v5e, "bfloat16", grows=[True])
 
 
 def test_residual_activations_from_shapes():

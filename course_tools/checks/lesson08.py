@@ -1,6 +1,7 @@
-"""Checkers for ``08_lab.ipynb``: the ZeRO-1 strategy the learner builds, and a prediction of what FSDP
-sends and holds per device. Each judges behaviour — parity with single-device ``jit`` from the same states,
-bytes held per device, the collectives in the compiled program — never the source text.
+"""Checkers for ``08_lab.ipynb``: the ZeRO-1 strategy the learner builds, a prediction of what FSDP sends
+and holds per device, and of its critical batch on a fabric. Each judges behaviour — parity with
+single-device ``jit`` from the same states, bytes held per device, the collectives in the compiled program,
+values at cases the checker builds — never the source text.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from course_lib import comms, data, model, parallel, parity, steps
 from course_lib.meshes import DATA, data_mesh
 
 from ._common import call_answer, checker, fail, judged_on, passed
+from ._lesson08_critical import check_fsdp_critical_batch
 from ._lesson08_fsdp import FSDP_CASES, check_fsdp_prediction, fsdp_case
 
 __all__ = [
     "FSDP_CASES",
+    "check_fsdp_critical_batch",
     "check_fsdp_prediction",
     "check_zero1",
     "fsdp_case",

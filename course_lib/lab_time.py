@@ -1,0 +1,172 @@
+"""Lab 08's time model: each strategy's compiled program turned into time on a named fabric.
+
+Every input is read from the program the lab compiled (:class:`course_lib.measure.CompiledStats`): its FLOPs
+and ``bytes accessed`` per device (``cost_analysis()``) and its collectives with their groups, axes and sizes
+(:func:`course_lib.comms.collectives`). :func:`course_lib.costs.step_time` turns them into compute time
+(FLOPs ÷ peak), memory time (bytes ÷ HBM bandwidth), their roofline maximum and each collective's time on
+its axis's link; :func:`course_lib.costs.critical_batch` gives the per-device batch below which the step is
+communication-bound. ``notebooks/08_lab.ipynb`` records them in every results row (:func:`time_columns`).
+
+On an accelerator the fabric is the chip the lab runs on. Simulated CPU devices are not a fabric (their
+collectives are copies in one process's memory): there the times are a PREDICTION for a named target
+(:data:`DEFAULT_TARGET`), never a CPU time; ``model_is_prediction`` says which.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import comms, costs
+
+DEFAULT_TARGET = "TPU v5e"
+"""The fabric (a key of :data:`course_lib.costs.FABRICS`) the lab predicts for where it runs on no chip of
+the table (simulated CPU devices, an unlisted GPU): a TPU v5e slice, whose axes are ICI rings."""
+
+TIME_COLUMNS = (
+    "model_fabric", "model_is_prediction", "model_compute_s", "model_memory_s", "model_roofline_s",
+    "model_bound", "model_comm_s", "model_step_overlap_s", "model_step_no_overlap_s",
+    "model_critical_batch", "local_batch", "arithmetic_intensity", "ridge_flops_per_byte", "model_error",
+)  # fmt: skip
+"""The columns :func:`time_columns` adds to a results row (seconds per step, per device)."""
+
+
+def fabric_for(
+    device_kind: str, platform: str, target: str = DEFAULT_TARGET
+) -> tuple[str, costs.Fabric, bool]:
+    """``(key, fabric, is_prediction)``: the :data:`course_lib.costs.FABRICS` entry of the chip the lab runs
+    on, ``is_prediction=False``; on a CPU or a chip no fabric describes, ``target``'s, ``is_prediction=True``.
+
+    Raises:
+      ValueError: ``target`` is not a key of :data:`course_lib.costs.FABRICS`.
+    """
+    if target not in costs.FABRICS:
+        raise ValueError(f"target={target!r} is not a fabric; one of {sorted(costs.FABRICS)}")
+    chip = costs.chip_for(device_kind) if platform != "cpu" else None
+    for key, fabric in costs.FABRICS.items():
+        if chip is not None and fabric.chip.name == chip.name:
+            return key, fabric, False
+    return target, costs.FABRICS[target], True
+
+
+def grows_with_batch(transfers: Sequence[Any], shapes: Mapping) -> list[bool]:
+    """One flag per collective: True where its bytes grow with the per-device batch.
+
+    Every collective over the ``model`` axis carries activations (tensor parallelism: they grow); over the
+    ``data`` axis of a 2-D mesh, the gradients (fixed by the model). On a data-only mesh
+    :func:`course_lib.comms.what_moves` reads each from its shapes: parameters and gradients stay (a gradient
+    also when XLA adds size-1 dimensions, a bias's ``[1, 10]``), anything else (an activation the partitioner
+    gathers) grows.
+
+    Args:
+      transfers: the program's collectives (:attr:`course_lib.measure.CompiledStats.transfers`).
+      shapes: the parameters' shapes (:func:`course_lib.comms.param_shapes`).
+    """
+    if any("model" in t.axes for t in transfers):
+        return ["model" in t.axes for t in transfers]
+    leaves = {_squeezed(shape) for layer in shapes.values() for shape in layer.values()}
+    return [
+        what == comms.ACTIVATIONS and not all(_squeezed(d) in leaves | {()} for _, d in t.shapes)
+        for t, what in zip(transfers, comms.what_moves(transfers, shapes), strict=True)
+    ]
+
+
+def _squeezed(dims) -> tuple[int, ...]:
+    """A shape without its size-1 dimensions, sorted: XLA may reduce a bias's gradient as ``[1, 10]`` or a
+    kernel's transposed."""
+    return tuple(sorted(d for d in dims if d != 1))
+
+
+def time_columns(
+    stats: Any,
+    local_batch: int,
+    shapes: Mapping,
+    precision: str,
+    matmul_precision: str,
+    device_kind: str,
+    platform: str,
+    measured_step_s: float,
+    target: str = DEFAULT_TARGET,
+) -> dict[str, Any]:
+    """The model's columns of one results row (:data:`TIME_COLUMNS`), from the compiled program.
+
+    ``model_critical_batch``: images per device at which the roofline time equals the communication time
+    (:func:`course_lib.costs.critical_batch`, the collectives of :func:`grows_with_batch` growing with the
+    batch); 0 without collectives, ``inf`` when communication binds at every batch. ``arithmetic_intensity``:
+    FLOPs per HBM byte of the program; ``ridge_flops_per_byte``: the chip's peak ÷ HBM bandwidth (above it
+    the roofline is compute-bound). ``model_error``: measured step ÷ the model's step without overlap − 1, on
+    the chip the model describes only (NaN when it is a prediction: a CPU time is no test of a TPU model).
+    A precision the chip has no peak for (float64) leaves the times NaN.
+
+    Args:
+      stats: the strategy's :class:`course_lib.measure.CompiledStats`.
+      local_batch: images per device the program was compiled for.
+      shapes: the parameters' shapes (:func:`course_lib.comms.param_shapes`).
+      precision, matmul_precision: the run's (:func:`course_lib.costs.rate`).
+      device_kind, platform: of the devices the lab ran on (:func:`fabric_for`).
+      measured_step_s: the measured median step, seconds.
+      target: the fabric predicted for on a CPU (:func:`fabric_for`).
+    """
+    key, fabric, prediction = fabric_for(device_kind, platform, target)
+    out: dict[str, Any] = dict.fromkeys(TIME_COLUMNS, math.nan)
+    out.update(model_fabric=fabric.name, model_is_prediction=prediction, local_batch=local_batch)
+    hbm = stats.bytes_accessed if math.isfinite(stats.bytes_accessed) else None
+    peak = costs.rate(fabric.chip, precision, matmul_precision)
+    if peak is None:
+        out["model_bound"] = f"no {precision} peak"
+        return out
+    transfers = list(stats.transfers)
+    grows = grows_with_batch(transfers, shapes)
+    args = (stats.flops_per_device, hbm, transfers, fabric, precision)
+    t = costs.step_time(*args, matmul_precision=matmul_precision)
+    out.update(
+        model_compute_s=t["compute_s"],
+        model_memory_s=t["memory_s"],
+        model_roofline_s=t["roofline_s"],
+        model_bound=t["bound"],
+        model_comm_s=t["comm_s"],
+        model_step_overlap_s=t["overlap_s"],
+        model_step_no_overlap_s=t["no_overlap_s"],
+        model_critical_batch=costs.critical_batch(
+            local_batch, *args, grows=grows, matmul_precision=matmul_precision
+        ),
+        ridge_flops_per_byte=peak / fabric.chip.hbm_bytes_per_s,
+    )
+    if hbm:
+        out["arithmetic_intensity"] = stats.flops_per_device / hbm
+    if not prediction and t["no_overlap_s"] > 0:
+        out["model_error"] = measured_step_s / t["no_overlap_s"] - 1
+    return out
+
+
+def matmul_widths(cfg: Any) -> dict[str, int]:
+    """The output width of the matmul behind each term of :func:`course_lib.costs.model_flops_breakdown`:
+    a conv's forward and weight gradient produce its output channels, its input gradient its input channels;
+    a dense layer's likewise (its features)."""
+    widths: dict[str, int] = {}
+    c_in = cfg.in_channels
+    layers = [(f"conv{i}", c_in if i == 1 else cfg.channels[i - 2], c) for i, c in
+              enumerate(cfg.channels, start=1)]  # fmt: skip
+    layers += [("dense1", cfg.flat_features, cfg.hidden), ("dense2", cfg.hidden, cfg.num_classes)]
+    for name, k, n in layers:
+        widths[f"{name} forward"] = widths[f"{name} weight gradient"] = n
+        widths[f"{name} input gradient"] = k
+    return widths
+
+
+def narrow_matmul_s(cfg: Any, global_batch: int, peak_flops_per_s: float, mxu: int = 128) -> float:
+    """Seconds the model's FLOPs take when each matmul runs at the share of a ``mxu`` × ``mxu`` matrix unit
+    its output width fills (``min(width, mxu) / mxu``): an ESTIMATE of what narrow channels cost a TPU
+    (``notebooks/08_lab.ipynb`` prints it beside the measured step; the contraction's width and the pools,
+    ReLUs and optimizer on the vector unit are left out).
+
+    Args:
+      cfg: the CNN (:class:`course_lib.model.CNNConfig`); global_batch: images per step;
+      peak_flops_per_s: the chip's rate; mxu: the matrix unit's width (128 on TPU v5e, 256 on v6e).
+    """
+    widths = matmul_widths(cfg)
+    flops = costs.model_flops_breakdown(cfg)
+    return sum(
+        f * global_batch / (peak_flops_per_s * min(widths[k], mxu) / mxu) for k, f in flops.items()
+    )

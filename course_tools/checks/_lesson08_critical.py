@@ -1,0 +1,197 @@
+"""Lesson 08, exercise 3: strategy E's critical per-device batch on a fabric, from its program's numbers.
+
+The answer ``fsdp_critical_batch(flops_per_image, hbm_bytes_per_image, param_bytes, n_devices, fabric)`` is
+judged by its values on :data:`CASES`, each exposing a part of the model (``notebooks/08_lab.ipynb``,
+section 6): the roofline (HBM-bound and compute-bound cases), E's ``2 (n − 1) / n`` of the parameters' bytes
+(an all-gather and a reduce-scatter, n = 2, 4, 8, 64), a bidirectional ring against a switch (read from the
+link, not the chip: a TPU over the data-centre network, GPUs in a ring) and one device (0). Every link's
+latency α is 0 in the cases, so an answer is never judged on how it counts latency; the parameters' bytes
+are given, so never on a loss's few bytes either. Then, given the run's E, the answer applied to its
+compiled FLOPs and bytes is compared with the lab's own model (:func:`course_lib.costs.critical_batch`). The
+library's time functions are refused while the answer runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable
+
+from course_lib import comms, costs, lab_time
+from course_lib.config import PROFILES
+
+from ._common import checker, fail, passed, plain
+from ._unaided import call_unaided
+
+
+def _no_alpha(fabric: costs.Fabric, fabric_name: str | None = None, **link) -> costs.Fabric:
+    """``fabric`` with its link's latency α set to 0 (and ``link`` fields replaced)."""
+    new = dataclasses.replace(fabric.link, latency_s=0.0, **link)
+    return dataclasses.replace(fabric, name=fabric_name or fabric.name, link=new)
+
+
+FABRICS = {key: _no_alpha(f) for key, f in costs.FABRICS.items()}
+FABRICS["TPU v5e across slices"] = _no_alpha(
+    costs.FABRICS["TPU v5e"], "TPU v5e chips, data axis over the data-centre network",
+    **{k: getattr(costs.LINKS["DCN"], k) for k in ("name", "bytes_per_s", "topology")},
+)  # a TPU whose axis is a switch  # fmt: skip
+FABRICS["A100 ring"] = _no_alpha(
+    costs.FABRICS["A100"], "A100s joined in a ring of NVLink bridges", topology="ring"
+)  # a GPU whose link is a ring
+"""The checker's fabrics, all with α = 0: :data:`course_lib.costs.FABRICS` and two whose link's topology is
+not the one their chip usually has."""
+
+CASES = (
+    # (flops_per_image, hbm_bytes_per_image, param_bytes, n_devices, fabric)
+    (4.3e7, 7.2e6, 1.1e6, 8, "TPU v5e"),  # a small CNN on XLA:CPU's counts: HBM-bound
+    (6.0e9, 1.0e7, 1.0e8, 8, "H100"),  # compute-bound
+    (2.0e10, 4.0e7, 4.0e9, 64, "TPU v5p"),
+    (1.0e8, 5.0e7, 5.0e7, 2, "A100"),
+    (3.0e9, 1.0e7, 2.0e8, 4, "A100 ring"),
+    (4.3e7, 7.2e6, 1.1e6, 8, "TPU v5e across slices"),
+    (4.3e7, 7.2e6, 1.1e6, 1, "TPU v5e"),
+)
+"""Inputs the checker calls the answer with (see the module docstring)."""
+
+FORBIDDEN = (
+    costs.collective_time,
+    costs.step_time,
+    costs.scaled_step_time,
+    costs.critical_size,
+    costs.critical_batch,
+)
+
+
+def _per_image(case: tuple, roofline: bool = True) -> float:
+    flops, hbm, _, _, name = case
+    chip = FABRICS[name].chip
+    compute = flops / (chip.bf16 * 1e12)
+    return max(compute, hbm / chip.hbm_bytes_per_s) if roofline else compute
+
+
+def _bandwidth(name: str, both_ways: bool = True) -> float:
+    link = FABRICS[name].link
+    return link.bytes_per_s * (2 if both_ways and link.topology == "ring" else 1)
+
+
+def reference(
+    case: tuple, *, share: float = 2.0, roofline: bool = True, both_ways: bool = True
+) -> float:
+    """The critical batch of ``case``: ``2 (n − 1) / n · P / B ÷ max(F / peak, H / HBM)`` (``B`` doubled
+    on a ring). The keywords give the typical wrong forms: ``share`` (n − 1) / n's multiple of P,
+    ``roofline=False`` FLOPs only, ``both_ways=False`` one direction of a ring."""
+    n = case[3]
+    if n <= 1:
+        return 0.0
+    sent = share * (n - 1) / n * case[2]
+    return sent / _bandwidth(case[4], both_ways) / _per_image(case, roofline)
+
+
+_WRONG = (
+    (
+        dict(roofline=False),
+        "the compute per image is the roofline's: the slower of FLOPs at the peak and HBM bytes at the HBM "
+        "bandwidth (fabric.chip.hbm_bytes_per_s); a small CNN is HBM-bound",
+    ),
+    (
+        dict(both_ways=False),
+        "a ring link (fabric.link.topology == 'ring') carries data both ways: a ring all-gather or "
+        "reduce-scatter sends half each way round",
+    ),
+    (
+        dict(share=1.0),
+        "E sends in both directions of the step: an all-gather of the parameters forward, a reduce-scatter "
+        "of the gradients backward, each (n − 1) / n of the parameters' bytes",
+    ),
+    (
+        dict(share=3.0),
+        "that counts a second all-gather (ZeRO-3's re-gather in the backward pass); E gathers every "
+        "parameter once and keeps it",
+    ),
+)
+
+
+def _why(got: list[float], wanted: list[float]) -> str:
+    """The hint of the one typical mistake every case fits, else one naming each part (never a false lead)."""
+    wrong = [i for i, (g, w) in enumerate(zip(got, wanted)) if not _close(g, w)]
+    for keywords, hint in _WRONG:
+        if all(_close(got[i], reference(CASES[i], **keywords)) for i in wrong):
+            return hint
+    if all(CASES[i][3] > 1 and _close(got[i], wanted[i] * CASES[i][3]) for i in wrong):
+        return "the answer is ONE device's batch: the global batch is n times it"
+    return (
+        "communication time = bytes each device sends / the link's bandwidth (one way, doubled on a ring); "
+        "compute time per image = max(FLOPs / peak, HBM bytes / HBM bandwidth); the batch makes them equal"
+    )
+
+
+def _close(a: float, b: float, rel: float = 1e-6) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+def _call(fn: Callable, args: tuple, fabric: costs.Fabric) -> float:
+    what = f"fsdp_critical_batch({args[0]:g}, {args[1]:g}, {args[2]:g}, {args[3]}, <{fabric.name}>)"
+    value = call_unaided(
+        what, fn, FORBIDDEN,
+        "derive it from what E sends and the roofline; do not call the costs module's time functions",
+        *args, fabric,
+    )  # fmt: skip
+    if isinstance(value, str | bytes) or not isinstance(plain(value), numbers.Real):
+        fail(f"{what} returned {plain(value)!r}", "return a number: images per device")
+    return float(plain(value))
+
+
+@checker
+def check_fsdp_critical_batch(fn: Callable, run=None, param_bytes: float | None = None) -> bool:
+    """Judge ``fn(flops_per_image, hbm_bytes_per_image, param_bytes, n_devices, fabric) -> float``.
+
+    On :data:`CASES` within 1e-6 relative; then, given ``run`` (the lab's ``runs["fsdp"]``) and
+    ``param_bytes`` (float32 bytes of the parameters), the answer at the run's own numbers against
+    :func:`course_lib.costs.critical_batch` on the run's fabric without α, within 2 % (the loss's bytes).
+    A bfloat16 run is not compared (its gathers may send bfloat16 copies: not ``param_bytes``).
+
+    Raises:
+      ExerciseError: a wrong value (the hint names the part it points at), a non-number, or a call to the
+        library's time model.
+    """
+    got = [_call(fn, case[:4], FABRICS[case[4]]) for case in CASES]
+    wanted = [reference(case) for case in CASES]
+    if CASES[-1][3] == 1 and got[-1] != 0:
+        fail(
+            f"on one device fsdp_critical_batch returned {got[-1]:g}", "one device sends nothing: 0"
+        )
+    bad = [i for i in range(len(CASES)) if not _close(got[i], wanted[i])]
+    if bad:
+        fail(f"fsdp_critical_batch is wrong in {len(bad)} of {len(CASES)} cases", _why(got, wanted))
+    message = f"E's critical batch at all {len(CASES)} cases"
+    row = None if run is None else run.row
+    if row is not None and param_bytes is not None and row["precision"] != "bfloat16":
+        message += "; " + _judge_run(fn, run, param_bytes)
+    return passed(message)
+
+
+def _judge_run(fn: Callable, run, param_bytes: float) -> str:
+    """The answer at the run's own numbers against the lab's model on the run's fabric (α = 0)."""
+    row, stats = run.row, run.stats
+    n, b = int(row["n_devices"]), int(row["local_batch"])
+    _, fabric, predicted = lab_time.fabric_for(row["device_kind"], row["platform"])
+    fabric = _no_alpha(fabric)
+    scale = 2 if row["precision"] == "float64" else 1  # 8-byte values
+    args = (stats.flops_per_device / b, stats.bytes_accessed / b, scale * param_bytes, n)
+    answer = _call(fn, args, fabric)
+    grows = lab_time.grows_with_batch(
+        stats.transfers, comms.param_shapes(PROFILES[row["profile"]].model)
+    )
+    lab = costs.critical_batch(
+        b, stats.flops_per_device, stats.bytes_accessed, stats.transfers, fabric, "bfloat16",
+        grows=grows,
+    )  # fmt: skip
+    if not math.isclose(answer, lab, rel_tol=0.02, abs_tol=1e-9):
+        fail(
+            f"right at the checker's cases, but {answer:.4g} images per device for this run's E, where the "
+            f"lab's model of its compiled program gives {lab:.4g}",
+            "pass the run's FLOPs and bytes accessed PER IMAGE (divide by the images one device holds)",
+        )
+    kind = "a prediction for" if predicted else "on"
+    return f"this run's E ({kind} {fabric.name}, α left out): {answer:.1f} images per device, it holds {b}"

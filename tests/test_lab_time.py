@@ -1,0 +1,109 @@
+"""The lab's time model (course_lib.lab_time) and its roofline plot: the fabric chosen, which collectives grow
+with the batch, a row's columns from a compiled program's numbers, the narrow-matmul estimate."""
+
+import math
+import types
+
+import matplotlib
+import numpy as np
+import pandas as pd
+import pytest
+
+from course_lib import comms, costs, lab_time, plots
+from course_lib.config import PROFILES
+
+matplotlib.use("Agg")
+
+
+def test_the_fabric_is_the_chip_it_runs_on_or_a_named_prediction():
+    key, fabric, predicted = lab_time.fabric_for("TPU v5 lite", "tpu")
+    assert (key, predicted) == ("TPU v5e", False) and fabric is costs.FABRICS["TPU v5e"]
+    assert lab_time.fabric_for("NVIDIA H100 80GB HBM3", "gpu")[:3:2] == ("H100", False)
+    assert lab_time.fabric_for("cpu", "cpu") == ("TPU v5e", costs.FABRICS["TPU v5e"], True)
+    assert lab_time.fabric_for("cpu", "cpu", "H100")[0] == "H100"
+    assert lab_time.fabric_for("NVIDIA L40S", "gpu")[2]  # a chip no fabric describes: a prediction
+    with pytest.raises(ValueError, match="target='v4' is not a fabric"):
+        lab_time.fabric_for("cpu", "cpu", "v4")
+
+
+def _collective(kind, axes, n, dims, name="c"):
+    size = 4 * int(np.prod(dims))
+    return comms.Collective(
+        kind, axes, n, (("f32", dims),), size, comms.ring_bytes(kind, size, n), name
+    )
+
+
+def test_what_grows_with_the_batch():
+    shapes = comms.param_shapes(PROFILES["cpu"].model)
+    kernel = shapes["conv2"]["kernel"]
+    data_only = [
+        _collective("all-gather", ("data",), 8, kernel),
+        _collective("all-gather", ("data",), 8, (8, 16, 16, 64)),
+    ]
+    assert lab_time.grows_with_batch(data_only, shapes) == [
+        False,
+        True,
+    ]  # a parameter, an activation
+    bias = comms.Collective(
+        "all-reduce", ("data",), 8, (("f32", (1, 10)), ("f32", ())), 44, 77.0, "ar"
+    )
+    assert lab_time.grows_with_batch([bias], shapes) == [
+        False
+    ]  # dense2's bias gradient, kept [1, 10]
+    two_d = [
+        _collective("all-reduce", ("data",), 4, (3, 3, 32, 32)),
+        _collective("all-reduce", ("model",), 2, (16, 10)),
+    ]
+    assert lab_time.grows_with_batch(two_d, shapes) == [False, True]  # fmt: skip
+
+
+def test_a_rows_time_columns_from_the_program():
+    shapes = comms.param_shapes(PROFILES["cpu"].model)
+    grads = _collective("all-reduce", ("data",), 8, shapes["dense1"]["kernel"])
+    stats = types.SimpleNamespace(
+        flops_per_device=197e12 * 1e-3, bytes_accessed=819e9 * 2e-3, transfers=(grads,)
+    )
+    cols = lab_time.time_columns(stats, 8, shapes, "bfloat16", "default", "cpu", "cpu", 0.5)
+    assert set(cols) == set(lab_time.TIME_COLUMNS) and cols["model_is_prediction"]
+    assert math.isclose(cols["model_compute_s"], 1e-3) and math.isclose(
+        cols["model_memory_s"], 2e-3
+    )
+    assert cols["model_bound"] == "HBM" and math.isnan(
+        cols["model_error"]
+    )  # a CPU time tests no TPU model
+    assert math.isclose(cols["arithmetic_intensity"], 197e12 * 1e-3 / (819e9 * 2e-3))
+    assert math.isclose(cols["ridge_flops_per_byte"], 197e12 / 819e9)
+    t = costs.step_time(
+        stats.flops_per_device, stats.bytes_accessed, [grads], costs.FABRICS["TPU v5e"]
+    )
+    assert math.isclose(cols["model_critical_batch"], costs.critical_size(8, t))
+    on_chip = lab_time.time_columns(
+        stats, 8, shapes, "bfloat16", "default", "TPU v5 lite", "tpu", 4e-3
+    )
+    assert math.isclose(on_chip["model_error"], 4e-3 / t["no_overlap_s"] - 1)
+    f64 = lab_time.time_columns(stats, 8, shapes, "float64", "default", "cpu", "cpu", 0.5)
+    assert math.isnan(f64["model_compute_s"]) and f64["model_bound"] == "no float64 peak"  # fmt: skip
+
+
+def test_the_narrow_matmul_estimate():
+    cfg = PROFILES["gpu"].model
+    peak = 197e12
+    full = costs.model_flops_per_step(cfg, 256) / peak
+    narrow = lab_time.narrow_matmul_s(cfg, 256, peak)
+    assert narrow > full  # narrow channels fill part of the matrix unit
+    assert math.isclose(
+        lab_time.narrow_matmul_s(cfg, 256, peak, mxu=1), full
+    )  # a unit of width 1 is full
+    assert set(costs.model_flops_breakdown(cfg)) <= set(lab_time.matmul_widths(cfg))
+
+
+def test_the_roofline_plot():
+    rows = pd.DataFrame({"strategy": ["jit", "pmap"], "arithmetic_intensity": [5.0, 6.0],
+                         "flops_per_device": [1e9, 1e8], "model_roofline_s": [1e-3, 1e-4],
+                         "step_time_s": [1e-2, 1e-3]})  # fmt: skip
+    ax = plots.roofline(rows, 197e12, 819e9, measured=True)
+    assert (
+        ax.get_xscale() == "log" and len(ax.lines) == 2 + 2 * 2
+    )  # roof, ridge, a point and a hollow each
+    with pytest.raises(ValueError, match="no row has a finite"):
+        plots.roofline(rows.assign(arithmetic_intensity=np.nan), 197e12, 819e9)
