@@ -11,7 +11,7 @@ kept through the backward pass (E, FSDP gathered once: ZeRO-2-like), ``jax.jit``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -350,3 +350,34 @@ def build_lm_dp_cp(info, config, devices, *, n_micro=2, compiler_options=None):
 def build_lm_3d(info, config, devices, *, n_micro=2, compiler_options=None):
     """3-D: ``data × fsdp × model``, the three at once."""
     return _layout(info, config, devices, n_micro, compiler_options)
+
+
+class RemadeBatches(Sequence):
+    """A finished run's batches, made again when read: ``batches[i]`` equals the batch step ``i`` trained on.
+
+    A run keeps its ``steps`` batches on the devices while it trains (timed steps read nothing but device
+    memory); afterwards they are dropped and this stands in for the list, so the lab's runs do not hold every
+    strategy's batches at once (on one 16 GiB TPU v5e chip, eight runs' float32 batches of the article's
+    size would not fit). Indexing makes batch ``i`` with the run's key, layout and cast (one small program).
+    """
+
+    def __init__(self, strategy, dataset, key, steps: int, global_batch: int, precision: str):
+        self._args = strategy, dataset, key, global_batch, precision
+        self._steps = steps
+
+    def _make(self, i: int):
+        strategy, dataset, key, global_batch, precision = self._args
+        with precision_lib.enabled(precision):  # float64 batches need x64 on while they are made
+            return strategy.batch(
+                dataset, key, i, global_batch, lambda b: precision_lib.cast_batch(b, precision)
+            )
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._steps))]
+        if not -self._steps <= i < self._steps:
+            raise IndexError(f"batch {i} of a run of {self._steps} steps")
+        return self._make(i % self._steps)

@@ -12,7 +12,7 @@ The estimate for one device (the first: A, single-device ``jit``, holds the whol
   temporaries − the outputs that reuse (alias) argument buffers — the bytes the program needs at once;
 * **the batches a run keeps**: a run keeps its ``steps`` batches on the devices while it trains, device 0
   all of A's; when it ends they are dropped (``StrategyRun.batches`` makes one again when a parity cell
-  reads it: :class:`course_lib.lab.RemadeBatches`), so one run's batches are held at a time. (Kept for
+  reads it: :class:`course_lib.builders.RemadeBatches`), so one run's batches are held at a time. (Kept for
   every run, eight runs' float32 batches at 256 images took the chip's 15.75 GiB at the seventh run.)
 * against ``HEADROOM`` × the memory free on device 0 (``bytes_limit − bytes_in_use``), since XLA's
   allocator fragments and the lab's other cells hold a little more.

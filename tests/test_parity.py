@@ -36,7 +36,7 @@ def test_float64_every_strategy_equals_a_at_every_step(report):
     # a finished run's batches are made again when read: the same values, dtype and layout it trained on
     start = config.init_run(TINY, 0)
     made = data.batches(start.dataset, start.data_key, TINY.steps, TINY.global_batch)
-    assert isinstance(run.batches, lab.RemadeBatches) and len(run.batches) == TINY.steps
+    assert isinstance(run.batches, builders.RemadeBatches) and len(run.batches) == TINY.steps
     images, labels = run.batches[-1]
     assert images.dtype == np.float64 and len(images.sharding.device_set) == len(report.devices)
     np.testing.assert_array_equal(
