@@ -255,9 +255,11 @@ def load_balancing_loss(logits: jax.Array, k: int = 1) -> jax.Array:
     any capacity; Switch uses ``k = 1``) and ``P_i`` the router probability of expert ``i`` averaged over the
     tokens. ``f`` is piecewise constant, so the gradient flows through ``P`` only: it lowers the
     probability of the experts that receive more than their share. The value is 1 when either ``f`` or
-    ``P`` is uniform (``Σ f_i = Σ P_i = 1``), about 1 for a balanced router, and approaches ``E`` when
-    every token goes to one expert with probability 1. Training adds ``α`` times it to the model's loss
-    (Switch: ``α = 0.01``), once per MoE layer.
+    ``P`` is uniform (``Σ f_i = Σ P_i = 1``) and at most ``E/k``: a token's ``k`` choices are different
+    experts, so ``f_i ≤ 1/k`` and ``Σ f_i·P_i ≤ max_i f_i ≤ 1/k``; it approaches ``E/k`` when every token
+    goes to one expert with probability 1. It can fall below 1 while the load is uneven (``f`` and ``P``
+    anti-correlated): a training signal, not a measure of balance (:func:`expert_load` is). Training adds
+    ``α`` times it to the model's loss (Switch: ``α = 0.01``), once per MoE layer.
 
     Args:
       logits: float [N, E], the router's logits for N tokens.

@@ -26,6 +26,8 @@ def test_gpipe_accepts_correct_forms(report, n):
     assert lesson11.check_gpipe(a.gpipe_forward, report.devices[:n])
     assert lesson11.check_gpipe(a.gpipe_scan, report.devices[:n])
     assert lesson11.check_gpipe(a.gpipe_halves, report.devices[:n])
+    # a micro-batch id sent with each activation (4 bytes a tick) is metadata, not a buffer: accepted
+    assert lesson11.check_gpipe(a.gpipe_tagged, report.devices[:n])
 
 
 @pytest.mark.parametrize(
@@ -58,7 +60,8 @@ def test_gpipe_accepts_correct_forms(report, n):
             "applies its layers 32 times: each micro-batch crosses every stage.*11 ticks",
         ),
         (a.gpipe_twice, "applies its layers 22 times; GPipe needs m \\+ p - 1 = 11"),
-        (a.gpipe_send_buffer, "sends 99 activations' worth.*not a buffer"),
+        (a.gpipe_send_buffer, r"sends 9504 bytes per step, 99.00 activations.*not a buffer"),
+        (a.gpipe_library, r"calls pipeline\.forward.*loop over the m \+ p - 1 ticks yourself"),
         (a.gpipe_backwards, r"sends to the previous stage: pairs \[\(1, 0\), \(2, 1\), \(3, 2\)\]"),
         (
             a.gpipe_broadcast,
@@ -133,6 +136,16 @@ def test_router():
     assert lesson11.check_router(a.route_tuple)
     assert lesson11.check_router(a.route_keep_int)
     assert lesson11.check_router(a.route_keep_float)
+
+
+@pytest.mark.parametrize("answer", [a.route_library, a.route_library_alias])
+def test_router_refuses_the_library_router(answer):
+    """An answer that calls moe.route (the checker's reference), even one that catches the stub's error,
+    is refused; the library's router works again afterwards."""
+    rejects(lesson11.check_router, answer, match=r"calls moe\.route.*instead of calling moe\.route")
+    assert lesson11.check_router(a.route)
+    logits = jnp.zeros((4, 2))
+    assert moe.route(logits, 1, 4).slot.shape == (4, 1)
 
 
 @pytest.mark.parametrize("form", ["route_keep_int", "route_keep_float"])

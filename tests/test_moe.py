@@ -176,6 +176,24 @@ def test_load_balancing_loss_is_one_when_balanced_and_grows_with_skew():
     assert float(moe.load_balancing_loss(two, k=2)) == pytest.approx(E / 2, rel=1e-5)
 
 
+def test_load_balancing_loss_is_at_most_e_over_k_and_can_fall_below_one():
+    """f_i <= 1/k (a token's k choices are distinct experts), so E·Σ f_i·P_i <= E/k, reached when one
+    expert is certain for every token; f and P anti-correlated give a value below 1 with the load uneven."""
+    n = 64
+    certain = 100.0 * jax.nn.one_hot(jnp.zeros(n, jnp.int32), E)
+    for k in (1, 2, 3):
+        assert float(moe.load_balancing_loss(certain, k=k)) == pytest.approx(E / k, rel=1e-5)
+    rng = np.random.default_rng(0)
+    for k in (1, 2, 4):  # random routers never exceed the bound
+        logits = jnp.asarray(3.0 * rng.standard_normal((n, E)), jnp.float32)
+        assert float(moe.load_balancing_loss(logits, k=k)) <= E / k + 1e-5
+    uneven = jnp.log(jnp.asarray([[0.51, 0.49]] * 90 + [[1e-9, 1.0]] * 10))  # E = 2: f = (0.9, 0.1)
+    assert float(moe.load_balancing_loss(uneven, k=1)) == pytest.approx(
+        2 * (0.9 * 0.459 + 0.1 * 0.541), rel=1e-5
+    )
+    assert float(moe.load_balancing_loss(uneven, k=1)) < 1
+
+
 def test_load_balancing_loss_gradient_moves_probability_off_the_busy_expert():
     logits = jax.random.normal(jax.random.key(3), (32, E)) + 2.0 * jax.nn.one_hot(0, E)
     g = jax.grad(moe.load_balancing_loss)(logits)

@@ -21,10 +21,11 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 
 from ._common import ExerciseError, call_answer, fail
 
-__all__ = ["call_unaided"]
+__all__ = ["call_unaided", "unaided"]
 
 _HOOK = "_course_refused_call_"
 """The name the stubs call, set in each forbidden function's module while an answer runs."""
@@ -44,15 +45,16 @@ def _signature(code) -> tuple:
     return code.co_code, code.co_consts, code.co_names
 
 
-def call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args, explain=None):
-    """``fn(*args)`` (through :func:`course_tools.checks._common.call_answer`, ``explain`` passed on),
-    refused with ``hint`` if it calls one of ``forbidden`` (module-level functions: the ones the checker
-    compares with), a copy of their code, or switches off the profile hook; see the module docstring for
-    what cannot be caught.
+@contextmanager
+def unaided(what: str, forbidden: tuple, hint: str):
+    """While the ``with`` block runs, each of ``forbidden`` (module-level functions) raises when called, and a
+    call to a copy of their code is seen (see the module docstring). An :class:`ExerciseError` raised in the
+    block after a forbidden call (the answer's error, wrapped by the checker) is replaced by the refusal.
+    Used where a checker calls the answer through its own machinery (tracing under ``shard_map``).
 
     Raises:
-      ExerciseError: the answer called a forbidden function, ran a copy of one, or removed the hook; or (as
-        :func:`call_answer`) it raised.
+      ExerciseError: on leaving the block, if a forbidden function (or a copy of its code) was called or the
+        profile hook was switched off; an ``ExerciseError`` from the block when nothing forbidden was called.
     """
     signatures = {_signature(f.__code__): f.__name__ for f in forbidden}
     seen: list[str] = []
@@ -70,17 +72,17 @@ def call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args, ex
     with _LOCK:
         saved = [(f, f.__code__, f.__globals__.get(_HOOK)) for f in forbidden]
         old = sys.getprofile()
+        intact = True
         try:
             for f, _, _ in saved:
                 f.__globals__[_HOOK] = refuse
                 f.__code__ = _stub_code(f.__name__)
             sys.setprofile(watch)
             try:
-                got = call_answer(what, fn, *args, explain=explain)
+                yield seen
             except ExerciseError:
                 if not seen:
                     raise
-                got = None
             intact = sys.getprofile() is watch
         finally:
             sys.setprofile(old)
@@ -96,4 +98,17 @@ def call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args, ex
             f"{what} switched off or replaced the checker's profile hook (sys.setprofile)",
             f"leave sys.setprofile alone; {hint}",
         )
-    return got
+
+
+def call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args, explain=None):
+    """``fn(*args)`` (through :func:`course_tools.checks._common.call_answer`, ``explain`` passed on),
+    refused with ``hint`` if it calls one of ``forbidden`` (module-level functions: the ones the checker
+    compares with), a copy of their code, or switches off the profile hook; see the module docstring for
+    what cannot be caught.
+
+    Raises:
+      ExerciseError: the answer called a forbidden function, ran a copy of one, or removed the hook; or (as
+        :func:`call_answer`) it raised.
+    """
+    with unaided(what, forbidden, hint):
+        return call_answer(what, fn, *args, explain=explain)

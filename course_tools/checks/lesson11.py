@@ -5,7 +5,10 @@ silent bug only shows when experts fill up.
 None of them holds an answer: the pipeline is compared with applying the stages in order on one device
 (values and gradients, under ``shard_map`` on the devices present) and its ticks and sends are read from its
 jaxpr on a 4-stage mesh traced without devices; the predictions are compared with the tables of
-:mod:`course_lib.schedules`; the router with :func:`course_lib.moe.route` on capacities that drop.
+:mod:`course_lib.schedules`; the router with :func:`course_lib.moe.route` on capacities that drop. The
+pipeline and the router are run with the library functions they are compared with (``pipeline.forward`` and
+``train``; ``moe.route``) replaced by stubs that raise (:mod:`._unaided`): an answer that calls them is
+refused, and the predictions may not call into the schedules' modules.
 """
 
 from __future__ import annotations
@@ -19,14 +22,28 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from course_lib import moe, pipeline_measure, schedules
+from course_lib import moe, pipeline, pipeline_measure, schedules
 
 from ._common import call_answer, checker, fail, judged_on, passed
 from ._lesson11_gpipe import ROWS, SHAPE_CASE, WIDTH, check_pairs, gpipe_structure, gpipe_values
+from ._unaided import call_unaided, unaided
 
 __all__ = ["check_gpipe", "check_predict_pipeline", "check_router"]
 
 # ---- exercise 1 (project): GPipe ------------------------------------------------------------------------
+
+
+_EXECUTORS = (pipeline.forward, pipeline.train)
+"""The library's pipeline executors: exercise 1 asks the learner to write what they do."""
+
+_EXECUTOR_HINT = (
+    "the exercise is to write the pipeline: loop over the m + p - 1 ticks yourself with lax.axis_index, "
+    "lax.axis_size and lax.ppermute instead of running course_lib.pipeline's executor"
+)
+
+_METADATA_BYTES = 16
+"""What a GPipe tick may send beyond its activation: four 4-byte scalars (a micro-batch id, a valid flag);
+a buffer of outputs is far more (one activation here is ``ROWS·WIDTH·4`` = 96 bytes)."""
 
 
 @checker
@@ -38,11 +55,16 @@ def check_gpipe(gpipe_forward: Callable, devices: Sequence[Any]) -> bool:
     stage ``s`` holds its layers, ``xs`` [m, …] holds every micro-batch; the last stage must return
     ``ys`` [m, …] with micro-batch ``i`` through all stages in row ``i``, differentiably, in ``m + p - 1``
     ticks of one stage application each, sending one activation per tick from each stage to the next
-    (the ``ppermute`` pairs ``(i, i + 1)``: no pair back, no wrap-around from the last stage to stage 0)."""
-    ticks, sends, sent, pairs = gpipe_structure(gpipe_forward)
-    p, m = SHAPE_CASE
-    check_pairs(pairs, p)  # read from the 4-stage program: caught however few devices are present
-    ran = gpipe_values(gpipe_forward, list(devices), np.random.default_rng(11))
+    (the ``ppermute`` pairs ``(i, i + 1)``: no pair back, no wrap-around from the last stage to stage 0),
+    plus at most :data:`_METADATA_BYTES` per tick. It is run with ``course_lib.pipeline``'s executors
+    (``forward``, ``train``) replaced by functions that raise: an answer that calls them is refused."""
+    # run with the library's executors off; the pairs are read from the 4-stage program, so a wrong pair
+    # is caught however few devices are present
+    with unaided("gpipe_forward", _EXECUTORS, _EXECUTOR_HINT):
+        ticks, sends, sent, pairs = gpipe_structure(gpipe_forward)
+        p, m = SHAPE_CASE
+        check_pairs(pairs, p)
+        ran = gpipe_values(gpipe_forward, list(devices), np.random.default_rng(11))
     act = ROWS * WIDTH * 4
     if sends == 0:
         fail(
@@ -75,10 +97,11 @@ def check_gpipe(gpipe_forward: Callable, devices: Sequence[Any]) -> bool:
             f"GPipe needs m + p - 1 = {m + p - 1}",
             hint,
         )
-    if sent > (m + p - 1) * act:
+    if sent > (m + p - 1) * (act + _METADATA_BYTES):
         fail(
-            f"on p={p} stages each device sends {sent / act:.0f} activations' worth per step; "
-            f"GPipe sends one activation per tick ({m + p - 1})",
+            f"on p={p} stages each device sends {sent:.0f} bytes per step, {sent / act:.2f} activations "
+            f"of {act} bytes; GPipe sends one activation per tick ({m + p - 1}, {(m + p - 1) * act} "
+            f"bytes), plus at most {_METADATA_BYTES} bytes of metadata per tick (a micro-batch id, a flag)",
             "send only the stage's output of this tick, not a buffer of outputs",
         )
     where = f"on {len(devices)} device(s) at (p, m) = {ran}" if ran else "(no devices to run it on)"
@@ -316,16 +339,23 @@ def _router_dtypes(r: moe.Routing, what: str) -> None:
             )
 
 
+_ROUTE_HINT = (
+    "the exercise is to write the router: take lax.top_k of the softmax and count each expert's places "
+    "with a cumulative sum yourself instead of calling moe.route"
+)
+
+
 @checker
 def check_router(route: Callable) -> bool:
     """``route(logits [N, E], k, capacity) -> (expert, slot, keep, gate)`` as :func:`course_lib.moe.route`,
-    on capacities that drop choices and ones that drop none."""
+    on capacities that drop choices and ones that drop none. A ``route`` that calls ``moe.route`` (or runs a
+    copy of its code) is refused: it is run with ``moe.route`` replaced by a function that raises."""
     rng = np.random.default_rng(23)
     for n, e, k, cf in _ROUTER_CASES:
         logits = jnp.asarray(rng.standard_normal((n, e)), jnp.float32)
         cap = moe.capacity(n, e, k, cf)
         what = f"route(logits [{n}, {e}], k={k}, capacity={cap})"
-        r = _routing(call_answer(what, route, logits, k, cap), what)
+        r = _routing(call_unaided(what, route, (moe.route,), _ROUTE_HINT, logits, k, cap), what)
         ref = moe.route(logits, k, cap)
         if any(a.shape != b.shape for a, b in zip(r, ref, strict=True)):
             fail(
