@@ -154,8 +154,31 @@ def pytest_runtest_makereport(item, call):
     yield
 
 
+_BY_GROUP: dict[
+    str, list[float]
+] = {}  # group -> [CPU seconds, seconds the tests took (summed over workers)]
+
+
+def group_of(nodeid: str) -> str:
+    """The suite's groups, for its closing summary: ``matrix`` (the notebooks under papermill at 1, 2, 4
+    devices, tests/test_invariance.py), ``nbmake`` (every notebook as committed), ``checkers``
+    (tests/test_checks_*.py) and ``other``."""
+    path = nodeid.split("::")[0]
+    if path.endswith(".ipynb"):
+        return "nbmake"
+    if path.endswith("test_invariance.py"):
+        return "matrix"
+    if path.rsplit("/", 1)[-1].startswith("test_checks_"):
+        return "checkers"
+    return "other"
+
+
 def pytest_runtest_logreport(report):
+    group = _BY_GROUP.setdefault(group_of(report.nodeid), [0.0, 0.0])
+    group[1] += report.duration
     for key, value in report.user_properties if report.when == "teardown" else ():
+        if key == CPU_KEY:
+            group[0] += float(value)
         if key == CPU_KEY:
             _CPU_BY_TEST[report.nodeid] = float(value)
             where = report.nodeid.split("::")[0]
@@ -183,6 +206,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _CPU_BY_FILE and not hasattr(config, "workerinput"):
         for line in cpu_table(_CPU_BY_FILE):
             terminalreporter.write_line(line)
+        terminalreporter.write_line(
+            "by group (CPU seconds; seconds the tests took, summed over workers):"
+        )
+        for name, (cpu, took) in sorted(_BY_GROUP.items(), key=lambda kv: -kv[1][0]):
+            terminalreporter.write_line(f"  {name:8s} {cpu:8,.1f} s CPU  {took:8,.1f} s")
         if os.environ.get("COURSE_CPU_JSON"):  # every test's CPU seconds, for a closer look
             with open(os.environ["COURSE_CPU_JSON"], "w") as f:
                 json.dump(dict(sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])), f, indent=1)

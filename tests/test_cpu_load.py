@@ -127,3 +127,21 @@ def test_busy_processes_end_on_their_own_when_the_script_is_killed():
         time.sleep(0.1)
     assert _busy_left(proc.pid) == []
     os.killpg(proc.pid, signal.SIGKILL)  # the sleeping command
+
+
+def test_the_suite_summary_names_its_groups():
+    """The closing summary's groups (conftest.group_of): the matrix, nbmake, the checkers' tests, the rest."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "root_conftest", Path(__file__).resolve().parent.parent / "conftest.py"
+    )
+    root = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root)
+    assert root.group_of("tests/test_invariance.py::test_notebook_runs[08_lab-n4]") == "matrix"
+    assert root.group_of("notebooks/08_lab.ipynb::") == "nbmake"
+    assert root.group_of("tests/test_checks_lesson04.py::test_x") == "checkers"
+    assert root.group_of("tests/test_costs.py::test_x") == "other"
+    lines = root.cpu_table({"a.py": 30.0, "b.py": 10.0}, top=1)
+    assert lines[0].startswith("CPU time of the tests: 40 s") and "the other 1 files" in lines[-1]
