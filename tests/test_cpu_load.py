@@ -138,7 +138,12 @@ def test_the_suite_summary_names_its_groups():
         "root_conftest", Path(__file__).resolve().parent.parent / "conftest.py"
     )
     root = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(root)
+    env = dict(os.environ)
+    try:
+        spec.loader.exec_module(root)  # it sets the session's variables again: put them back after
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
     assert root.group_of("tests/test_invariance.py::test_notebook_runs[08_lab-n4]") == "matrix"
     assert root.group_of("notebooks/08_lab.ipynb::") == "nbmake"
     assert root.group_of("tests/test_checks_lesson04.py::test_x") == "checkers"
