@@ -40,12 +40,13 @@ def hbm_bytes(key: str, config, global_batch: int, sizes: dict[str, int], itemsi
               n_micro: int = 2, *, remat: bool = False) -> int:  # fmt: skip
     """Bytes one device reads and writes in HBM per training step of layout ``key`` — a MODEL, no caches, no
     fusion, every value in ``itemsize`` bytes (2: bfloat16). With ``W`` the parameter bytes the device's
-    matmuls read (its shard ``p``, :func:`~course_lib.lm_costs.param_bytes`, plus under FSDP the gathered copy ``G``,
-    :func:`~course_lib.lm_costs.gathered_bytes`) and ``A`` its activations (:func:`~course_lib.lm_costs.activation_bytes`, which holds ``G`` too):
-    parameters read forward and backward ``2·W``; gradients written ``p``; the update reads gradients,
-    parameters and momentum and writes parameters and momentum ``5·p``; activations written forward and read
-    backward ``2·(A - G)``. Total ``2·W + 6·p + 2·(A - G) = 8·p + 2·A`` (:func:`~course_lib.lm_costs.predict_memory`'s
-    ``params`` and ``activations``)."""
+    matmuls read (its shard ``p``, :func:`~course_lib.lm_costs.param_bytes`, plus under FSDP the gathered
+    copy ``G``, :func:`~course_lib.lm_costs.gathered_bytes`) and ``A`` its activations
+    (:func:`~course_lib.lm_costs.activation_bytes`, which holds ``G`` too): parameters read forward and
+    backward ``2·W``; gradients written ``p``; the update reads gradients, parameters and momentum and writes
+    parameters and momentum ``5·p``; activations written forward and read backward ``2·(A - G)``. Total
+    ``2·W + 6·p + 2·(A - G) = 8·p + 2·A`` (:func:`~course_lib.lm_costs.predict_memory`'s ``params`` and
+    ``activations``)."""
     mem = lm_costs.predict_memory(key, config, global_batch, sizes, itemsize, n_micro, remat=remat)
     return 8 * mem["params"] + 2 * mem["activations"]
 
@@ -78,8 +79,8 @@ def step_time(key: str, config, global_batch: int, fabric, n_devices: int = 8, *
     MODEL, through the course's one time model :func:`course_lib.costs.step_time`: the FLOPs
     (:func:`flops_per_device`, at ``mfu`` of the peak; 1.0: the datasheet's peak) and, with ``roofline``,
     the HBM bytes (:func:`hbm_bytes`) give the compute time (the roofline's maximum); every predicted
-    transfer (:func:`~course_lib.lm_costs.predict_bytes`, a line each) costs :func:`course_lib.costs.collective_time` on its axes'
-    link; ``overlap`` (:data:`OVERLAPS`) says how the two add up. The pipeline's micro-batches default to
+    transfer (:func:`~course_lib.lm_costs.predict_bytes`, a line each) costs
+    :func:`course_lib.costs.collective_time` on its axes' link; ``overlap`` (:data:`OVERLAPS`) says how the two add up. The pipeline's micro-batches default to
     ``4 × stages``.
 
     Returns:

@@ -8,9 +8,9 @@ None of them holds an answer: each compares the learner's function, on cases dra
 (:func:`~course_lib.lm_costs.largest_layers`) and :func:`~course_lib.lm_costs.predict_bytes`, which equals
 the compiled pipeline's bytes (asserted in the notebook). Each says how many cases are wrong, and in which
 part, never which case (an answer that raises is shown the call that raised, to rerun it). An answer that
-calls the function the checker compares with is refused (:mod:`._unaided`: from any thread, under any alias, or as a copy of its code; a copied and
-edited source cannot be detected — the checkers are a self-test): the exercise is to build it from its
-pieces.
+calls the function the checker compares with is refused (:mod:`._unaided`: from any thread, under any
+alias, or as a copy of its code; a copied and edited source cannot be detected — the checkers are a
+self-test): the exercise is to build it from its pieces.
 """
 
 from __future__ import annotations
