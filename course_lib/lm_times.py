@@ -80,8 +80,8 @@ def step_time(key: str, config, global_batch: int, fabric, n_devices: int = 8, *
     (:func:`flops_per_device`, at ``mfu`` of the peak; 1.0: the datasheet's peak) and, with ``roofline``,
     the HBM bytes (:func:`hbm_bytes`) give the compute time (the roofline's maximum); every predicted
     transfer (:func:`~course_lib.lm_costs.predict_bytes`, a line each) costs
-    :func:`course_lib.costs.collective_time` on its axes' link; ``overlap`` (:data:`OVERLAPS`) says how the two add up. The pipeline's micro-batches default to
-    ``4 × stages``.
+    :func:`course_lib.costs.collective_time` on its axes' link; ``overlap`` (:data:`OVERLAPS`) says how the
+    two add up. The pipeline's micro-batches default to ``4 × stages``.
 
     Returns:
       ``{"layout", "sizes", "compute_s" (the roofline), "flop_s", "hbm_s", "hbm_bytes", "comm_s" (per axis),
