@@ -222,7 +222,9 @@ def test_the_pipeline_model_is_the_executor_it_runs():
     micro-batch's stage values recomputed; every tick runs the stage and the head (idle ones too)."""
     gpu, sizes = transformer.GPU, lm_layouts.mesh_axes("pp_dp", 8)
     acts = lm_costs.activation_bytes("pp_dp", gpu, 32, sizes, 2, 8)
-    assert 3e9 < acts < 4e9  # the issue's figure: about 3.4 GB held, where GPipe keeping all would be 26 GB
+    assert (
+        3e9 < acts < 4e9
+    )  # the issue's figure: about 3.4 GB held, where GPipe keeping all would be 26 GB
     # the stash grows with the micro-batches at a fixed micro-batch size, the recomputed values do not
     a8, a16 = (lm_costs.activation_bytes("pp_dp", gpu, 32 * k, sizes, 2, 8 * k) for k in (1, 2))
     assert (
