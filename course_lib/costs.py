@@ -162,9 +162,9 @@ COLLECTIVE_LATENCY_S = SWITCH_LATENCY_S
 """ASSUMPTION, not a measurement (NVLink's α in :mod:`course_lib.chips`): a fixed cost of 10 µs per
 collective (launch and synchronisation), the order of magnitude NCCL collectives take on small messages
 within one NVLink server. :func:`step_time_model` adds it ``n_collectives`` times (the count its caller
-gives); the transformer lab's model (:func:`course_lib.lm_costs.step_time`) once per predicted transfer (a
-line of ``predict_bytes``; FSDP's gathers of all parameters count as one), not per collective the compiled
-program runs."""
+gives). The time model below (:func:`collective_time`, :func:`step_time`; the transformer lab's
+:func:`course_lib.lm_costs.step_time` builds on it) charges each link's own α per step of a collective
+instead."""
 
 
 @dataclasses.dataclass(frozen=True)
