@@ -171,12 +171,15 @@ def largest_layers(key: str, config, global_batch: int, memory_limit: float, n_d
     if sizes is None:
         raise ValueError(f"layout {key!r} does not fit {n_devices} devices")
     step = sizes.get(STAGE, 1)
+    itemsize = 2 if precision == "bfloat16" else (8 if precision == "float64" else 4)
 
-    def fits(n):
+    def fits(n):  # step_time's memory_bytes, without the time
         cfg = dataclasses.replace(config, n_layers=n * step)
-        row = step_time(key, cfg, global_batch, FABRICS["H100"], n_devices, precision=precision,
-                        remat=remat)  # fmt: skip
-        return row["memory_bytes"] <= memory_limit
+        mem = lm_costs.predict_memory(key, cfg, global_batch, sizes, itemsize, 4 * step if step > 1 else 1,
+                                      remat=remat)  # fmt: skip
+        return (
+            mem["params"] + mem["optimizer"] + mem["gradients"] + mem["activations"] <= memory_limit
+        )
 
     lo, hi = 0, max_layers // step  # fits(lo) (or lo == 0); the memory grows with the layers
     if fits(hi):
