@@ -164,9 +164,9 @@ def mfu(flops_per_device: float, step_time_s: float, peak: float | None) -> floa
 COLLECTIVE_LATENCY_S = SWITCH_LATENCY_S
 """ASSUMPTION, not a measurement (NVLink's α in :mod:`course_lib.chips`): a fixed cost of 10 µs per
 collective (launch and synchronisation), the order of magnitude NCCL collectives take on small messages
-within one NVLink server. The transformer lab's model (:func:`course_lib.lm_costs.step_time`) adds it once
-per predicted transfer (a line of ``predict_bytes``; FSDP's gathers of all parameters count as one), not
-per collective the compiled program runs."""
+within one NVLink server. The time model below (:func:`collective_time`, :func:`step_time`; the transformer
+lab's :func:`course_lib.lm_costs.step_time` builds on it) charges each link's own α per step of a collective
+instead."""
 
 
 @dataclasses.dataclass(frozen=True)

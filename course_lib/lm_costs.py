@@ -4,9 +4,12 @@
   (:class:`course_lib.comms.Transfer` each; :func:`course_lib.comms.sent_by_axis` sums them per axis).
 - :func:`predict_memory`: bytes per device by kind (parameters, optimizer state, gradients, batch,
   activations) and the two figures ``memory_analysis()`` reports exactly (arguments, outputs).
-- :func:`step_time`, :func:`rank_layouts`, :func:`largest_layers`: a step-time MODEL for 8 GPUs of one NVLink
-  server (H100, H200: datasheet figures), not a measurement — what the lab's exercises ask the learner to
-  predict; its compute part is a roofline over :func:`hbm_bytes` (HBM traffic; ``roofline=False``: FLOPs only).
+- :func:`step_time`, :func:`rank_layouts`, :func:`largest_layers`: a step-time MODEL of the programs the lab
+  runs (the pipeline's stash and recompute as lesson 11's executor does them; ``remat`` for every layout)
+  on a fabric (:data:`FABRICS`: 8 GPUs of one NVLink server, a TPU v5e slice; datasheet figures), through
+  the course's one time model :func:`course_lib.costs.step_time` (a roofline over :func:`flops_per_device`
+  and :func:`hbm_bytes`, :func:`course_lib.costs.collective_time` per transfer, with and without overlap),
+  not a measurement.
 - :func:`by_kind`, :func:`plot_bytes`, :func:`plot_step_times`: the lab's tables and plots.
 
 Taught in ``notebooks/12_transformer_lab.ipynb``; tested in ``tests/test_lm_layouts.py``.
@@ -14,16 +17,14 @@ Taught in ``notebooks/12_transformer_lab.ipynb``; tested in ``tests/test_lm_layo
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from . import comms, costs, transformer
-from .lm_layouts import LAYOUTS, _path, layout, local_bytes, mesh_axes, param_specs
+from . import comms
+from .lm_layouts import _path, layout, local_bytes, param_specs
 from .lm_plots import by_kind, plot_bytes, plot_step_times
 from .meshes import DATA, MODEL, STAGE
 
@@ -35,9 +36,9 @@ __all__ = [
     "gathered_bytes",
     "predict_memory",
     "hbm_bytes",
-    "H200",
-    "PROFILES",
-    "MEMORY_BYTES",
+    "flops_per_device",
+    "FABRICS",
+    "OVERLAPS",
     "step_time",
     "rank_layouts",
     "splits",
@@ -224,33 +225,60 @@ def _activation_transfers(lay, n_layers, sizes, act, key, config, itemsize) -> l
 # ---- memory by kind -----------------------------------------------------------------------------------------
 
 
-def activation_bytes(key: str, config, global_batch: int, sizes: dict[str, int], itemsize: int = 4,
-                     n_micro: int = 2) -> int:  # fmt: skip
-    """Bytes of the activations one device keeps for the backward pass — an estimate, per layer: the
-    residual stream and the two LayerNorm outputs (split over the sequence axis, if any), q, k, v, the
-    attention output and the MLP's two hidden values (split over the model axis), the scores and weights
-    ``[b, H, S, S]`` (heads over model, queries over the sequence axis); the logits once. A pipeline stage
-    holds its layers' values for all its micro-batches (GPipe). Under FSDP the gathered parameters too: the
-    step gathers each one once and keeps it through the backward pass (``SHARD_GRAD_OP``,
-    :mod:`course_lib.lm_steps`), so a device holds every parameter as the model axis splits it, beside its
-    shard (:func:`gathered_bytes`)."""
-    lay = layout(key)
-    b = global_batch // math.prod(sizes[a] for a in lay.batch_axes)
+def _layer_values(lay, config, b: int, sizes: dict[str, int]) -> int:
+    """Values one layer of one device keeps for its backward pass at ``b`` sequences: the residual stream and
+    the two LayerNorm outputs (split over the sequence axis, if any), q, k, v, the attention output and the
+    MLP's two hidden values (split over the model axis), the scores and weights ``[b, H, S, S]`` (heads over
+    model, queries over the sequence axis); under SP the residual split, the rest whole-sequence."""
     t = sizes[lay.model_axis] if lay.model_axis else 1
     c = sizes[lay.seq_axis] if lay.seq_axis else 1
     s, d, f, h = config.seq_len, config.d_model, config.d_ff, config.n_heads
-    layers = config.n_layers // (sizes[lay.stage_axis] if lay.stage_axis else 1)
-    per_layer = b * (s // c) * (3 * d + 4 * d // t + 2 * f // t) + 2 * b * (h // t) * (s // c) * s
-    if (
-        lay.model_axis and lay.seq_axis == lay.model_axis
-    ):  # SP: residual split, the rest whole-sequence
-        per_layer = (
-            b * (s // t) * 3 * d + b * s * (4 * d // t + 2 * f // t) + 2 * b * (h // t) * s * s
-        )
+    if lay.model_axis and lay.seq_axis == lay.model_axis:  # SP
+        return b * (s // t) * 3 * d + b * s * (4 * d // t + 2 * f // t) + 2 * b * (h // t) * s * s
+    return b * (s // c) * (3 * d + 4 * d // t + 2 * f // t) + 2 * b * (h // t) * (s // c) * s
+
+
+def _local_batch(lay, global_batch: int, sizes: dict[str, int]) -> int:
+    return global_batch // math.prod(sizes[a] for a in lay.batch_axes)
+
+
+def activation_bytes(key: str, config, global_batch: int, sizes: dict[str, int], itemsize: int = 4,
+                     n_micro: int = 2, *, remat: bool = False) -> int:  # fmt: skip
+    """Bytes of the activations one device keeps for the backward pass — an estimate of the program's
+    temporaries (``memory_analysis().temp_size_in_bytes``), as the lab's programs run.
+
+    Every layout but the pipeline: per layer :func:`_layer_values` at the local batch, and the logits once.
+    ``remat=True`` (activation recomputation, ``jax.checkpoint`` per layer): each layer keeps only its input
+    (the residual stream, split as the layout splits it), and one layer's values are live at a time while
+    the backward pass recomputes it. The pipeline (``pp_dp``) as lesson 11's executor
+    (:func:`course_lib.pipeline.train`) runs it — it always recomputes: the F lane stashes each micro-batch's
+    stage *input* (``m + 1`` slots), the B lane recomputes the stage from it under ``jax.vjp``; the program
+    also holds the embedded micro-batches ``xs`` (``m``), their input cotangents ``dxs`` (``m + 1``) and the
+    two tick buffers: ``3m + 4`` micro-batch activations ``[b/m, S, D]``, plus one micro-batch's stage values
+    and logits. ``remat`` changes nothing there. Under FSDP the gathered parameters too: the step gathers
+    each one once and keeps it through the backward pass (``SHARD_GRAD_OP``, :mod:`course_lib.lm_steps`),
+    so a device holds every parameter as the model axis splits it, beside its shard (:func:`gathered_bytes`).
+    ``notebooks/12_transformer_lab.ipynb`` compares the estimate with ``memory_analysis()`` per layout.
+    """
+    lay = layout(key)
+    b = _local_batch(lay, global_batch, sizes)
+    c = sizes[lay.seq_axis] if lay.seq_axis else 1
+    s, d = config.seq_len, config.d_model
+    if lay.stage_axis:
+        if b % n_micro:
+            raise ValueError(
+                f"a local batch of {b} does not split into n_micro={n_micro} micro-batches"
+            )
+        b_mb, layers = b // n_micro, config.n_layers // sizes[lay.stage_axis]
+        held = (3 * n_micro + 4) * b_mb * s * d + layers * _layer_values(lay, config, b_mb, sizes)
+        return int((held + b_mb * s * config.vocab) * itemsize)
     logits = b * (s // c) * config.vocab
-    return int((layers * per_layer + logits) * itemsize) + gathered_bytes(
-        key, config, sizes, itemsize
-    )
+    if remat:
+        t = sizes[lay.model_axis] if lay.seq_axis and lay.seq_axis == lay.model_axis else c
+        values = config.n_layers * b * (s // t) * d + _layer_values(lay, config, b, sizes)
+    else:
+        values = config.n_layers * _layer_values(lay, config, b, sizes)
+    return int((values + logits) * itemsize) + gathered_bytes(key, config, sizes, itemsize)
 
 
 def gathered_bytes(key: str, config, sizes: dict[str, int], itemsize: int = 4) -> int:
@@ -267,162 +295,39 @@ def gathered_bytes(key: str, config, sizes: dict[str, int], itemsize: int = 4) -
 
 
 def predict_memory(key: str, config, global_batch: int, sizes: dict[str, int], itemsize: int = 4,
-                   n_micro: int = 2) -> dict[str, int]:  # fmt: skip
+                   n_micro: int = 2, *, remat: bool = False) -> dict[str, int]:  # fmt: skip
     """Bytes per device by kind: ``params``, ``optimizer`` (momentum: one value per parameter),
     ``gradients`` (laid out as the parameters), ``batch`` (tokens and targets, int32), ``activations``
-    (:func:`activation_bytes`, an estimate), and what the compiled step's ``memory_analysis()`` reports
-    exactly: ``arguments`` (params + optimizer + batch) and ``outputs`` (params + optimizer + gradients +
-    the loss, + 8 bytes per output array on XLA:CPU: the output tuple's table of buffer pointers)."""
+    (:func:`activation_bytes`, an estimate; ``remat`` passed on), and what the compiled step's
+    ``memory_analysis()`` reports exactly: ``arguments`` (params + optimizer + batch) and ``outputs`` (params
+    + optimizer + gradients + the loss, + 8 bytes per output array on XLA:CPU: the output tuple's table of
+    buffer pointers)."""
     lay = layout(key)
     prm = param_bytes(key, config, sizes, itemsize)
     n_leaves = len(jax.tree.leaves(_abstract_params(config, key)))
-    b = global_batch // math.prod(sizes[a] for a in lay.batch_axes)
+    b = _local_batch(lay, global_batch, sizes)
     c = sizes[lay.seq_axis] if lay.seq_axis else 1
     batch = 2 * b * (config.seq_len // c) * 4
+    acts = activation_bytes(key, config, global_batch, sizes, itemsize, n_micro, remat=remat)
     return {
         "params": prm,
         "optimizer": prm,
         "gradients": prm,
         "batch": batch,
-        "activations": activation_bytes(key, config, global_batch, sizes, itemsize, n_micro),
+        "activations": acts,
         "arguments": 2 * prm + batch,
         "outputs": 3 * prm + itemsize + 8 * (3 * n_leaves + 1),
     }
 
 
-# ---- a step-time model for GPUs (a model, not a measurement) ------------------------------------------------
-
-H200 = costs.device_profile("H200 SXM 141GB, NVLink 4", "H200")  # the table's bandwidths
-PROFILES = {"H100": costs.DEVICE_PROFILES["H100"], "H200": H200}
-"""The device profiles of the lab's step-time model (8 GPUs of one NVLink server)."""
-MEMORY_BYTES = {"H100": 80e9, "H200": 141e9}
-"""HBM per GPU (datasheets)."""
-
-
-def hbm_bytes(key: str, config, global_batch: int, sizes: dict[str, int], itemsize: int = 2,
-              n_micro: int = 2) -> int:  # fmt: skip
-    """Bytes one device reads and writes in HBM per training step of layout ``key`` — a MODEL, no caches, no
-    fusion, every value in ``itemsize`` bytes (2: bfloat16). With ``W`` the parameter bytes the device's
-    matmuls read (its shard ``p``, :func:`param_bytes`, plus under FSDP the gathered copy ``G``,
-    :func:`gathered_bytes`) and ``A`` its activations (:func:`activation_bytes`, which holds ``G`` too):
-    parameters read forward and backward ``2·W``; gradients written ``p``; the update reads gradients,
-    parameters and momentum and writes parameters and momentum ``5·p``; activations written forward and read
-    backward ``2·(A - G)``. Total ``2·W + 6·p + 2·(A - G) = 8·p + 2·A`` (:func:`predict_memory`'s
-    ``params`` and ``activations``)."""
-    return _hbm(predict_memory(key, config, global_batch, sizes, itemsize, n_micro))
-
-
-def _hbm(mem: dict[str, int]) -> int:
-    return 8 * mem["params"] + 2 * mem["activations"]
-
-
-def step_time(key: str, config, global_batch: int, profile: costs.DeviceProfile, n_devices: int = 8, *,
-              precision: str = "bfloat16", n_micro: int | None = None, roofline: bool = True,
-              mfu: float = 1.0) -> dict[str, Any]:  # fmt: skip
-    """Layout ``key``'s step time on ``profile`` — a MODEL: the training FLOPs (3 × the forward's,
-    :func:`course_lib.transformer.flops_per_token`) split over the devices at ``mfu`` (the fraction of the
-    peak a step reaches; 1.0: the datasheet's peak, an upper bound of the speed), stretched by the
-    pipeline's bubble ``(m + p - 1)/m``, plus per mesh axis the predicted bytes (:func:`predict_bytes`) at
-    the link bandwidth and a fixed latency (:data:`course_lib.costs.COLLECTIVE_LATENCY_S`) per predicted
-    transfer (a line of :func:`predict_bytes`; FSDP's gathers of all parameters count as one), not per
-    collective the program runs; no overlap of compute and communication. The
-    compute part is a roofline, ``max(FLOPs / peak, HBM bytes / HBM bandwidth)`` (:func:`hbm_bytes` at
-    ``profile.hbm_bytes_per_s``), stretched by the bubble: the H200's faster HBM counts where a step is
-    memory-bound (``roofline=False``: the FLOPs' time only).
-
-    Returns:
-      ``{"layout", "sizes", "compute_s", "comm_s" (per axis), "step_s", "sent_bytes" (per device),
-      "memory_bytes" (per device: parameters, optimizer, gradients, activations)}``; with ``roofline``
-      also ``"flop_s"``, ``"hbm_s"`` (each before the bubble) and ``"hbm_bytes"`` (per device).
-    """
-    sizes = mesh_axes(key, n_devices)
-    if sizes is None:
-        raise ValueError(f"layout {key!r} does not fit {n_devices} devices")
-    itemsize = 2 if precision == "bfloat16" else (8 if precision == "float64" else 4)
-    lay = layout(key)
-    m = n_micro or (4 * sizes[lay.stage_axis] if lay.stage_axis else 1)
-    flops = 3 * transformer.flops_per_token(config) * global_batch * config.seq_len / n_devices
-    peak = costs.rate(profile.peak, precision)
-    mem = predict_memory(key, config, global_batch, sizes, itemsize, m)
-    compute, extra = flops / (peak * mfu), {}
-    if roofline:
-        moved = _hbm(mem)
-        extra = {"flop_s": compute, "hbm_s": moved / profile.hbm_bytes_per_s, "hbm_bytes": moved}
-        compute = max(compute, extra["hbm_s"])
-    if lay.stage_axis:
-        compute *= (m + sizes[lay.stage_axis] - 1) / m
-    transfers = predict_bytes(key, config, global_batch, sizes, itemsize=itemsize, n_micro=m)
-    comm: dict[str, float] = {}
-    for t in transfers:
-        comm[t.axis] = (
-            comm.get(t.axis, 0.0)
-            + t.sent_bytes / profile.link_bytes_per_s
-            + costs.COLLECTIVE_LATENCY_S
-        )
-    memory = mem["params"] + mem["optimizer"] + mem["gradients"] + mem["activations"]
-    return {
-        "layout": key, "sizes": sizes, "compute_s": compute, "comm_s": comm,
-        "step_s": compute + sum(comm.values()), "sent_bytes": comms.total_sent(transfers),
-        "memory_bytes": memory, **extra,
-    }  # fmt: skip
-
-
-def rank_layouts(config, global_batch: int, profile: costs.DeviceProfile, n_devices: int = 8, *,
-                 memory_limit: float | None = None, precision: str = "bfloat16",
-                 roofline: bool = True, mfu: float = 1.0) -> list[dict]:  # fmt: skip
-    """Every layout that fits ``n_devices`` (and, given ``memory_limit``, whose predicted memory per device
-    is at most it), fastest first by :func:`step_time` (``roofline`` and ``mfu`` passed on) — the model's ranking, not a
-    measurement. A layout whose batch or heads do not split is left out."""
-    rows = []
-    for key in LAYOUTS:
-        sizes = mesh_axes(key, n_devices)
-        if sizes is None or not splits(key, config, global_batch, sizes):
-            continue
-        row = step_time(key, config, global_batch, profile, n_devices, precision=precision,
-                        roofline=roofline, mfu=mfu)  # fmt: skip
-        if memory_limit is None or row["memory_bytes"] <= memory_limit:
-            rows.append(row)
-    return sorted(rows, key=lambda r: r["step_s"])
-
-
-def splits(key: str, config, global_batch: int, sizes: dict[str, int]) -> bool:
-    """True when layout ``key`` on axes ``sizes`` splits the model and the batch evenly: the batch by its
-    batch axes (and the pipeline's ``4 × stages`` micro-batches), heads and MLP width by ``model``, the
-    sequence by its sequence axis, the layers by ``stage``."""
-    lay = layout(key)
-    n_batch = math.prod(sizes[a] for a in lay.batch_axes)
-    m = 4 * sizes[lay.stage_axis] if lay.stage_axis else 1
-    ok = global_batch % (n_batch * m) == 0
-    if lay.model_axis:
-        ok &= (
-            config.n_heads % sizes[lay.model_axis] == 0 and config.d_ff % sizes[lay.model_axis] == 0
-        )
-    if lay.seq_axis:
-        ok &= config.seq_len % sizes[lay.seq_axis] == 0
-    if lay.stage_axis:
-        ok &= config.n_layers % sizes[lay.stage_axis] == 0
-    return bool(ok)
-
-
-def largest_layers(key: str, config, global_batch: int, memory_limit: float, n_devices: int = 8, *,
-                   precision: str = "bfloat16", max_layers: int = 4096) -> int:  # fmt: skip
-    """The most layers (``config`` otherwise unchanged) whose predicted memory per device
-    (:func:`step_time`'s ``memory_bytes``) is at most ``memory_limit``; 0 when not even one fits. For
-    ``pp_dp`` the count is a multiple of the stage axis."""
-    sizes = mesh_axes(key, n_devices)
-    if sizes is None:
-        raise ValueError(f"layout {key!r} does not fit {n_devices} devices")
-    step = sizes.get(STAGE, 1)
-
-    def fits(n):
-        cfg = dataclasses.replace(config, n_layers=n * step)
-        row = step_time(key, cfg, global_batch, PROFILES["H100"], n_devices, precision=precision)
-        return row["memory_bytes"] <= memory_limit
-
-    lo, hi = 0, max_layers // step  # fits(lo) (or lo == 0); the memory grows with the layers
-    if fits(hi):
-        return hi * step
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo * step
+# the step-time model (course_lib.lm_times), re-exported: lm_costs.step_time, lm_costs.rank_layouts, ...
+from .lm_times import (  # noqa: E402
+    FABRICS,
+    OVERLAPS,
+    flops_per_device,
+    hbm_bytes,
+    largest_layers,
+    rank_layouts,
+    splits,
+    step_time,
+)

@@ -5,199 +5,32 @@ import sys
 import types
 from concurrent.futures import ThreadPoolExecutor
 
-import jax
+# ---- exercise 1: which axis crosses the nodes (tests/answers_lesson12_nodes.py) ---------------------------
+from answers_lesson12_nodes import by_the_library
+from answers_lesson12_nodes import reference as across_nodes
 
-from course_lib import costs, lm_costs, lm_layouts, transformer
-
-# ---- exercise 1: the layout decision ----------------------------------------------------------------------
-
-
-def _candidates(cfg, global_batch, any_split=False, n_micro=None, omit=()):
-    for k in lm_layouts.LAYOUTS:
-        if k in omit:
-            continue
-        sizes = lm_layouts.mesh_axes(k, 8)
-        if sizes is not None and (any_split or lm_costs.splits(k, cfg, global_batch, sizes)):
-            p = sizes.get("stage", 1)
-            yield k, sizes, p, ((n_micro or 4 * p) if p > 1 else 1)
+from course_lib import lm_costs, lm_layouts, transformer
 
 
-def _memory(
-    k, cfg, global_batch, sizes, m, kinds=("params", "optimizer", "gradients", "activations")
-):
-    mem = lm_costs.predict_memory(k, cfg, global_batch, sizes, 2, m)
-    return sum(mem[kind] for kind in kinds)
-
-
-def _step(k, cfg, global_batch, sizes, p, m, profile, bubble=True, latency=True, latency_count=None,
-          roofline=True):  # fmt: skip
-    flops = 3 * transformer.flops_per_token(cfg) * global_batch * cfg.seq_len / 8
-    compute = flops / costs.rate(profile.peak, "bfloat16")
-    if roofline:  # the HBM traffic's time, when it exceeds the FLOPs'
-        moved = lm_costs.hbm_bytes(k, cfg, global_batch, sizes, itemsize=2, n_micro=m)
-        compute = max(compute, moved / profile.hbm_bytes_per_s)
-    if bubble and p > 1:
-        compute *= (m + p - 1) / m
-    sent = lm_costs.predict_bytes(k, cfg, global_batch, sizes, itemsize=2, n_micro=m)
-    total = sum(t.sent_bytes for t in sent)
-    n = len({t.axis for t in sent}) if latency_count == "axis" else len(sent)
-    fsdp = lm_layouts.layout(k).fsdp_axis
-    if (
-        latency_count == "program" and fsdp
-    ):  # a gather and a reduce-scatter per sharded leaf, not one line each
-        specs = lm_layouts.param_specs(k, lm_costs._abstract_params(cfg, k), sizes)
-        n += 2 * (sum(fsdp in tuple(s) for s in jax.tree.leaves(specs, is_leaf=_is_spec)) - 1)
-    lat = n * costs.COLLECTIVE_LATENCY_S if latency else 0.0
-    return compute + total / profile.link_bytes_per_s + lat, total
-
-
-def choose_layout(cfg, global_batch, profile, memory_limit):
-    """The reference (the notebook's solution): a loop that keeps the fastest layout that fits."""
-    best = None
-    for k, sizes, p, m in _candidates(cfg, global_batch):
-        memory = _memory(k, cfg, global_batch, sizes, m)
-        if memory > memory_limit:
-            continue
-        step, total = _step(k, cfg, global_batch, sizes, p, m, profile)
-        if best is None or step < best[0]:
-            best = (step, k, total, memory)
-    return best[1], best[2], best[3]
-
-
-def choose_layout_sorted(cfg, global_batch, profile, memory_limit):
-    """Another correct form: a table of every layout, filtered, then sorted; bytes as an int, a list back."""
-    table = []
-    for k, sizes, p, m in _candidates(cfg, global_batch):
-        step, total = _step(k, cfg, global_batch, sizes, p, m, profile)
-        table.append(
-            {
-                "k": k,
-                "step": step,
-                "sent": int(round(total)),
-                "mem": _memory(k, cfg, global_batch, sizes, m),
-            }
-        )
-    fits = sorted((r for r in table if r["mem"] <= memory_limit), key=lambda r: r["step"])
-    return [fits[0]["k"], fits[0]["sent"], fits[0]["mem"]]
-
-
-def _variant(**kw):
-    kinds = kw.get("kinds", ("params", "optimizer", "gradients", "activations"))
-
-    def choose(cfg, global_batch, profile, memory_limit):
-        profile = kw.get("profile", profile)
-        best = None
-        rows = []
-        for k, sizes, p, m in _candidates(
-            cfg, global_batch, kw.get("any_split", False), kw.get("n_micro"), kw.get("omit", ())
-        ):
-            memory = _memory(k, cfg, global_batch, sizes, m, kinds)
-            too_big = memory >= memory_limit if kw.get("strict") else memory > memory_limit
-            if kw.get("memory_filter", True) and too_big:
-                continue
-            step, total = _step(
-                k, cfg, global_batch, sizes, p, m, profile, kw.get("bubble", True),
-                kw.get("latency", True), kw.get("latency_count", False), kw.get("roofline", True),
-            )  # fmt: skip
-            if kw.get("comm_only"):
-                step = memory if kw.get("rank_memory") else total
-            rows.append((step, k, total, memory))
-            if best is None or step < best[0]:
-                best = (step, k, total, memory)
-        if best is not None and kw.get(
-            "tie"
-        ):  # within ``tie`` of the fastest: the one holding least
-            near = [r for r in rows if r[0] <= best[0] * (1 + kw["tie"])]
-            best = min(near, key=lambda r: r[3])
-        if best is None:  # nothing fits by this answer's count: the layout that holds least
-            return _variant(
-                kinds=kinds,
-                comm_only=True,
-                memory_filter=False,
-                rank_memory=True,
-                omit=kw.get("omit", ()),
-            )(cfg, global_batch, profile, memory_limit)
-        return best[1], best[2], best[3]
-
-    return choose
-
-
-choose_no_memory_limit = _variant(memory_filter=False)
-"""Wrong: ranks every layout, fitting or not."""
-choose_no_bubble = _variant(bubble=False)
-"""Wrong: the pipeline's bubble is left out (the pipeline looks as fast as DP and sends less)."""
-choose_fewest_bytes = _variant(comm_only=True)
-"""Wrong: the layout that sends the least, whatever its compute."""
-choose_no_activations = _variant(kinds=("params", "optimizer", "gradients"))
-"""Wrong: memory without the activations."""
-choose_with_batch = _variant(kinds=("params", "optimizer", "gradients", "batch", "activations"))
-"""Wrong: memory with the batch too (the exercise counts four kinds)."""
-choose_strict_limit = _variant(strict=True)
-"""Wrong: a layout whose memory equals the limit left out (``<`` for "at most")."""
-choose_latency_per_axis = _variant(latency_count="axis")
-"""Right by the checker, though not the model's bookkeeping: one latency per mesh axis, not per predicted
-transfer (the checker's cases are not decided by how the 10 µs are counted)."""
-choose_latency_per_program_collective = _variant(latency_count="program")
-"""Right by the checker: the latency per collective the compiled program runs (FSDP: per sharded leaf)."""
-choose_no_latency = _variant(latency=False)
-"""Right by the checker: no latency at all (10 µs against steps of milliseconds)."""
-
-
-def _is_spec(x):
-    return isinstance(x, jax.sharding.PartitionSpec)
-
-
-choose_two_micro = _variant(n_micro=2)
-"""Wrong: the pipeline with predict_bytes' default 2 micro-batches, not 4 x stages."""
-choose_any_split = _variant(any_split=True)
-"""Wrong: every layout ranked, whether its batch and model split or not."""
-choose_h100_always = _variant(profile=lm_costs.PROFILES["H100"])
-"""Wrong: the lab's H100 whatever the profile given (right for the H200 too where a step is compute-bound:
-the model gives them the same peak and link, and only the HBM bandwidth differs)."""
-choose_no_roofline = _variant(roofline=False)
-"""Wrong: compute at the peak only, the HBM traffic's time left out (right wherever FLOPs dominate)."""
-
-
-choose_near_tie = _variant(tie=0.01)
-"""Wrong: calls layouts within 1 % of the fastest a tie and takes the one that holds least (fsdp_tp is
-ahead of 3d by one predicted transfer's latency on the width-2046 model: not a tie)."""
-
-
-def choose_without(layout_key):
-    """Wrong: the reference, but ``layout_key`` is never considered (one answer per layout)."""
-    choose = _variant(omit=(layout_key,))
-    choose.__name__ = choose.__qualname__ = f"choose_without_{layout_key}"
-    return choose
-
-
-def choose_by_lookup(cfg, global_batch, profile, memory_limit):
-    """Wrong: reads the model's ranking instead of building it."""
-    row = lm_costs.rank_layouts(cfg, global_batch, profile, 8, memory_limit=memory_limit)[0]
-    return row["layout"], row["sent_bytes"], row["memory_bytes"]
-
-
-def choose_in_a_thread(cfg, global_batch, profile, memory_limit):
-    """Wrong: the lookup, run in a thread pool (a profile hook sees only its own thread)."""
+def across_in_a_thread(layout_key, cfg, global_batch, fabric, inter_link):
+    """Wrong: the library's step time, asked from a thread pool (a profile hook sees only its own thread)."""
     with ThreadPoolExecutor(1) as pool:
-        return pool.submit(choose_by_lookup, cfg, global_batch, profile, memory_limit).result()
+        return pool.submit(
+            by_the_library, layout_key, cfg, global_batch, fabric, inter_link
+        ).result()
 
 
-def choose_without_the_hook(cfg, global_batch, profile, memory_limit):
-    """Wrong: switches the profile hook off, then computes the layout from the model's own loop, by hand
-    (no call the stubs would see: the row of every layout from :func:`choose_layout` itself is right)."""
-    sys.setprofile(None)
-    return choose_layout(cfg, global_batch, profile, memory_limit)
+def _by_the_library(layout_key, cfg, global_batch, fabric, inter_link):
+    times = {}
+    for axis in lm_layouts.mesh_axes(layout_key, 16):
+        row = _step_time_copy(layout_key, cfg, global_batch, fabric.with_axis(axis, inter_link), 16)
+        times[axis] = sum(row["comm_s"].values())
+    return min(times.items(), key=lambda kv: kv[1])
 
 
-def choose_by_code_copy(cfg, global_batch, profile, memory_limit):
+def across_by_code_copy(layout_key, cfg, global_batch, fabric, inter_link):
     """Wrong: the model's ``step_time`` run as a copy of its code under another name, made at import."""
-    rows = []
-    for k, *_ in _candidates(cfg, global_batch):
-        row = _step_time_copy(k, cfg, global_batch, profile, 8)
-        if row["memory_bytes"] <= memory_limit:
-            rows.append(row)
-    r = min(rows, key=lambda r: r["step_s"])
-    return r["layout"], r["sent_bytes"], r["memory_bytes"]
+    return _by_the_library(layout_key, cfg, global_batch, fabric, inter_link)
 
 
 _step_time_copy = types.FunctionType(
@@ -207,18 +40,16 @@ _step_time_copy = types.FunctionType(
 _step_time_copy.__kwdefaults__ = lm_costs.step_time.__kwdefaults__
 
 
+def across_without_the_hook(layout_key, cfg, global_batch, fabric, inter_link):
+    """Wrong: switches the profile hook off, then answers by the reference."""
+    sys.setprofile(None)
+    return across_nodes(layout_key, cfg, global_batch, fabric, inter_link)
+
+
 def largest_in_a_thread(layout_key, cfg, global_batch, memory_limit):
     """Wrong: ``largest_layers`` run in a thread pool."""
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(largest_by_lookup, layout_key, cfg, global_batch, memory_limit).result()
-
-
-def choose_catching_the_refusal(cfg, global_batch, profile, memory_limit):
-    """Wrong: tries the lookup, and falls back on the reference when it raises."""
-    try:
-        return choose_by_lookup(cfg, global_batch, profile, memory_limit)
-    except Exception:  # noqa: BLE001
-        return choose_layout(cfg, global_batch, profile, memory_limit)
 
 
 # ---- exercise 2: the largest model that fits ---------------------------------------------------------------

@@ -8,103 +8,104 @@ import sys
 from functools import partial
 
 import answers_lesson12 as a
+import answers_lesson12_nodes as n
 import numpy as np
 import pytest
 from checking import not_written, rejects, stub, tpu_rules
 
-from course_lib import costs, lm_costs, lm_layouts, transformer
+from course_lib import costs, lm_costs, transformer
+from course_tools.checks import _lesson12_nodes as nodes
 from course_tools.checks import lesson12
 
 SEEDS = (0, 1)
-N_CASES = len(lesson12._FAMILIES) + len(lesson12._WINNERS)
+N_NODE_CASES = len(nodes._FAMILIES)
 
 
 def test_stubs_print_not_written(monkeypatch, capsys):
-    not_written(lesson12.check_layout_decision, stub, monkeypatch=monkeypatch, capsys=capsys)
+    not_written(lesson12.check_node_placement, stub, monkeypatch=monkeypatch, capsys=capsys)
     not_written(lesson12.check_largest_model, stub, monkeypatch=monkeypatch, capsys=capsys)
     not_written(lesson12.check_pipeline_bytes, stub, monkeypatch=monkeypatch, capsys=capsys)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_layout_decision_accepts_correct_forms(seed):
-    assert lesson12.check_layout_decision(a.choose_layout, seed=seed)
-    assert lesson12.check_layout_decision(a.choose_layout_sorted, seed=seed)
+def test_node_placement_accepts_correct_forms(seed):
+    assert lesson12.check_node_placement(n.reference, seed=seed)
+    assert lesson12.check_node_placement(n.through_costs_step_time, seed=seed)
+    # how the latency is counted is bookkeeping: none at all is accepted too
+    assert lesson12.check_node_placement(n.latency_left_out, seed=seed)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(
     "answer, part",
     [
-        (a.choose_no_memory_limit, "layout"),
-        (a.choose_no_bubble, "layout"),
-        (a.choose_fewest_bytes, "layout"),
-        (a.choose_no_activations, "memory"),
-        (a.choose_with_batch, "memory"),
-        (a.choose_strict_limit, "layout"),
-        (a.choose_two_micro, "layout"),
-        (a.choose_any_split, "layout"),
-        (a.choose_h100_always, "layout"),
-        (a.choose_near_tie, "layout"),
-        (a.choose_no_roofline, "layout"),
+        (n.first_axis_across, "the axis"),
+        (n.all_on_the_fast_link, "the time"),
+        (n.groups_left_inside, "the time"),
+        (n.no_ring_factor, "the time"),
+        (n.busiest_across, "the axis"),
     ],
 )
-def test_layout_decision_rejects(answer, part, seed):
+def test_node_placement_rejects(answer, part, seed):
     rejects(
-        partial(lesson12.check_layout_decision, seed=seed),
+        partial(lesson12.check_node_placement, seed=seed),
         answer,
-        match=rf"\d+ of {N_CASES} cases are wrong.*hint: .*{part}: ",
+        match=rf"\d+ of {N_NODE_CASES} cases are wrong.*hint: .*{part}",
     )
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_layout_decision_does_not_grade_how_the_latency_is_counted(seed):
-    # the model charges 10 µs per predicted transfer (a line of predict_bytes); no case is decided by that
-    # bookkeeping: per mesh axis, per collective the program runs, or none at all pick the same layouts
-    assert lesson12.check_layout_decision(a.choose_latency_per_axis, seed=seed)
-    assert lesson12.check_layout_decision(a.choose_latency_per_program_collective, seed=seed)
-    assert lesson12.check_layout_decision(a.choose_no_latency, seed=seed)
-
-
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("omitted", list(lm_layouts.LAYOUTS))
-def test_layout_decision_refuses_an_answer_that_leaves_a_layout_out(omitted, seed):
-    rejects(
-        partial(lesson12.check_layout_decision, seed=seed),
-        a.choose_without(omitted),
-        match=rf"\d+ of {N_CASES} cases are wrong \([1-9]\d* with another layout first.*hint: layout: ",
-    )
-
-
-def test_every_layout_is_first_in_a_case_of_every_call():
+def test_node_placement_cases_pose_both_answers():
+    """Every call has a case where the model axis belongs across the nodes (a small batch: TP's activations
+    are smaller than the gradients) and one where it does not; and no case is a near-tie the checker would
+    have to guess (the fastest placement beats the next by more than the tie margin, or is accepted)."""
     for seed in range(4):
-        firsts = set()
-        for cfg, batch, profile, limit in lesson12._decision_cases(np.random.default_rng(seed)):
-            rows = lm_costs.rank_layouts(cfg, batch, profile, 8, memory_limit=limit)
-            firsts.add(rows[0]["layout"])
-            # no ties: the second is slower by far more than the checker's tolerance for rounding
-            if len(rows) > 1:
-                assert rows[1]["step_s"] > rows[0]["step_s"] * (1 + 1e3 * lesson12._TIE)
-        assert firsts == set(lm_layouts.LAYOUTS), seed
+        crossing = set()
+        for key, cfg_name, batch, tier in nodes._cases(np.random.default_rng(seed)):
+            fabric, link = (
+                costs.FABRICS[nodes._TWO_TIER[tier][0]],
+                costs.LINKS[nodes._TWO_TIER[tier][1]],
+            )
+            times = nodes.placement_times(key, nodes._CONFIGS[cfg_name], batch, fabric, link)
+            crossing.add(min(times, key=times.get))
+        assert "model" in crossing and crossing & {"data", "fsdp", "stage"}, (seed, crossing)
 
 
-def test_every_winner_option_ranks_its_layout_first_across_its_window():
-    profiles = lesson12._profiles(np.random.default_rng(0))
-    for key, (options, names) in lesson12._WINNERS.items():
-        for name, batches in options:
-            for batch in batches:
-                for profile_name in names:
-                    cfg, profile = lesson12._CONFIGS[name], profiles[profile_name]
-                    low, high = lesson12._winner_window(key, cfg, batch, profile)
-                    assert low < high, (key, name, batch, profile_name)
-                    for limit in (low, np.nextafter(min(high, 1.25 * low), 0)):
-                        rows = lm_costs.rank_layouts(cfg, batch, profile, 8, memory_limit=limit)
-                        assert rows[0]["layout"] == key, (key, name, batch, profile_name, limit)
+def test_the_case_as_code_is_the_case():
+    scope = {"dataclasses": dataclasses, "transformer": transformer, "costs": costs}
+    for code, cfg in nodes._CONFIGS.items():
+        assert eval(code, scope) == cfg
+    for code, (fabric, link) in nodes._TWO_TIER.items():
+        assert eval(f"({code})", scope) == (costs.FABRICS[fabric], costs.LINKS[link])
+
+
+def test_node_placement_refuses_the_library():
+    rejects(
+        lesson12.check_node_placement,
+        n.by_the_library,
+        match="calls lm_\\w+\\.step_time.*collective_time",
+    )
+
+
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (a.across_in_a_thread, "calls lm_\\w+\\.step_time"),
+        (a.across_by_code_copy, "calls lm_\\w+\\.step_time"),
+        (a.across_without_the_hook, "switched off or replaced the checker's profile hook"),
+    ],
+)
+def test_node_placement_refuses_the_bypasses(answer, match):
+    rejects(lesson12.check_node_placement, answer, match=match)
+    # the real functions are back, and the profile hook the caller had
+    assert lm_costs.step_time.__code__.co_name == "step_time"
+    assert lm_costs.step_time("dp", transformer.TINY, 8, lm_costs.FABRICS["H100"])
+    assert sys.getprofile() is None and not hasattr(lm_costs, "_course_refused_call_")
 
 
 @pytest.mark.parametrize(
     "check, name",
     [
-        (lesson12.check_layout_decision, "choose_layout"),
+        (lesson12.check_node_placement, "across_nodes"),
         (lesson12.check_largest_model, "largest_model"),
         (lesson12.check_pipeline_bytes, "pipeline_bytes"),
     ],
@@ -127,44 +128,9 @@ def test_an_answer_that_raises_is_told_its_case_as_code_it_can_rerun(check, name
     assert eval(call, scope) == seen[0]  # the printed call is the case, exactly
 
 
-def test_the_case_as_code_names_every_kind_of_profile_and_config():
-    profiles = lesson12._profiles(np.random.default_rng(3))
-    scope = {"dataclasses": dataclasses, "transformer": transformer, "lm_costs": lm_costs,
-             "costs": costs}  # fmt: skip
-    for profile in profiles.values():
-        assert eval(lesson12._profile_expr(profile), scope) == profile
-    for cfg in lesson12._CONFIGS.values():
-        assert eval(lesson12._config_expr(cfg), scope) == cfg
-
-
-def test_layout_decision_refuses_a_lookup():
-    rejects(
-        lesson12.check_layout_decision,
-        a.choose_by_lookup,
-        match="calls lm_costs.rank_layouts.*hint: build the step time from its pieces",
-    )
-
-
-@pytest.mark.parametrize(
-    "answer, match",
-    [
-        (a.choose_in_a_thread, "calls lm_costs.rank_layouts.*hint: build the step time"),
-        (a.choose_catching_the_refusal, "calls lm_costs.rank_layouts.*hint: build the step time"),
-        (a.choose_by_code_copy, "calls lm_costs.step_time.*hint: build the step time"),
-        (a.choose_without_the_hook, "switched off or replaced the checker's profile hook"),
-    ],
-)
-def test_layout_decision_refuses_the_bypasses(answer, match):
-    rejects(lesson12.check_layout_decision, answer, match=match)
-    # the real functions are back, and the profile hook the caller had
-    assert lm_costs.rank_layouts.__code__.co_name == "rank_layouts"
-    assert lm_costs.step_time("dp", transformer.TINY, 8, lm_costs.PROFILES["H100"])
-    assert sys.getprofile() is None and not hasattr(lm_costs, "_course_refused_call_")
-
-
 def test_largest_model_refuses_a_lookup_in_a_thread():
     rejects(
-        lesson12.check_largest_model, a.largest_in_a_thread, match="calls lm_costs.largest_layers"
+        lesson12.check_largest_model, a.largest_in_a_thread, match="calls lm_\\w+\\.largest_layers"
     )
 
 
@@ -174,27 +140,23 @@ def test_the_guard_keeps_a_callers_profile_hook():
 
     sys.setprofile(hook)
     try:
-        assert lesson12.check_layout_decision(a.choose_layout, seed=0)
+        assert lesson12.check_node_placement(n.reference, seed=0)
     finally:
         restored = sys.getprofile()
         sys.setprofile(None)
     assert restored is hook
 
 
-def test_layout_decision_says_how_many_not_which():
+def test_node_placement_says_how_many_not_which():
     with pytest.raises(AssertionError) as e:
-        lesson12.check_layout_decision(a.choose_no_memory_limit, seed=0)
+        lesson12.check_node_placement(n.first_axis_across, seed=0)
     message = str(e.value)
-    assert f"of {N_CASES} cases are wrong" in message
-    assert (
-        "H200" not in message and "transformer" not in message and "choose_layout(" not in message
-    )
+    assert f"of {N_NODE_CASES} cases are wrong" in message
+    assert "H100" not in message and "transformer" not in message and "across_nodes(" not in message
 
 
 def test_cases_are_drawn_afresh():
-    assert lesson12._decision_cases(np.random.default_rng(0)) != lesson12._decision_cases(
-        np.random.default_rng(1)
-    )
+    assert nodes._cases(np.random.default_rng(0)) != nodes._cases(np.random.default_rng(1))
     assert lesson12._fit_cases(np.random.default_rng(0)) != lesson12._fit_cases(
         np.random.default_rng(1)
     )
@@ -203,15 +165,20 @@ def test_cases_are_drawn_afresh():
     )
 
 
-def test_layout_decision_rejects_a_malformed_answer():
-    rejects(lesson12.check_layout_decision, lambda *args: "dp", match="return \\(layout_key")
+def test_node_placement_rejects_a_malformed_answer():
+    rejects(lesson12.check_node_placement, lambda *args: "data", match="return \\(axis, seconds\\)")
+    rejects(
+        lesson12.check_node_placement,
+        lambda *args: ("nodes", 1.0),
+        match="one of this layout's axes",
+    )
 
 
 def test_a_returned_value_is_shown_with_plain_numbers():
     # NumPy 2 writes np.float64(1.5): the message shows what the learner would print, 1.5
     with pytest.raises(AssertionError) as e:
-        lesson12.check_layout_decision(lambda *args: (np.str_("dp"), np.float64(1.5)), seed=0)
-    assert "returned ('dp', 1.5)" in str(e.value) and "np." not in str(e.value)
+        lesson12.check_node_placement(lambda *args: (np.float64(1.5),), seed=0)
+    assert "returned (1.5,)" in str(e.value) and "np." not in str(e.value)
     with pytest.raises(AssertionError) as e:
         lesson12.check_largest_model(lambda *args: [np.int64(8)], seed=0)
     assert "returned [8]" in str(e.value) and "np." not in str(e.value)
@@ -242,7 +209,7 @@ def test_largest_model_refuses_a_lookup():
     rejects(
         lesson12.check_largest_model,
         a.largest_by_lookup,
-        match="calls lm_costs.largest_layers.*predict_memory",
+        match="calls lm_\\w+\\.largest_layers.*predict_memory",
     )
 
 
@@ -273,13 +240,13 @@ def test_tpu_rules_change_nothing(monkeypatch):
     """The checkers are analytic (NumPy on the host, no float64 program, no tolerance from the platform): on
     a TPU they accept the references and refuse the wrong answers as on CPU."""
     assert tpu_rules(monkeypatch) > 1e-3
-    assert lesson12.check_layout_decision(a.choose_layout, seed=0)
+    assert lesson12.check_node_placement(n.reference, seed=0)
     assert lesson12.check_largest_model(a.largest_model, seed=0)
     assert lesson12.check_pipeline_bytes(a.pipeline_bytes, seed=0)
     rejects(
-        partial(lesson12.check_layout_decision, seed=0),
-        a.choose_no_bubble,
-        match=rf"\d+ of {N_CASES} cases are wrong.*hint: .*layout: ",
+        partial(lesson12.check_node_placement, seed=0),
+        n.first_axis_across,
+        match=rf"\d+ of {N_NODE_CASES} cases are wrong.*hint: .*the axis",
     )
     rejects(
         partial(lesson12.check_largest_model, seed=0),

@@ -182,10 +182,10 @@ def test_build_refuses_a_device_count_that_does_not_fit(report):
 
 def test_the_step_time_model_ranks_fitting_layouts_and_the_memory_model_is_monotone():
     gpu = transformer.GPU
-    rows = lm_costs.rank_layouts(gpu, 64, lm_costs.PROFILES["H100"], 8)
+    rows = lm_costs.rank_layouts(gpu, 64, lm_costs.FABRICS["H100"], 8)
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
     assert {r["layout"] for r in rows} == set(lm_layouts.LAYOUTS)
-    tight = lm_costs.rank_layouts(gpu, 64, lm_costs.PROFILES["H100"], 8, memory_limit=56e9)
+    tight = lm_costs.rank_layouts(gpu, 64, lm_costs.FABRICS["H100"], 8, memory_limit=56e9)
     assert tight and all(r["memory_bytes"] <= 56e9 for r in tight) and len(tight) < len(rows)
     small = lm_costs.largest_layers("fsdp_tp", gpu, 16, 24e9)
     assert 0 < small <= lm_costs.largest_layers("fsdp_tp", gpu, 16, 48e9)
@@ -196,18 +196,47 @@ def test_the_step_time_model_ranks_fitting_layouts_and_the_memory_model_is_monot
     )
 
 
-def test_the_step_time_model_at_a_fraction_of_the_peak():
-    gpu, h100 = transformer.GPU, lm_costs.PROFILES["H100"]
+def test_the_step_time_model_at_a_fraction_of_the_peak_with_overlap_and_remat():
+    gpu, h100 = transformer.GPU, lm_costs.FABRICS["H100"]
     full = lm_costs.step_time("dp", gpu, 64, h100)
     half = lm_costs.step_time("dp", gpu, 64, h100, mfu=0.5)
     assert half["flop_s"] == pytest.approx(2 * full["flop_s"]) and half["hbm_s"] == full["hbm_s"]
     assert half["comm_s"] == full["comm_s"] and half["step_s"] > full["step_s"]
-    # the pipeline's bubble grows with the compute: at half the peak it falls from second to last
-    at = {
-        mfu: [r["layout"] for r in lm_costs.rank_layouts(gpu, 64, h100, 8, mfu=mfu)]
-        for mfu in (1, 0.5)
-    }
-    assert at[1][1] == "pp_dp" and at[0.5][-1] == "pp_dp"
+    # the three ways of adding communication to compute, in order; the default is the sum
+    for key in ("dp", "tp_sp", "pp_dp"):
+        row = lm_costs.step_time(key, gpu, 64, h100)
+        assert row["overlap_s"] <= row["data_overlap_s"] <= row["no_overlap_s"] == row["step_s"]
+        assert row["no_overlap_s"] == pytest.approx(row["compute_s"] + sum(row["comm_s"].values()))
+    # DP's traffic is all gradients: hidden under "data"; TP+SP's all-gathers stay on the critical path
+    assert lm_costs.step_time("dp", gpu, 64, h100)["critical_s"] == 0
+    assert lm_costs.step_time("tp_sp", gpu, 64, h100)["critical_s"] > 0
+    with pytest.raises(ValueError, match="overlap='some'"):
+        lm_costs.step_time("dp", gpu, 64, h100, overlap="some")
+    # recomputation: a quarter more block FLOPs, a fraction of the activations
+    plain, remat = (lm_costs.step_time("dp", gpu, 64, h100, remat=r) for r in (False, True))
+    assert remat["flop_s"] > plain["flop_s"] and remat["memory_bytes"] < plain["memory_bytes"] / 4
+
+
+def test_the_pipeline_model_is_the_executor_it_runs():
+    """pp_dp as lesson 11's executor runs it: m + 1 stashed inputs (and xs, dxs, the tick buffers), one
+    micro-batch's stage values recomputed; every tick runs the stage and the head (idle ones too)."""
+    gpu, sizes = transformer.GPU, lm_layouts.mesh_axes("pp_dp", 8)
+    acts = lm_costs.activation_bytes("pp_dp", gpu, 32, sizes, 2, 8)
+    assert (
+        3e9 < acts < 4e9
+    )  # the issue's figure: about 3.4 GB held, where GPipe keeping all would be 26 GB
+    # the stash grows with the micro-batches at a fixed micro-batch size, the recomputed values do not
+    a8, a16 = (lm_costs.activation_bytes("pp_dp", gpu, 32 * k, sizes, 2, 8 * k) for k in (1, 2))
+    assert (
+        a16 - a8 == 3 * 8 * 1 * gpu.seq_len * gpu.d_model * 2
+    )  # 3 (m) more, b/m = 1 sequence each
+    assert lm_costs.activation_bytes("pp_dp", gpu, 32, sizes, 2, 8, remat=True) == acts
+    with pytest.raises(ValueError, match="n_micro=3"):
+        lm_costs.activation_bytes("pp_dp", gpu, 32, sizes, 2, 3)
+    fb = transformer.flops_per_token(gpu) - 2 * gpu.d_model * gpu.vocab
+    fh = 2 * gpu.d_model * gpu.vocab
+    got = lm_costs.flops_per_device("pp_dp", gpu, 32, sizes, 8)
+    assert got == pytest.approx((4 * fb / 2 + 4 * fh) * 1 * gpu.seq_len * 9)
 
 
 def test_fsdp_keeps_the_parameters_it_gathers_in_the_memory_model():
@@ -224,7 +253,7 @@ def test_fsdp_keeps_the_parameters_it_gathers_in_the_memory_model():
 
 
 def test_the_roofline_model_counts_hbm_traffic_only_where_a_step_is_memory_bound():
-    gpu, h100, h200 = transformer.GPU, lm_costs.PROFILES["H100"], lm_costs.PROFILES["H200"]
+    gpu, h100, h200 = transformer.GPU, lm_costs.FABRICS["H100"], lm_costs.FABRICS["H200"]
     sizes = lm_layouts.mesh_axes("dp", 8)
     prm = lm_costs.param_bytes("dp", gpu, sizes, 2)
     acts = lm_costs.activation_bytes("dp", gpu, 8, sizes, 2)
