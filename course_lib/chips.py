@@ -181,7 +181,7 @@ def rate(peak: Peak, precision: str, matmul_precision: str = "default") -> float
 
 SWITCH_LATENCY_S = 10e-6
 """ASSUMPTION: α = 10 µs per step of a collective over NVLink (the order NCCL takes on small messages in one
-server); the same figure as :data:`course_lib.costs.COLLECTIVE_LATENCY_S`."""
+server)."""
 
 
 @dataclasses.dataclass(frozen=True)

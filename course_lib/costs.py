@@ -20,8 +20,6 @@
   fabric (:data:`FABRICS`): compute, memory (the roofline's two terms) and each collective's time, with and
   without overlap; the critical size below which communication binds (:func:`critical_size`, and
   :func:`critical_batch` where part of the traffic grows with the batch). A model, not a measurement.
-- :class:`DeviceProfile`, :data:`DEVICE_PROFILES` and :data:`COLLECTIVE_LATENCY_S`: the transformer lab's
-  (:mod:`course_lib.lm_costs`) older profile of a GPU server.
 """
 
 from __future__ import annotations
@@ -157,60 +155,6 @@ def mfu(flops_per_device: float, step_time_s: float, peak: float | None) -> floa
     if not peak or not step_time_s or not math.isfinite(flops_per_device):
         return float("nan")
     return flops_per_device / step_time_s / peak
-
-
-# ---- a step-time model -------------------------------------------------------------------------------
-
-COLLECTIVE_LATENCY_S = SWITCH_LATENCY_S
-"""ASSUMPTION, not a measurement (NVLink's α in :mod:`course_lib.chips`): a fixed cost of 10 µs per
-collective (launch and synchronisation), the order of magnitude NCCL collectives take on small messages
-within one NVLink server. The time model below (:func:`collective_time`, :func:`step_time`; the transformer
-lab's :func:`course_lib.lm_costs.step_time` builds on it) charges each link's own α per step of a collective
-instead."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceProfile:
-    """A GPU and its links, for :func:`course_lib.lm_costs.step_time` (per device; bandwidths per direction).
-
-    Attributes:
-      name: e.g. ``"H100 SXM5 80GB, NVLink 4"``.
-      peak: the :class:`Peak` whose rates the model uses.
-      hbm_bytes_per_s: memory bandwidth.
-      link_bytes_per_s: GPU-to-GPU bandwidth in one direction (NVLink 4: 900 GB/s both ways, 450 one way).
-      source: where the bandwidths come from.
-    """
-
-    name: str
-    peak: Peak
-    hbm_bytes_per_s: float
-    link_bytes_per_s: float
-    source: str
-
-
-_PEAK = {peak.name: peak for peak in PEAKS}
-
-
-def device_profile(name: str, chip: str) -> DeviceProfile:
-    """A :class:`DeviceProfile` whose bandwidths are the :data:`PEAKS` entry ``chip``'s (one table).
-
-    Raises:
-      ValueError: ``chip`` is not in the table, or the table gives it no HBM or link bandwidth.
-    """
-    peak = _PEAK.get(chip)
-    if peak is None or peak.hbm_bytes_per_s is None or peak.link_bytes_per_s is None:
-        raise ValueError(
-            f"chip {chip!r} has no HBM and link bandwidth in course_lib.chips.PEAKS; one of "
-            f"{[p.name for p in PEAKS if p.hbm_bytes_per_s and p.link_bytes_per_s]}"
-        )
-    return DeviceProfile(name, peak, peak.hbm_bytes_per_s, peak.link_bytes_per_s, peak.source)
-
-
-DEVICE_PROFILES = {
-    "A100": device_profile("A100 SXM4 80GB, NVLink 3", "A100 SXM4 80GB"),
-    "H100": device_profile("H100 SXM5 80GB, NVLink 4", "H100 SXM"),
-}
-"""The profiles :mod:`course_lib.lm_costs` draws its step-time model for."""
 
 
 # ---- time beside bytes: collectives on a named fabric, the roofline, overlap -------------------------
