@@ -214,7 +214,7 @@ def _finish(denom, o):
 
 
 def ring_while(q, k, v, axis):
-    """Another correct form: lax.while_loop over n - 1 steps that fold and send, the last block after."""
+    """Right values, no gradients: lax.while_loop over n - 1 steps (jax.grad cannot differentiate it)."""
     n = lax.axis_size(axis)
     ring = [(i, (i + 1) % n) for i in range(n)]
 

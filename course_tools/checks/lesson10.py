@@ -47,7 +47,7 @@ from ._lesson10_ring import (
     nbytes,
     precise,
     ring_diagnose,
-    ring_low_scores,
+    ring_low_scores_and_grads,
     sends_in_cond,
 )
 from ._lesson10_time import check_tp_critical_degree
@@ -154,7 +154,7 @@ def _ring_values(fn, devices, rng) -> list[int]:
             ring_diagnose(got, q, k, v, c)
         if c == present[-1]:
             _ring_large_scores(mapped, what, q, k, v)
-            ring_low_scores(mapped, what, rng, _call_unaided)
+            ring_low_scores_and_grads(mapped, what, rng, _call_unaided)
         ran.append(c)
     return ran
 
@@ -236,9 +236,9 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
     sending only key/value blocks round the ring (``n - 1`` of each, no other collective) and holding
     nothing of the full sequence's size. Values on rings of 2 and 8 devices (or 4, or 1: those present;
     on the largest also with scores near +1,000 and with every score near -1,000, where exp overflows or
-    underflows unless the running maximum of the scores is subtracted); a ``ppermute`` inside
-    ``lax.cond`` is counted on every iteration (which branch runs is not read) and, sending too much so,
-    refused with a hint that says so;
+    underflows unless the running maximum of the scores is subtracted; and its gradients: a
+    ``lax.while_loop`` ring, which ``jax.grad`` cannot differentiate, is refused); a ``ppermute`` inside
+    ``lax.cond`` is counted on every iteration (which branch runs is not read), refused if it sends more;
     structure on abstract rings of 2, 4 and 8 from the jaxpr (a ``scan`` or ``fori_loop`` body's sends
     counted ``length`` times, a ``while_loop``'s as many times as its counter runs; one whose counter
     cannot be run is refused); the bytes one device holds at once, its operations run in the order
@@ -273,8 +273,8 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
                 "checker cannot read from the program (its condition is not a counter that starts from a "
                 "constant), so it cannot count the bytes sent; each device must send "
                 f"(n - 1) × {kv:,} = {(c - 1) * kv:,} bytes (one K and one V block a step, float32)",
-                "loop over range(n - 1) in Python, or with lax.fori_loop(0, n - 1, …) or lax.scan, "
-                "or a while_loop whose counter starts from a constant",
+                "loop over range(n - 1) in Python, or with lax.fori_loop(0, n - 1, …) or lax.scan "
+                "(bounds known when traced: jax.grad can differentiate them, not a while_loop)",
             )
         if sent > (c - 1) * kv and in_cond:
             fail(
