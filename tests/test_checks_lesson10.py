@@ -29,6 +29,11 @@ def test_ring_accepts_fori_loop(report):
     assert lesson10.check_ring_attention(a.ring_fori, report.devices[:4])
 
 
+def test_ring_accepts_a_carried_index(report):
+    """The block's origin sent beside K and V (4 bytes a step) is metadata, not a second block."""
+    assert lesson10.check_ring_attention(a.ring_carry_index, report.devices[:4])
+
+
 def test_ring_accepts_rows_flattened(report):
     assert lesson10.check_ring_attention(a.ring_flat, report.devices[:4])
 
