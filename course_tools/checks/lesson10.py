@@ -307,8 +307,8 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
             "softmax: rescale what is summed when the maximum grows) and let it go before the next",
         )
     return passed(
-        f"ring attention equals causal attention in float64 on {' and '.join(map(str, ran))} device(s); on rings of "
-        f"{', '.join(map(str, _RINGS))} it sends n - 1 K/V blocks and holds no array of the full sequence; "
+        f"ring attention and its gradients equal causal attention's on {' and '.join(map(str, ran))} device(s); "
+        f"on rings of {', '.join(map(str, _RINGS))} it sends n - 1 K/V blocks and holds no array of the full sequence; "
         f"on a ring of {_MEM_RING} one device holds at most {held:,} bytes at once (whole K and V: {full:,})"
     )
 
