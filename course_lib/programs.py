@@ -315,8 +315,9 @@ def computation_runs(hlo_text: str) -> dict[str, int | None]:
     times (XLA writes it in the loop's ``backend_config`` when it can prove the count, as for every
     ``lax.scan`` and ``fori_loop`` with constant bounds) times what runs the loop; a computation called
     from several places adds them up. This is what the compiled program does, whatever XLA did to the
-    loops: a body unrolled by 2 (XLA:GPU's default for loops that hold collectives) holds two copies of
-    each instruction and reports half the trips. A ``conditional``'s branch counts as if taken.
+    loops: a body unrolled by 2 (XLA:GPU's ``WHILE_LOOP_UNROLLING_AUTO_UNROLL`` for loops that hold
+    collectives, on by default or not depending on the XLA version) holds two copies of each instruction
+    and reports half the trips. A ``conditional``'s branch counts as if taken.
 
     Returns:
       ``{computation: runs}``; None for a body whose loop (or an enclosing one) has no known trip count.

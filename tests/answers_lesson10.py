@@ -214,7 +214,7 @@ def _finish(denom, o):
 
 
 def ring_while(q, k, v, axis):
-    """Another correct form: lax.while_loop over n - 1 steps that fold and send, the last block after."""
+    """Right values, no gradients: lax.while_loop over n - 1 steps (jax.grad cannot differentiate it)."""
     n = lax.axis_size(axis)
     ring = [(i, (i + 1) % n) for i in range(n)]
 
@@ -240,6 +240,20 @@ def ring_fori(q, k, v, axis):
 
     k, v, m, denom, o = lax.fori_loop(0, n - 1, body, (k, v, *_start(q, axis)))
     return _finish(*_fold(q, k, v, m, denom, o, n - 1, axis)[1:])
+
+
+def ring_carry_index(q, k, v, axis):
+    """Another correct form: the block's origin (an int32 scalar, 4 bytes) travels with K and V."""
+    n, me = lax.axis_size(axis), lax.axis_index(axis)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def body(t, carry):
+        k, v, src, m, denom, o = carry
+        m, denom, o = _fold(q, k, v, m, denom, o, me - src, axis)
+        return (*lax.ppermute((k, v, src), axis, ring), m, denom, o)
+
+    k, v, src, m, denom, o = lax.fori_loop(0, n - 1, body, (k, v, me, *_start(q, axis)))
+    return _finish(*_fold(q, k, v, m, denom, o, me - src, axis)[1:])
 
 
 def ring_while_count_down(q, k, v, axis):

@@ -23,11 +23,15 @@ def test_stubs_print_not_written(report, monkeypatch, capsys):
 def test_ring_accepts_correct_forms(report, n):
     assert lesson10.check_ring_attention(a.ring_reference, report.devices[:n])
     assert lesson10.check_ring_attention(a.ring_scan, report.devices[:n])
-    assert lesson10.check_ring_attention(a.ring_while, report.devices[:n])
 
 
 def test_ring_accepts_fori_loop(report):
     assert lesson10.check_ring_attention(a.ring_fori, report.devices[:4])
+
+
+def test_ring_accepts_a_carried_index(report):
+    """The block's origin sent beside K and V (4 bytes a step) is metadata, not a second block."""
+    assert lesson10.check_ring_attention(a.ring_carry_index, report.devices[:4])
 
 
 def test_ring_accepts_rows_flattened(report):
@@ -72,11 +76,9 @@ def test_ring_accepts_masked_scores_filled_finite(report):
             "ring of 32 devices .* holds [0-9,]+ bytes at once.*every block's scores",
         ),
         (a.ring_two_rounds, "on 2 devices each device sends 10,080 bytes.*more than.*6,720 bytes"),
-        (
-            a.ring_while_count_down,
-            "while_loop whose number of iterations .* cannot read.*send \\(n - 1\\) × 6,720 = 6,720 "
-            "bytes.*fori_loop",
-        ),
+        # right values, but a lax.while_loop has no reverse-mode derivative: untrainable
+        (a.ring_while, "jax.grad of ring_attention.*cannot differentiate.*trained.*fori_loop"),
+        (a.ring_while_count_down, "jax.grad of ring_attention.*cannot differentiate.*lax.scan"),
         (
             a.ring_sends_q,
             "on 2 devices each device sends 10,080 bytes.*more than.*only K and V travel",

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from course_lib import precision
+from course_lib import precision, transformer
 from course_lib.programs import jaxpr_equations
 
 from ._common import fail
@@ -31,7 +32,9 @@ __all__ = [
     "nbytes",
     "precise",
     "ring_diagnose",
+    "ring_grads",
     "ring_low_scores",
+    "ring_low_scores_and_grads",
     "sends_in_cond",
 ]
 
@@ -161,6 +164,59 @@ def ring_low_scores(mapped, what, rng, call):
         f"{under} ({start}); and masked scores must weigh nothing next to scores near -1,000: fill "
         "them with -inf, or a value far below any score such as -1e30",
     )
+
+
+def _explain_grad(what):
+    def explain(e):
+        if "Reverse-mode differentiation does not work" not in str(e):
+            return None
+        return (
+            f"{what}: jax.grad cannot differentiate it ({str(e)[:160]}): right values, but a ring "
+            "attention that cannot be trained",
+            "loop with bounds known when traced: lax.fori_loop(0, n - 1, …) with Python ints (it "
+            "becomes a scan), lax.scan, or a Python for; a lax.while_loop has no reverse-mode derivative",
+        )
+
+    return explain
+
+
+def ring_grads(mapped, what, rng, call):
+    """The gradients of ``sum(mapped(q, k, v) * cot)`` with respect to q, k and v against those of
+    :func:`course_lib.transformer.causal_attention` on one device (float64 where it runs, else the
+    platform's float32 tolerance). Refuses an answer ``jax.grad`` cannot differentiate (a ring written with
+    ``lax.while_loop``) with a hint naming the loops that can be, and one whose gradients differ.
+
+    Raises:
+      ExerciseError: either refusal.
+    """
+    shape = (RING_B, RING_S, RING_H, RING_DH)
+    with precise():
+        q, k, v, cot = (jnp.asarray(rng.standard_normal(shape)) for _ in range(4))
+
+        def grads(attention):
+            loss = lambda q, k, v: jnp.sum(attention(q, k, v) * cot)  # noqa: E731
+            return jax.grad(loss, argnums=(0, 1, 2))
+
+        what_g = f"jax.grad of {what}"
+        got = call(
+            what_g, grads(mapped), q, k, v, name="ring_attention", explain=_explain_grad(what_g)
+        )
+        want = grads(transformer.causal_attention)(q, k, v)
+        got, want = ([np.asarray(g) for g in gs] for gs in (got, want))
+    for name, g, w in zip("qkv", got, want):
+        if not close(g, w, 1e-9):
+            fail(
+                f"{what_g}: the values are right but the gradient with respect to {name} is off by "
+                f"{float(np.abs(g - w).max()):.2e} against single-device causal attention",
+                "the gradient flows back through every step: do not stop_gradient or round what the "
+                "loop carries, and let the masked scores weigh exactly 0 (fill them with -inf)",
+            )
+
+
+def ring_low_scores_and_grads(mapped, what, rng, call):
+    """:func:`ring_low_scores`, then :func:`ring_grads`, on the same ring."""
+    ring_low_scores(mapped, what, rng, call)
+    ring_grads(mapped, what, rng, call)
 
 
 def sends_in_cond(jaxpr) -> bool:
