@@ -76,15 +76,11 @@ PY311_PATH := $(if $(filter auto,$(PY311)),$(shell $(PYTHON) tools/check_python.
 endif
 SECOND311 := $(if $(PY311_PATH),$(if $(filter $(abspath $(VENV)),$(abspath $(VENV311))),,yes))
 SLOW311 := test_invariance.py test_run.py test_site.py test_jupyterlab.py test_make.py
-# Not yet run green under JAX 0.10.2 on Python 3.11 (README, "Tests"; each file was run alone under .venv311:
-# the checkers' tests of lessons 00-05 and 07-12, test_ship.py and test_checks_devices.py pass there and run).
-# Lesson 06's: one wrong answer (tests/answers_lesson06.tp_cross_entropy_gather: all_gather to="invarying",
-# then optax's integer-label cross-entropy) raises "AssertionError: ManualAxisType(...)" from JAX 0.10.2 when
-# the checker runs it (cause not yet traced), so it is refused with that error, not the checker's
-# message. The tests that start kernels or processes of their own: not yet run there.
-NOT_YET311 := test_checks_lesson06.py \
-  test_lessons.py test_student.py test_execution.py test_launcher.py test_distributed.py test_scratch.py \
-  test_session.py
+# Not yet run under JAX 0.10.2 on Python 3.11 (README, "Tests"; each other file was run alone under .venv311
+# and passes there: the checkers' tests of every lesson, test_ship.py and test_checks_devices.py): the tests
+# that start kernels or processes of their own, not yet run there.
+NOT_YET311 := test_lessons.py test_student.py test_execution.py test_launcher.py test_distributed.py \
+  test_scratch.py test_session.py
 # `make test LOAD=2`: the suite with 2 busy processes beside it (tools/cpu_load.py), as on a loaded machine.
 UNDER_LOAD = $(if $(filter-out 0,$(LOAD)),$(PY) tools/cpu_load.py --busy $(LOAD) --,)
 
