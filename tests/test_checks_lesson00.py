@@ -6,6 +6,7 @@ import concurrent.futures
 import copy
 import functools
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from checking import rejects_written as rejects
 from checking import stub as _stub
 
 from course_tools.checks import ExerciseError, lesson00
+from course_tools.checks._buffer311 import NoBufferProtocol
 from course_tools.checks._lesson00_env import CASES, clean_environ, effective_count, run_python
 
 # ---------------------------------------------------------------- exercise 1
@@ -543,3 +545,23 @@ def test_split_and_sum_wrong_answers(report):
         devices,
         match="parts, partials, total",
     )
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python >= 3.12 wraps ArrayImpl.__buffer__")
+def test_no_buffer_protocol_withholds_and_gives_back_a_cpu_arrays_buffer():
+    """Python 3.11: while lesson 00's tracker runs, NumPy reads a CPU array through _value (recorded),
+    and afterwards through its buffer again."""
+    from jax._src import array
+
+    x = jnp.arange(3.0)
+    with NoBufferProtocol(array.ArrayImpl):
+        with pytest.raises(TypeError):
+            memoryview(x)
+        np.testing.assert_array_equal(np.asarray(x), [0.0, 1.0, 2.0])
+    assert memoryview(x).shape == (3,)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="Python 3.11 has no __buffer__ to wrap")
+def test_no_buffer_protocol_is_refused_where_buffer_can_be_wrapped():
+    with pytest.raises(RuntimeError, match="wrap ArrayImpl.__buffer__ there"):
+        NoBufferProtocol(type(jnp.arange(3.0)))

@@ -5,6 +5,7 @@ student stub (8 simulated CPU devices from conftest.py)."""
 import re
 
 import answers_lesson07 as a
+import jax
 import pytest
 from checking import rejects, use_tolerance
 
@@ -55,16 +56,28 @@ def test_remat_loss_accepts(answer):
     assert lesson07.check_remat_loss(answer)
 
 
+# XLA:CPU's temporaries for 4 layers, in activations: a checkpoint around each layer, and the best blocks
+# (2 layers each, Python loop): 5.2 and 4.3 under JAX 0.12; 5.3 and 4.2 under JAX 0.10.2 (compiled without
+# its cse_barrier_expander, _lesson07_remat.compiled_grad), whose scheduler places one buffer otherwise.
+_GIVEN, _BLOCKS = ("5.2", "4.3") if jax.__version_info__ >= (0, 11) else ("5.3", "4.2")
+
+
 @pytest.mark.parametrize(
     "answer, match",
     [
-        (a.remat_loss_given, "with 4 layers the gradient's temporaries are 5.2.*Around one layer"),
+        (
+            a.remat_loss_given,
+            f"with 4 layers the gradient's temporaries are {_GIVEN}.*Around one layer",
+        ),
         (a.remat_loss_whole, "with 4 layers .* without any checkpoint 5.2.*around the whole loss"),
-        (a.remat_loss_dots, "with 4 layers .* the best split into checkpointed blocks .* 4.3"),
+        (
+            a.remat_loss_dots,
+            f"with 4 layers .* the best split into checkpointed blocks .* {_BLOCKS}",
+        ),
         # a scan over per-layer checkpoints: as good as the best scan at 4 layers, not at 9
         (a.remat_loss_scan, "with 9 layers .*blocks of consecutive layers in a loop like yours"),
         (a.remat_loss_scan_whole, "with 4 layers .*in a loop like yours"),
-        (a.remat_loss_fixed_3_dummy_scan, "with 4 layers .*consecutive layers 4.3"),
+        (a.remat_loss_fixed_3_dummy_scan, f"with 4 layers .*consecutive layers {_BLOCKS}"),
         (a.remat_loss_fixed_4, "with 4 layers .*as a function of k, and choose k from L"),
         (a.remat_loss_pairs, "with 25 layers .* the best split into checkpointed blocks"),
         (a.remat_loss_fixed_3, "with 25 layers .* the best split into checkpointed blocks"),

@@ -129,3 +129,20 @@ def test_refuses_a_cell_edited_after_it_ran(cells, tmp_path):
     linecache.checkcache(str(path))
     with pytest.raises(CannotShip, match="not the code that ran"):
         ship(module.helper)
+
+
+def test_refuses_a_cell_whose_module_call_was_edited(cells):
+    """A call ``lax.psum(...)`` compiles to other instructions beside its cell's imports than alone (CPython
+    3.11: LOAD_ATTR there, LOAD_METHOD here), which are compared as one; the attribute called is not."""
+    module, path = cells
+    text = path.read_text()
+    path.write_text(text.replace("lax.psum(jitted(x)", "lax.pmax(jitted(x)"))
+    import linecache
+
+    linecache.checkcache(str(path))
+    try:
+        with pytest.raises(CannotShip, match="not the code that ran"):
+            ship(module.answer)
+    finally:
+        path.write_text(text)
+        linecache.checkcache(str(path))

@@ -12,7 +12,8 @@ each moved sum is built from partial sums that are already where it is moved fro
   ``lax._convert_element_type(..., sharding=)``);
 - copies to the host, with their shapes and values: those that go through ``ArrayImpl._value``
   (``jax.device_get``, printing, ``np.asarray`` on a GPU) and those that read a CPU array's buffer directly
-  (``np.asarray``, ``np.array`` on the CPU: ``ArrayImpl.__buffer__`` is wrapped). What comes back from the
+  (``np.asarray``, ``np.array`` on the CPU: ``ArrayImpl.__buffer__`` is wrapped on Python >= 3.12; on
+  3.11, which has no ``__buffer__``, the buffer is withheld meanwhile, :mod:`._buffer311`). What comes back from the
   host (``device_put`` of a NumPy value) is judged like any other move, with the host as its source, where
   only the partial sums (and sums of them) are that were copied there;
 - the copies an operation makes of its operands, with their values: an array on another device, or a
@@ -42,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from ._buffer311 import NoBufferProtocol
 from ._common import fail
 
 
@@ -154,9 +156,11 @@ class RecordMoves:
             )
             return view
 
-        self._buffer = getattr(
-            array.ArrayImpl, "__buffer__", None
-        )  # absent: NumPy goes through _value
+        # Python >= 3.12: NumPy's direct read of a CPU array is ArrayImpl.__buffer__ (PEP 688), wrapped
+        # here; Python 3.11 has no __buffer__, so the C slot is emptied meanwhile (_buffer311) and NumPy
+        # reads through __array__ and _value, which are recorded
+        self._buffer = getattr(array.ArrayImpl, "__buffer__", None)
+        self._no_buffer = None if self._buffer is not None else NoBufferProtocol(array.ArrayImpl)
         api.device_put = jax.device_put = device_put
         lax_internal._convert_element_type = convert_element_type
         self._operands = _OperandCopies(self)
@@ -164,6 +168,8 @@ class RecordMoves:
         array.ArrayImpl._value = property(to_host)
         if self._buffer is not None:
             array.ArrayImpl.__buffer__ = buffer
+        else:
+            self._no_buffer.__enter__()
         self._log = _TransferLog()
         self._log.__enter__()
         return self
@@ -188,6 +194,8 @@ class RecordMoves:
         array.ArrayImpl._value = self._value
         if self._buffer is not None:
             array.ArrayImpl.__buffer__ = self._buffer
+        else:
+            self._no_buffer.__exit__(*exc)
         self._operands.__exit__(*exc)
         self._log.__exit__(*exc)
         by_id = {d.id: d for d in jax.devices()}

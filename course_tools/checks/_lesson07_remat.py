@@ -19,6 +19,7 @@ import numpy as np
 from course_lib.programs import jaxpr_equations
 
 from ._common import call_answer, close, fail, matmul_rtol
+from ._lesson01_blocks import KEEP_BARRIERS, barriers_merged
 
 DEPTHS = (4, 9, 25)
 """The depths the exercise names: their best block sizes differ (2, 3, 5), so no one block size fits them
@@ -75,8 +76,16 @@ def activation_bytes() -> int:
 
 
 def compiled_grad(loss: Callable, weights, x):
-    """``jax.jit(jax.value_and_grad(loss))`` compiled for ``(weights, x)``."""
-    return jax.jit(jax.value_and_grad(loss)).lower(weights, x).compile()
+    """``jax.jit(jax.value_and_grad(loss))`` compiled for ``(weights, x)``.
+
+    Under JAX 0.10.2 XLA:CPU removes the optimization barriers around a checkpoint's recomputation (its
+    pass ``cse_barrier_expander``) before a CSE pass merges the recomputation away, so a checkpointed
+    gradient there keeps more temporaries than the plain one (lesson 01, section 7); JAX 0.12's XLA:CPU
+    keeps the barriers. Under JAX < 0.11 the programs are compiled without that pass
+    (:data:`._lesson01_blocks.KEEP_BARRIERS`; a compiler that has no such pass runs as it would), which
+    gives JAX 0.12's temporaries."""
+    options = KEEP_BARRIERS if barriers_merged() else None
+    return jax.jit(jax.value_and_grad(loss)).lower(weights, x).compile(compiler_options=options)
 
 
 def temp_bytes(compiled) -> int:

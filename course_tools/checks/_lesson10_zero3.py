@@ -17,10 +17,12 @@ from course_lib.meshes import DATA, mesh_of
 from course_lib.programs import collective_ops, jaxpr_equations
 
 from ._common import call_answer, fail
+from ._lesson01_blocks import KEEP_BARRIERS, barriers_merged
 
 __all__ = [
     "Z_CONFIG",
     "dp_compiled",
+    "policy_name",
     "z_held",
     "z_setup",
     "z_step",
@@ -31,8 +33,15 @@ __all__ = [
 
 
 def _jit(fn):
-    cpu = jax.default_backend() == "cpu"
-    return jax.jit(fn, compiler_options={"xla_backend_optimization_level": 0} if cpu else None)
+    """``jax.jit`` with the checker's compiler options. Under JAX 0.10.2 XLA:CPU removes the
+    optimization barriers around a checkpoint's recomputation (pass ``cse_barrier_expander``) and a CSE
+    pass then merges the backward pass's second gather into the forward's, so a right answer would gather
+    once and a checkpoint around everything would hold no less; JAX 0.12's XLA:CPU keeps the barriers.
+    Under JAX < 0.11 that pass is disabled (:data:`._lesson01_blocks.KEEP_BARRIERS`)."""
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
+    if barriers_merged():
+        options.update(KEEP_BARRIERS)
+    return jax.jit(fn, compiler_options=options or None)
 
 
 def _rounded(got, want, rtol) -> bool:
@@ -177,3 +186,14 @@ def z_wire(text, mesh, n, p_bytes):
             "gather each layer once in the forward and once in its backward, nothing more",
         )
     return out
+
+
+def policy_name(policy) -> str:
+    """A checkpoint policy's name in ``jax.checkpoint_policies`` (under JAX 0.12 ``dots_saveable`` is a
+    function with that ``__name__``; under JAX 0.10.2 it is an instance of a class ``DotsSaveable``,
+    with no ``__name__``), or "a custom policy"."""
+    name = getattr(policy, "__name__", None)
+    if name is None:
+        found = [n for n, p in vars(jax.checkpoint_policies).items() if p is policy]
+        name = found[0] if found else None
+    return name or "a custom policy"

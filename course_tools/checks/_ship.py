@@ -27,6 +27,7 @@ import types
 from typing import Any
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
+_SAME_OP = {"LOAD_METHOD": "LOAD_ATTR"}  # CPython 3.11 (no LOAD_METHOD in 3.12): see _same_code
 
 
 class CannotShip(Exception):
@@ -78,12 +79,19 @@ def _global_names(fn: types.FunctionType, node: ast.FunctionDef) -> list[str]:
 
 def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
     """The same instructions on the same names and constants (nested functions compared alike). Not
-    ``co_code`` itself: how CPython 3.12 encodes ``module.attr(...)`` depends on the imports compiled
-    with the function."""
+    ``co_code`` itself: how CPython encodes a call ``module.attr(...)`` depends on whether ``module`` was
+    imported in the code compiled with the function (a cell holds its imports; the ``def`` compiled again
+    here does not). CPython 3.12 changes only an instruction's argument there (``LOAD_ATTR``'s method
+    bit, ``LOAD_GLOBAL``'s push-NULL bit), not its ``argval``; CPython 3.11 emits ``LOAD_ATTR`` for an
+    imported module and ``LOAD_METHOD`` otherwise, so ``LOAD_METHOD`` is compared as ``LOAD_ATTR``: both
+    read the same attribute of the same object, and the call that follows is the same."""
 
     def steps(code):
         return [
-            (i.opname, None if isinstance(i.argval, types.CodeType) else i.argval)
+            (
+                _SAME_OP.get(i.opname, i.opname),
+                None if isinstance(i.argval, types.CodeType) else i.argval,
+            )
             for i in dis.get_instructions(code)
         ]
 

@@ -52,6 +52,7 @@ from ._lesson10_ring import (
 )
 from ._lesson10_time import check_tp_critical_degree
 from ._lesson10_zero3 import dp_compiled, z_held, z_setup, z_step, z_upfront, z_values, z_wire
+from ._lesson10_zero3 import policy_name as _policy_name
 from ._spmd import abstract
 
 __all__ = ["check_tp_mlp", "check_predict_tp_sp", "check_ring_attention", "check_zero3"]
@@ -349,7 +350,7 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
     held_z, held_dp = z_held(mz), z_held(md)
     policies = sorted(
         {
-            getattr(eqn.params["policy"], "__name__", "a custom policy")
+            _policy_name(eqn.params["policy"])
             for eqn, _ in jaxpr_equations(traced.jaxpr)
             if eqn.params.get("policy") not in (None, jax.checkpoint_policies.nothing_saveable)
         }
