@@ -60,6 +60,9 @@ def test_remat_loss_accepts(answer):
 # (2 layers each, Python loop): 5.2 and 4.3 under JAX 0.12; 5.3 and 4.2 under JAX 0.10.2 (compiled without
 # its cse_barrier_expander, _lesson07_remat.compiled_grad), whose scheduler places one buffer otherwise.
 _GIVEN, _BLOCKS = ("5.2", "4.3") if jax.__version_info__ >= (0, 11) else ("5.3", "4.2")
+_SCAN_AT = (
+    9 if jax.__version_info__ >= (0, 11) else 4
+)  # the depth where a per-layer scan is refused
 
 
 @pytest.mark.parametrize(
@@ -75,7 +78,11 @@ _GIVEN, _BLOCKS = ("5.2", "4.3") if jax.__version_info__ >= (0, 11) else ("5.3",
             f"with 4 layers .* the best split into checkpointed blocks .* {_BLOCKS}",
         ),
         # a scan over per-layer checkpoints: as good as the best scan at 4 layers, not at 9
-        (a.remat_loss_scan, "with 9 layers .*blocks of consecutive layers in a loop like yours"),
+        # (JAX 0.10.2's XLA:CPU holds 7.1 against the best scan's 6.1 already at 4 layers)
+        (
+            a.remat_loss_scan,
+            f"with {_SCAN_AT} layers .*blocks of consecutive layers in a loop like yours",
+        ),
         (a.remat_loss_scan_whole, "with 4 layers .*in a loop like yours"),
         (a.remat_loss_fixed_3_dummy_scan, f"with 4 layers .*consecutive layers {_BLOCKS}"),
         (a.remat_loss_fixed_4, "with 4 layers .*as a function of k, and choose k from L"),
