@@ -259,8 +259,7 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
                 "passing blocks to the next device",
                 "keep one key/value block at a time and pass it to the next device with lax.ppermute",
             )
-        # a few blocks' worth; the full sequence is c×
-        limit = 3 * max(kv // 8, _B * _H * blk * blk)
+        limit = 3 * max(kv // 8, _B * _H * blk * blk)  # a few blocks; the whole sequence is c×
         if biggest > limit:
             fail(
                 f"on {c} devices an intermediate has {biggest:,} elements, more than a few key/value "
