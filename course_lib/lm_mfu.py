@@ -241,6 +241,13 @@ def _is_oom(error: BaseException) -> bool:
     return "resource_exhausted" in text or "out of memory" in text
 
 
+def _raise_if_oom(error: BaseException, what: str) -> None:
+    """Raise :class:`OutOfMemory` (``what``, then XLA's message) from ``error`` where it is XLA's
+    out-of-memory error; return otherwise (the caller raises ``error`` again)."""
+    if _is_oom(error):
+        raise OutOfMemory(f"{what}: {str(error)[:300]}") from error
+
+
 def _compile(step, where, tokens, targets, name: str, batch: int):
     """``(compiled, seconds, memory_analysis() as a dict)`` for the parameters of ``where``:
     ``(config, key, device)``; XLA's ``RESOURCE_EXHAUSTED`` becomes :class:`OutOfMemory`."""
@@ -261,10 +268,7 @@ def _compile(step, where, tokens, targets, name: str, batch: int):
         }  # fmt: skip
         return compiled, seconds, memory
     except Exception as error:  # noqa: BLE001 - XLA raises its own runtime error type
-        if _is_oom(error):
-            raise OutOfMemory(
-                f"{name} at batch {batch} does not fit: {str(error)[:300]}"
-            ) from error
+        _raise_if_oom(error, f"{name} at batch {batch} does not fit")
         raise
 
 
@@ -345,10 +349,7 @@ def measure(
     try:
         timing = _measure.time_calls(one_step, repeats=steps, warmup=warmup)
     except Exception as error:  # noqa: BLE001 - XLA raises its own runtime error type
-        if _is_oom(error):
-            raise OutOfMemory(
-                f"{name} at batch {batch} ran out of memory: {str(error)[:300]}"
-            ) from error
+        _raise_if_oom(error, f"{name} at batch {batch} ran out of memory")
         raise
     after = _measure.allocator_snapshot([device])
     peak, _ = costs.peak_flops(device.device_kind, "bfloat16")
