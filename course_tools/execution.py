@@ -316,18 +316,28 @@ def execute(
     )  # nbclient's "Kernel died" lines: to the log, not the terminal
     try:
         with open(run.log_path, "ab") as run.log:
-            pm.execute_notebook(
-                str(notebook),
-                str(output),
-                parameters=parameters,
-                kernel_name=KERNEL,
-                engine_name=ENGINE,
-                cwd=str(notebook.parent),
-                progress_bar=progress,
-                log_output=False,
-                kernel_manager_class=_kernel_manager_class(run),
-                course_run=run,
-            )
+            for attempt in range(1, KERNEL_STARTS + 1):
+                try:
+                    pm.execute_notebook(
+                        str(notebook),
+                        str(output),
+                        parameters=parameters,
+                        kernel_name=KERNEL,
+                        engine_name=ENGINE,
+                        cwd=str(notebook.parent),
+                        progress_bar=progress,
+                        log_output=False,
+                        kernel_manager_class=_kernel_manager_class(run),
+                        course_run=run,
+                    )
+                    break
+                except RuntimeError as e:
+                    if not _start_failed(e, run) or attempt == KERNEL_STARTS:
+                        raise
+                    run.stop_kernels()
+                    run.log.write(
+                        f"[course] kernel start {attempt} failed ({e}); starting again\n".encode()
+                    )
     except pm.PapermillExecutionError as e:
         raise NotebookFailed(
             f"{notebook.name} failed in cell [{e.exec_count}] with {e.ename}: {e.evalue}\n"
@@ -379,6 +389,17 @@ def _interrupted(notebook: Path, output: Path, run: _Run, error: BaseException, 
         output,
         code,
     )
+
+
+KERNEL_STARTS = 3
+"""Starts a run gets when its kernel dies before it answers (nothing of the notebook has run yet): with
+several kernels starting at once a new kernel can lose one of the ports it was handed to another and exit
+("Address already in use"); a fresh start picks new ports."""
+
+
+def _start_failed(error: RuntimeError, run: _Run) -> bool:
+    """Whether ``error`` is a kernel that died while starting, before any cell of the notebook ran."""
+    return run.cell is None and "before replying to kernel_info" in str(error)
 
 
 _NOT_THE_KERNELS = ("without encryption", "Kernel died", "Error occurred while starting new kernel")

@@ -298,6 +298,18 @@ def test_median_time_judges_a_fresh_run_when_load_delays_a_right_answer_once():
     assert runs == [5, 5, 1]  # the first run was past the bound; a fresh one was judged
 
 
+def test_median_time_judges_a_fresh_run_when_load_delays_a_right_answer_onto_the_mean():
+    runs = []
+
+    def delayed_onto_mean(step, *args, repeats=5):  # right, but its first run came out at the mean
+        runs.append(repeats)
+        seconds = _median_time(step, *args, repeats=repeats)
+        return seconds + (step.timed_mean() - step.work_s if len(runs) == 1 else 0.0)
+
+    assert lesson02.check_median_time(delayed_onto_mean)
+    assert runs == [5, 5, 1]
+
+
 @pytest.fixture
 def busy_sleep(monkeypatch):
     """time.sleep as a loaded machine gives it: every wait wakes 30 ms late."""

@@ -208,3 +208,39 @@ def test_an_interrupt_swallowed_by_a_collection_callback_is_delivered_again(
         [sys.executable, str(script), signame, then], capture_output=True, text=True, timeout=30
     )
     assert done.stdout.strip() == f"interrupted: {raised} [{raised!r}]", (done.stdout, done.stderr)
+
+
+def test_a_kernel_that_dies_while_starting_is_started_again(tmp_path, monkeypatch):
+    # Several kernels starting at once: one can lose a port it was handed and exit before it answers
+    import papermill
+
+    real, starts = papermill.execute_notebook, []
+
+    def port_lost_once(*args, **kwargs):
+        starts.append(1)
+        if len(starts) == 1:
+            raise RuntimeError("Kernel died before replying to kernel_info")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(papermill, "execute_notebook", port_lost_once)
+    nb = faults.make_notebook(tmp_path / "ok.ipynb", "x = 1")
+    execute(nb, tmp_path / "out.ipynb", {}, progress=False)
+    assert (
+        len(starts) == 2
+        and [c["status"] for c in faults.cells(tmp_path / "out.ipynb")][-1] == "completed"
+    )
+    assert "kernel start 1 failed" in (tmp_path / "out.kernel.log").read_text()
+
+
+def test_a_kernel_that_never_starts_is_named_after_its_last_start(tmp_path, monkeypatch):
+    import papermill
+
+    def never(*args, **kwargs):
+        raise RuntimeError("Kernel died before replying to kernel_info")
+
+    monkeypatch.setattr(papermill, "execute_notebook", never)
+    nb = faults.make_notebook(tmp_path / "ok.ipynb", "x = 1")
+    with pytest.raises(KernelDied, match="died before its first cell: Kernel died before replying"):
+        execute(nb, tmp_path / "out.ipynb", {}, progress=False)
+    log = (tmp_path / "out.kernel.log").read_text()
+    assert log.count("failed") == execution.KERNEL_STARTS - 1

@@ -171,10 +171,6 @@ class StandInStep:
 
 def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
     work = step.work_s
-    # A wait on a busy machine wakes late, and an answer that waits for every call measures that too: the
-    # upper bounds are judged on the answer less how late this run's waits woke (their median), so load
-    # cannot fail a right answer, and a compile counted in still shows (it costs ten steps).
-    late = float(np.median(step.late)) if step.late else 0.0
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.floating)):
         fail(
             f"median_time returned {type(seconds).__name__}",
@@ -212,21 +208,25 @@ def _judge_seconds(seconds, step: StandInStep, repeats: int) -> float:
             f"median_time says {seconds * 1e3:.3f} ms for a step that computes for {work * 1e3:.0f} ms",
             unsynced,
         )
+    return seconds
+
+
+def _judge_bounds(seconds: float, step: StandInStep, repeats: int) -> None:
+    """The bounds a loaded machine can push a right answer past (the mean among them), judged on a fresh run
+    again by :func:`check_median_time` when one fails.
+
+    A wait on a busy machine wakes late, and an answer that waits for every call measures that too: the
+    upper bounds are judged on the answer less how late this run's waits woke (their median), so load
+    cannot fail a right answer, and a compile counted in still shows (it costs ten steps)."""
+    work = step.work_s
+    late = float(np.median(step.late)) if step.late else 0.0
+    # a right answer that load delayed by about the slow call's share lands on the mean: judged afresh
     if repeats > 1 and abs(seconds - late - step.timed_mean()) < 0.3 * work:
         fail(
             f"median_time says {seconds * 1e3:.0f} ms for a step that usually computes for "
             f"{work * 1e3:.0f} ms: that is the mean of the timed calls, and one of them was slow",
             "one slow call moves the mean, not the median: return statistics.median of the timed calls",
         )
-    return seconds
-
-
-def _judge_bounds(seconds: float, step: StandInStep, repeats: int) -> None:
-    """The bounds a loaded machine can push a right answer past: judged on the answer less the median of
-    how late this run's waits woke (see :func:`_judge_seconds`); :func:`check_median_time` judges a fresh
-    run again when one fails."""
-    work = step.work_s
-    late = float(np.median(step.late)) if step.late else 0.0
     if seconds - late > 2 * work:
         fail(
             f"median_time says {seconds * 1e3:.0f} ms with repeats={repeats} for a step of "
