@@ -316,28 +316,7 @@ def execute(
     )  # nbclient's "Kernel died" lines: to the log, not the terminal
     try:
         with open(run.log_path, "ab") as run.log:
-            for attempt in range(1, KERNEL_STARTS + 1):
-                try:
-                    pm.execute_notebook(
-                        str(notebook),
-                        str(output),
-                        parameters=parameters,
-                        kernel_name=KERNEL,
-                        engine_name=ENGINE,
-                        cwd=str(notebook.parent),
-                        progress_bar=progress,
-                        log_output=False,
-                        kernel_manager_class=_kernel_manager_class(run),
-                        course_run=run,
-                    )
-                    break
-                except RuntimeError as e:
-                    if not _start_failed(e, run) or attempt == KERNEL_STARTS:
-                        raise
-                    run.stop_kernels()
-                    run.log.write(
-                        f"[course] kernel start {attempt} failed ({e}); starting again\n".encode()
-                    )
+            _papermill(notebook, output, parameters, progress, run)
     except pm.PapermillExecutionError as e:
         raise NotebookFailed(
             f"{notebook.name} failed in cell [{e.exec_count}] with {e.ename}: {e.evalue}\n"
@@ -372,6 +351,37 @@ def execute(
     if run.log_path.exists() and run.log_path.stat().st_size == 0:
         run.log_path.unlink()  # the run ended well and the kernel said nothing: no empty file left
     return time.perf_counter() - t0
+
+
+def _papermill(
+    notebook: Path, output: Path, parameters: dict | None, progress: bool, run: _Run
+) -> None:
+    """papermill's run of ``notebook``, its kernel started again (up to :data:`KERNEL_STARTS` times) when it
+    dies before it answers."""
+    import papermill as pm
+
+    for attempt in range(1, KERNEL_STARTS + 1):
+        try:
+            pm.execute_notebook(
+                str(notebook),
+                str(output),
+                parameters=parameters,
+                kernel_name=KERNEL,
+                engine_name=ENGINE,
+                cwd=str(notebook.parent),
+                progress_bar=progress,
+                log_output=False,
+                kernel_manager_class=_kernel_manager_class(run),
+                course_run=run,
+            )
+            return
+        except RuntimeError as e:
+            if not _start_failed(e, run) or attempt == KERNEL_STARTS:
+                raise
+            run.stop_kernels()
+            run.log.write(
+                f"[course] kernel start {attempt} failed ({e}); starting again\n".encode()
+            )
 
 
 def _interrupted(notebook: Path, output: Path, run: _Run, error: BaseException, seconds: float):
