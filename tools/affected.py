@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import re
 import subprocess
@@ -117,10 +118,16 @@ def is_target(rel: str) -> bool:
     return p.parts[0] == "tests" and p.name.startswith("test_") and p.name not in LEFT_TO_MAKE_TEST
 
 
+@functools.cache
+def import_graph() -> dict[str, set[str]]:
+    """``{file: the modules it imports}`` for every :func:`project_files` file (read once per process)."""
+    return {f: imports(ROOT / f, f) for f in project_files()}
+
+
 def touched(changed: list[str]) -> dict[str, str]:
     """``{target: the changed file that touches it}`` for the test files and notebooks to run."""
-    files = project_files()
-    graph = {f: imports(ROOT / f, f) for f in files}
+    graph = import_graph()
+    files = list(graph)
     hits: dict[str, str] = {t: "always" for t in ALWAYS if (ROOT / t).exists()}
     for change in changed:
         if change in EVERYTHING or change.startswith("requirements"):
