@@ -45,11 +45,9 @@ LEFT_TO_MAKE_TEST = (
     "test_run.py",
     "test_make.py",
     "test_checks_devices.py",
-    "test_python_versions.py",
 )
 """Left to ``make test``: the matrix (every notebook at 1, 2, 4), every student version, the book, the course
-runner's fault tests, the Makefile's real runs, a fresh 8-device process per answer judged, the second
-environment's checks."""
+runner's fault tests, the Makefile's real runs, a fresh 8-device process per answer judged."""
 ALWAYS = ("tests/test_layout.py", "tests/test_hygiene.py", "tests/test_affected.py")
 """Static checks of every module and notebook (sizes, pointers, notebook conventions): seconds."""
 MODULE_NAME = re.compile(r"\b(course_(?:lib|tools)(?:\.\w+)+)\b")
