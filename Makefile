@@ -15,6 +15,7 @@ STUDENT ?=
 OVERWRITE ?=
 LOAD ?= 0
 ONLY ?=
+SINCE ?= HEAD
 # make test's second environment (README, "Two environments"): JAX 0.10.2 on Python 3.11 in .venv311.
 # PY311=auto finds a Python 3.11 (tools/check_python.py --find-3.11), PY311=/path/to/python3.11 names one,
 # PY311=0 skips it.
@@ -34,11 +35,12 @@ OPTIONS_site := COURSE STUDENT BUILD
 OPTIONS_student := BUILD OVERWRITE
 OPTIONS_reference := OVERWRITE
 OPTIONS_test := PYTEST_ARGS LOAD PY311
+OPTIONS_check := SINCE PYTEST_ARGS
 OPTIONS_matrix := MATRIX PYTEST_ARGS LOAD
 OPTIONS_jupyter := JUPYTER_DIR
 OPTIONS_bench := N_DEVICES PLATFORM PROFILE
 OPTIONS_clean-venv :=
-TARGETS := help setup lab course scaling site student reference test matrix jupyter bench clean-venv
+TARGETS := help setup lab course scaling site student reference test check matrix jupyter bench clean-venv
 
 GOALS := $(or $(MAKECMDGOALS),help)
 GIVEN := $(sort $(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
@@ -107,6 +109,9 @@ ifeq ($(IN_PACKAGE),)
 	@echo "               PYTEST_ARGS='-k lab' passes pytest options; LOAD=2 runs it beside 2 busy processes;"
 	@echo "               then the unit tests and every notebook in the second environment, JAX 0.10.2 on"
 	@echo "               Python 3.11 (.venv311; PY311=auto finds a 3.11, PY311=/path names one, PY311=0 skips)"
+	@echo "make check     the contributor's check (minutes): lint, then the test files and notebooks that the"
+	@echo "               files changed since SINCE=HEAD (uncommitted; SINCE=main: the branch) touch, found by"
+	@echo "               their imports (tools/affected.py); PYTEST_ARGS. make test before merging"
 	@echo "make matrix    every notebook under papermill at MATRIX='1 2 4' devices, results compared across"
 	@echo "               them and 8 (part of make test; MATRIX=3 checks the odd-count promise); PYTEST_ARGS LOAD"
 	@echo "make reference record data/reference_cpu_8sim*.csv again (OVERWRITE=1 replaces the committed ones)"
@@ -180,6 +185,16 @@ else
 	  "looked for \$$PYTHON311, pyenv's versions/3.11.*, python3.11 on PATH, /usr/bin/python3.11. Install one" \
 	  "(pyenv install 3.11 or apt-get install python3.11-venv) or name it: make test PY311=/path/to/python3.11" >&2
 endif
+else
+	$(not_in_package)
+endif
+
+check: setup
+ifeq ($(IN_PACKAGE),)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	@echo "make check: what the files changed since $(SINCE) touch (tools/affected.py --since $(SINCE)):"
+	targets="$$($(PY) tools/affected.py --since $(SINCE) --explain)" && $(PY) -m pytest $$targets $(PYTEST_ARGS)
 else
 	$(not_in_package)
 endif

@@ -70,6 +70,7 @@ PROBES = {  # a value that shows up in the printed command when the option is ho
     "MATRIX": ("3", 'COURSE_MATRIX_COUNTS="3"'),
     "JUPYTER_DIR": ("/tmp/probe-dir", "--ServerApp.root_dir=/tmp/probe-dir"),
     "PY311": ("/tmp/probe-python3.11", "JAX 0.10.2 on /tmp/probe-python3.11 in .venv311"),
+    "SINCE": ("HEAD~2", "tools/affected.py --since HEAD~2"),
 }
 
 
@@ -91,6 +92,7 @@ def test_every_option_readme_lists_reaches_the_command(target, option):
         (["lab", "N_DEVICE=4"], "N_DEVICE=4", "BUILD N_DEVICES PLATFORM PROFILE"),  # misspelt
         (["student", "PROFILE=tiny"], "PROFILE=tiny", "BUILD OVERWRITE"),
         (["test", "N_DEVICES=2"], "N_DEVICES=2", "LOAD PY311 PYTEST_ARGS"),
+        (["check", "LOAD=1"], "LOAD=1", "PYTEST_ARGS SINCE"),
         (["jupyter", "BUILD=x"], "BUILD=x", "JUPYTER_DIR"),
         (["site", "ONLY=08"], "ONLY=08", "BUILD COURSE STUDENT"),
         (

@@ -236,11 +236,11 @@ def test_the_package_readme_names_only_what_the_package_holds(package):
 
 
 def test_the_course_only_targets_say_so_in_the_package(package):
-    r = _in_package(package, "make", "test")
-    assert r.returncode == 2 and "make test is not part of the student package" in r.stderr, (
-        r.stderr
-    )
-    for target in ("student", "matrix", "reference"):
+    for target in ("test", "check"):
+        r = _in_package(package, "make", target)
+        assert r.returncode == 2, (target, r.stderr)
+        assert f"make {target} is not part of the student package" in r.stderr, r.stderr
+    for target in ("student", "check", "matrix", "reference"):
         assert f"make {target}" not in _in_package(package, "make", "help").stdout
     assert (
         "make student"
