@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import comms
 from .lm_layouts import _path, layout, local_bytes, param_specs
-from .lm_plots import by_kind, plot_bytes, plot_step_times
+from .lm_plots import by_kind, plot_bytes, plot_step_times, plot_time_breakdown, time_breakdown
 from .meshes import DATA, MODEL, STAGE
 
 __all__ = [
@@ -46,6 +46,8 @@ __all__ = [
     "by_kind",
     "plot_step_times",
     "plot_bytes",
+    "time_breakdown",
+    "plot_time_breakdown",
 ]
 
 
@@ -243,7 +245,7 @@ def _local_batch(lay, global_batch: int, sizes: dict[str, int]) -> int:
 
 
 def activation_bytes(key: str, config, global_batch: int, sizes: dict[str, int], itemsize: int = 4,
-                     n_micro: int = 2, *, remat: bool = False) -> int:  # fmt: skip
+                     n_micro: int = 2, *, remat: bool = False, compiled: bool = False) -> int:  # fmt: skip
     """Bytes of the activations one device keeps for the backward pass — an estimate of the program's
     temporaries (``memory_analysis().temp_size_in_bytes``), as the lab's programs run.
 
@@ -255,7 +257,12 @@ def activation_bytes(key: str, config, global_batch: int, sizes: dict[str, int],
     stage *input* (``m + 1`` slots), the B lane recomputes the stage from it under ``jax.vjp``; the program
     also holds the embedded micro-batches ``xs`` (``m``), their input cotangents ``dxs`` (``m + 1``) and the
     two tick buffers: ``3m + 4`` micro-batch activations ``[b/m, S, D]``, plus one micro-batch's stage values
-    and logits. ``remat`` changes nothing there. Under FSDP the gathered parameters too: the step gathers
+    and logits. ``remat`` changes nothing there. ``compiled=True``: what the program XLA:CPU compiles from
+    it holds — the B lane's recomputations read the stash alone, and in the unrolled tick loop the schedule
+    runs them all before the first backward, so every one of the ``m + p − 1`` B ticks (idle ones too:
+    masked, not skipped) keeps its recomputed stage values and logits at once, beside the ``3m + 4``
+    buffers (``notebooks/12_transformer_lab.ipynb`` asserts it within 20 % of ``temp_size_in_bytes``).
+    Under FSDP the gathered parameters too: the step gathers
     each one once and keeps it through the backward pass (``SHARD_GRAD_OP``, :mod:`course_lib.lm_steps`),
     so a device holds every parameter as the model axis splits it, beside its shard (:func:`gathered_bytes`).
     ``notebooks/12_transformer_lab.ipynb`` compares the estimate with ``memory_analysis()`` per layout.
@@ -269,9 +276,11 @@ def activation_bytes(key: str, config, global_batch: int, sizes: dict[str, int],
             raise ValueError(
                 f"a local batch of {b} does not split into n_micro={n_micro} micro-batches"
             )
-        b_mb, layers = b // n_micro, config.n_layers // sizes[lay.stage_axis]
-        held = (3 * n_micro + 4) * b_mb * s * d + layers * _layer_values(lay, config, b_mb, sizes)
-        return int((held + b_mb * s * config.vocab) * itemsize)
+        p = sizes[lay.stage_axis]
+        b_mb, layers = b // n_micro, config.n_layers // p
+        values = layers * _layer_values(lay, config, b_mb, sizes) + b_mb * s * config.vocab
+        recomputed = n_micro + p - 1 if compiled else 1  # stage values and logits held at once
+        return int(((3 * n_micro + 4) * b_mb * s * d + recomputed * values) * itemsize)
     logits = b * (s // c) * config.vocab
     if remat:
         t = sizes[lay.model_axis] if lay.seq_axis and lay.seq_axis == lay.model_axis else c

@@ -86,7 +86,10 @@ def step_time(key: str, config, global_batch: int, fabric, n_devices: int = 8, *
     Returns:
       ``{"layout", "sizes", "compute_s" (the roofline), "flop_s", "hbm_s", "hbm_bytes", "comm_s" (per axis),
       "critical_s" (TP/SP/CP's part), "no_overlap_s", "data_overlap_s", "overlap_s", "step_s" (the one
-      ``overlap`` names), "sent_bytes", "memory_bytes" (parameters, optimizer, gradients, activations)}``.
+      ``overlap`` names), "overlap", "bubble_s" (the pipeline's idle ticks' share of the compute,
+      ``(p − 1)/(m + p − 1)`` of it: its executor computes them masked; 0 for the other layouts),
+      "sent_bytes", "memory_bytes" (parameters, optimizer, gradients, activations)}``.
+      :func:`course_lib.lm_plots.time_breakdown` splits ``step_s`` into its parts.
 
     Raises:
       ValueError: the layout does not fit ``n_devices``, or an unknown ``overlap``.
@@ -119,9 +122,11 @@ def step_time(key: str, config, global_batch: int, fabric, n_devices: int = 8, *
     }
     step = bounds[{"none": "no_overlap_s", "data": "data_overlap_s", "all": "overlap_s"}[overlap]]
     memory = mem["params"] + mem["optimizer"] + mem["gradients"] + mem["activations"]
+    p = sizes[lay.stage_axis] if lay.stage_axis else 1
     return {
         "layout": key, "sizes": sizes, "compute_s": roof, "flop_s": t["compute_s"], "hbm_s": t["memory_s"],
         "hbm_bytes": moved, "comm_s": t["comm_by_axis"], "critical_s": critical, **bounds, "step_s": step,
+        "overlap": overlap, "bubble_s": roof * (p - 1) / (m + p - 1) if p > 1 else 0.0,
         "sent_bytes": comms.total_sent(transfers), "memory_bytes": memory,
     }  # fmt: skip
 

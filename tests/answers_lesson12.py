@@ -239,3 +239,111 @@ def pipeline_whole_batch(n_stages, n_data, n_micro, cfg, global_batch, itemsize)
     return _pipeline(n_stages, 1, n_micro, cfg, global_batch, itemsize) | {
         "data": _pipeline(n_stages, n_data, n_micro, cfg, global_batch, itemsize)["data"]
     }
+
+
+# ---- exercise 4: a layout's step time, by hand ---------------------------------------------------------------
+
+_HIDDEN = ("gradients", "parameters gathered", "loss")
+"""The collectives that hide behind compute (what they carry): the data-parallel traffic."""
+
+
+def _own_time(t, link, ring_factor=True, alpha=True) -> float:
+    """A collective's time on a switch (NVLink, InfiniBand): α per ring step + bytes sent / bandwidth."""
+    n = t.group_size
+    if t.kind == "all-reduce":
+        steps, share = 2 * (n - 1), 2 * (n - 1) / n
+    else:  # all-gather, reduce-scatter: one half of the ring
+        steps, share = n - 1, (n - 1) / n
+    return (steps * link.latency_s if alpha else 0.0) + t.size_bytes * (
+        share if ring_factor else 1.0
+    ) / link.bytes_per_s
+
+
+def _step(
+    key, cfg, global_batch, fabric, *, passes=3, ring_factor=True, alpha=True, overlap="data"
+):
+    from course_lib import costs
+
+    sizes = lm_layouts.mesh_axes(key, 8)
+    flops = passes * transformer.flops_per_token(cfg) * global_batch * cfg.seq_len / 8
+    compute = flops / costs.rate(fabric.chip, "bfloat16")
+    hidden = critical = 0.0
+    for t in lm_costs.predict_bytes(key, cfg, global_batch, sizes, itemsize=2):
+        seconds = _own_time(t, fabric.link_of(t.axis), ring_factor, alpha)
+        if t.what.startswith(_HIDDEN):
+            hidden += seconds
+        else:
+            critical += seconds
+    if overlap == "none":
+        return compute + hidden + critical
+    if overlap == "all":
+        return max(compute, hidden + critical)
+    return max(compute, hidden) + critical
+
+
+def predict_step(layout_key, cfg, global_batch, fabric):
+    """The reference: FLOPs over the peak; each collective's α and bytes by hand; data traffic hidden."""
+    return _step(layout_key, cfg, global_batch, fabric)
+
+
+def predict_step_by_collective_time(layout_key, cfg, global_batch, fabric):
+    """Another correct form: the course's costs.collective_time per transfer, the critical ones by axis."""
+    from course_lib import costs
+
+    lay = lm_layouts.layout(layout_key)
+    sizes = lm_layouts.mesh_axes(layout_key, 8)
+    waits = {lay.model_axis, lay.seq_axis} - {None}
+    compute = 3 * transformer.flops_per_token(cfg) * global_batch * cfg.seq_len / 8
+    compute /= fabric.chip.bf16 * 1e12
+    parts = {True: 0.0, False: 0.0}
+    for t in lm_costs.predict_bytes(layout_key, cfg, global_batch, sizes, itemsize=2):
+        on_path = t.axis in waits and not t.what.startswith(_HIDDEN)
+        link = fabric.link_of(t.axis)
+        parts[on_path] += costs.collective_time(t.kind, t.group_size, t.size_bytes, link)
+    return max(compute, parts[False]) + parts[True]
+
+
+def predict_step_by_costs(layout_key, cfg, global_batch, fabric):
+    """Another correct form: the course's one time model (costs.step_time) on the hidden traffic, the
+    critical collectives added."""
+    from course_lib import costs
+
+    sizes = lm_layouts.mesh_axes(layout_key, 8)
+    flops = 3 * transformer.flops_per_token(cfg) * global_batch * cfg.seq_len / 8
+    transfers = lm_costs.predict_bytes(layout_key, cfg, global_batch, sizes, itemsize=2)
+    hidden = [t for t in transfers if t.what.startswith(_HIDDEN)]
+    critical = [t for t in transfers if not t.what.startswith(_HIDDEN)]
+    overlapped = costs.step_time(flops, None, hidden, fabric)["overlap_s"]
+    return overlapped + costs.step_time(0.0, None, critical, fabric)["comm_s"]
+
+
+def step_forward_only(*args):
+    """Wrong: the forward's FLOPs only (the backward's 2× forgotten)."""
+    return _step(*args, passes=1)
+
+
+def step_bytes_once(*args):
+    """Wrong: each collective's whole size_bytes crosses the link once (no (n-1)/n or 2(n-1)/n)."""
+    return _step(*args, ring_factor=False)
+
+
+def step_no_latency(*args):
+    """Wrong: bandwidth terms only, no α."""
+    return _step(*args, alpha=False)
+
+
+def step_no_overlap(*args):
+    """Wrong: every collective added to the compute (overlap not applied)."""
+    return _step(*args, overlap="none")
+
+
+def step_all_hidden(*args):
+    """Wrong: everything hidden, TP/SP/CP's collectives too (max of compute and all communication)."""
+    return _step(*args, overlap="all")
+
+
+def step_by_the_library(layout_key, cfg, global_batch, fabric):
+    """Wrong: reads the library's step time."""
+    return lm_costs.step_time(
+        layout_key, cfg, global_batch, fabric, overlap="data", roofline=False
+    )["step_s"]

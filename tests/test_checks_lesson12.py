@@ -15,6 +15,7 @@ from checking import not_written, rejects, stub, tpu_rules
 
 from course_lib import costs, lm_costs, transformer
 from course_tools.checks import _lesson12_nodes as nodes
+from course_tools.checks import _lesson12_time as timing
 from course_tools.checks import lesson12
 
 SEEDS = (0, 1)
@@ -25,6 +26,7 @@ def test_stubs_print_not_written(monkeypatch, capsys):
     not_written(lesson12.check_node_placement, stub, monkeypatch=monkeypatch, capsys=capsys)
     not_written(lesson12.check_largest_model, stub, monkeypatch=monkeypatch, capsys=capsys)
     not_written(lesson12.check_pipeline_bytes, stub, monkeypatch=monkeypatch, capsys=capsys)
+    not_written(lesson12.check_step_time, stub, monkeypatch=monkeypatch, capsys=capsys)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -108,6 +110,7 @@ def test_node_placement_refuses_the_bypasses(answer, match):
         (lesson12.check_node_placement, "across_nodes"),
         (lesson12.check_largest_model, "largest_model"),
         (lesson12.check_pipeline_bytes, "pipeline_bytes"),
+        (lesson12.check_step_time, "predict_step"),
     ],
 )
 def test_an_answer_that_raises_is_told_its_case_as_code_it_can_rerun(check, name):
@@ -258,3 +261,59 @@ def test_tpu_rules_change_nothing(monkeypatch):
         a.pipeline_no_loss,
         match=r"\d of 8 cases are wrong.*hint: .*data: ",
     )
+
+
+# ---- exercise 4: a layout's step time, by hand ---------------------------------------------------------------
+
+N_TIME_CASES = len(timing._FAMILIES)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_step_time_accepts_correct_forms(seed):
+    assert lesson12.check_step_time(a.predict_step, seed=seed)
+    assert lesson12.check_step_time(a.predict_step_by_collective_time, seed=seed)
+    assert lesson12.check_step_time(a.predict_step_by_costs, seed=seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    "answer, side",
+    [
+        (a.step_forward_only, "too fast"),
+        (a.step_bytes_once, "too"),
+        (a.step_no_latency, "too fast"),
+        (a.step_no_overlap, "too slow"),
+        (a.step_all_hidden, "too fast"),
+    ],
+)
+def test_step_time_rejects(answer, side, seed):
+    rejects(
+        partial(lesson12.check_step_time, seed=seed),
+        answer,
+        match=rf"\d of {N_TIME_CASES} cases are wrong.*hint: .*{side}",
+    )
+
+
+def test_step_time_refuses_the_library_and_odd_answers():
+    rejects(lesson12.check_step_time, a.step_by_the_library, match="calls lm_\\w+\\.step_time")
+    rejects(lesson12.check_step_time, lambda *args: "fast", match="return the step time in seconds")
+
+
+def test_step_time_no_constant_passes_and_cases_are_drawn_afresh():
+    """The cases' step times differ by more than the tolerance (a constant cannot pass), and every case's
+    exposed collectives' latency exceeds the tolerance somewhere (an answer without α cannot pass)."""
+    for seed in range(3):
+        cases = timing._cases(np.random.default_rng(seed))
+        truths = sorted(
+            timing.model_step(k, timing._CONFIGS[c], b, timing._FABRICS[f]) for k, c, b, f in cases
+        )
+        assert truths[-1] > (1 + 2 * timing.REL) * truths[0]
+    assert timing._cases(np.random.default_rng(0)) != timing._cases(np.random.default_rng(1))
+
+
+def test_step_time_case_as_code_is_the_case():
+    scope = {"dataclasses": dataclasses, "transformer": transformer, "costs": costs}
+    for code, cfg in timing._CONFIGS.items():
+        assert eval(code, scope) == cfg
+    for code, fabric in timing._FABRICS.items():
+        assert eval(code, scope) == fabric

@@ -273,3 +273,49 @@ def test_the_roofline_model_counts_hbm_traffic_only_where_a_step_is_memory_bound
     assert all(r["hbm_s"] > r["flop_s"] for r in small)  # memory-bound: the faster HBM counts
     assert small[1]["step_s"] < small[0]["step_s"]
     assert small[0]["hbm_s"] / small[1]["hbm_s"] == pytest.approx(4.8 / 3.35)
+
+
+def test_the_pipeline_as_compiled_holds_every_b_ticks_recomputation():
+    """compiled=True: the m + p - 1 B ticks' recomputed stage values and logits at once (XLA:CPU's unrolled
+    schedule), beside the same stash, xs, dxs and tick buffers; only the pipeline has it."""
+    gpu, sizes = transformer.GPU, lm_layouts.mesh_axes("pp_dp", 8)
+    for m in (2, 8):
+        algo = lm_costs.activation_bytes("pp_dp", gpu, 32, sizes, 2, m)
+        held = lm_costs.activation_bytes("pp_dp", gpu, 32, sizes, 2, m, compiled=True)
+        buffers = (3 * m + 4) * (32 // 4 // m) * gpu.seq_len * gpu.d_model * 2
+        assert held - buffers == (m + 2 - 1) * (algo - buffers)  # p = 2 stages
+    assert lm_costs.activation_bytes(
+        "dp", gpu, 8, lm_layouts.mesh_axes("dp", 8), 2, compiled=True
+    ) == (lm_costs.activation_bytes("dp", gpu, 8, lm_layouts.mesh_axes("dp", 8), 2))
+
+
+@pytest.mark.parametrize("overlap", lm_costs.OVERLAPS)
+def test_the_time_breakdown_stacks_to_the_step(overlap):
+    """compute + bubble + exposed = step_s; exposed + hidden = the communication; the bubble is the
+    pipeline's (p - 1)/(m + p - 1) of its compute, 0 elsewhere; a row of another kind is refused."""
+    h100 = lm_costs.FABRICS["H100"]
+    for row in lm_costs.rank_layouts(transformer.GPU, 64, h100, 8, overlap=overlap):
+        part = lm_costs.time_breakdown(row)
+        assert part["compute"] + part["bubble"] + part["exposed communication"] == pytest.approx(
+            row["step_s"], rel=1e-12
+        )
+        assert part["exposed communication"] + part["overlapped communication"] == pytest.approx(
+            sum(row["comm_s"].values()), rel=1e-12
+        )
+        assert min(part.values()) >= -1e-12 * row["step_s"]
+        p = row["sizes"].get("stage", 1)
+        assert row["bubble_s"] == pytest.approx(row["compute_s"] * (p - 1) / (4 * p + p - 1))
+        if overlap == "none":
+            assert part["overlapped communication"] == pytest.approx(0.0, abs=1e-15)
+    with pytest.raises(ValueError, match="bubble_s"):
+        lm_costs.time_breakdown({"layout": "dp", "step_s": 1.0})
+
+
+def test_the_time_breakdown_plot_draws_every_layout():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rows = lm_costs.rank_layouts(transformer.GPU, 64, lm_costs.FABRICS["H100"], 8, overlap="data")
+    ax = lm_costs.plot_time_breakdown(rows)
+    assert [t.get_text() for t in ax.get_xticklabels()] == [r["layout"] for r in rows]
+    assert "MODEL" in ax.get_title()

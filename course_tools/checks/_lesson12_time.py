@@ -1,0 +1,127 @@
+"""Checker of lab 12's exercise 4: a layout's step time predicted by hand from its FLOPs, the bytes of its
+collectives and the fabric's bandwidth and latency (``notebooks/12_transformer_lab.ipynb``; re-exported by
+:mod:`course_tools.checks.lesson12`).
+
+The answer is compared with :func:`course_lib.lm_costs.step_time` (``overlap="data"``, ``roofline=False``,
+bfloat16, 8 devices), which it must not call (nor :func:`~course_lib.lm_costs.rank_layouts` or
+:func:`~course_lib.lm_costs.flops_per_device`, which holds the 3 × forward). The cases are drawn afresh at
+each call (``seed``: for tests): layouts, configurations, batches and fabrics (NVLink 4 and 3, one axis on
+InfiniBand), so that no constant and no single term passes: each case's step has a compute part, exposed
+collectives (TP, SP, CP) whose latency is more than the tolerance, and hidden ones. Judged within
+:data:`REL`; says how many cases are too slow and too fast, never which (an answer that raises is shown the
+call, to rerun it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from course_lib import costs, lm_costs, transformer
+
+from ._common import checker, fail, passed, plain
+from ._unaided import call_unaided
+
+__all__ = ["check_step_time", "model_step"]
+
+REL = 0.02
+"""Relative tolerance: the loss's few bytes, FSDP's gathers counted per line or per parameter (hidden)."""
+N_DEVICES = 8
+
+_G = transformer.GPU
+_FORBIDDEN = (lm_costs.step_time, lm_costs.rank_layouts, lm_costs.flops_per_device)
+_CONFIGS = {
+    "transformer.GPU": _G,
+    "dataclasses.replace(transformer.GPU, n_layers=8)": dataclasses.replace(_G, n_layers=8),
+    "dataclasses.replace(transformer.GPU, n_layers=32)": dataclasses.replace(_G, n_layers=32),
+    "dataclasses.replace(transformer.GPU, seq_len=1024)": dataclasses.replace(_G, seq_len=1024),
+}
+_FABRICS = {
+    'costs.FABRICS["H100"]': costs.FABRICS["H100"],
+    'costs.FABRICS["A100"]': costs.FABRICS["A100"],
+    'costs.FABRICS["H100"].with_axis("data", costs.LINKS["InfiniBand NDR"])': costs.FABRICS[
+        "H100"
+    ].with_axis("data", costs.LINKS["InfiniBand NDR"]),
+}
+# (layouts, global batches): TP and CP at small batches, where their exposed collectives are a large share;
+# every layout at a larger one
+_FAMILIES = (
+    (("tp_sp", "3d"), (8, 16)),
+    (("dp_cp", "fsdp_tp"), (8, 16)),
+    (("tp_sp", "dp_cp", "3d", "fsdp_tp"), (32, 64)),
+    (("dp", "tp_sp"), (64, 128)),
+    (("tp_sp", "dp_cp"), (16, 32)),
+)
+
+
+def model_step(key: str, cfg, global_batch: int, fabric) -> float:
+    """The step time the checker compares with: :func:`course_lib.lm_costs.step_time`'s ``step_s`` with the
+    data-parallel traffic hidden and the FLOPs alone as the compute time."""
+    return lm_costs.step_time(
+        key, cfg, global_batch, fabric, N_DEVICES, overlap="data", roofline=False
+    )["step_s"]
+
+
+def _cases(rng) -> list[tuple[str, str, int, str]]:
+    cases = []
+    for keys, batches in _FAMILIES:
+        key = keys[int(rng.integers(len(keys)))]
+        cfg_name = list(_CONFIGS)[int(rng.integers(len(_CONFIGS)))]
+        batch = int(batches[int(rng.integers(len(batches)))])
+        fabric_name = list(_FABRICS)[int(rng.integers(len(_FABRICS)))]
+        cases.append((key, cfg_name, batch, fabric_name))
+    rng.shuffle(cases)
+    return cases
+
+
+@checker
+def check_step_time(predict_step: Callable, *, seed: int | None = None) -> bool:
+    """``predict_step(layout_key, cfg, global_batch, fabric) -> seconds``: layout ``layout_key``'s step on 8
+    devices of ``fabric`` (bfloat16), compared with :func:`model_step` on cases drawn afresh (``seed``: for
+    tests), within :data:`REL`. An answer that calls ``lm_costs.step_time``, ``rank_layouts`` or
+    ``flops_per_device`` is refused."""
+    cases = _cases(np.random.default_rng(seed))
+    slow = fast = 0
+    for key, cfg_name, batch, fabric_name in cases:
+        cfg, fabric = _CONFIGS[cfg_name], _FABRICS[fabric_name]
+        what = f"predict_step({key!r}, {cfg_name}, {batch}, {fabric_name})"
+        got = call_unaided(
+            what, predict_step, _FORBIDDEN,
+            "build it from transformer.flops_per_token, the fabric's peak (costs.rate), "
+            "lm_costs.predict_bytes and each collective's α + bytes / bandwidth: step_time is what the "
+            "checker compares with",
+            key, cfg, batch, fabric,
+        )  # fmt: skip
+        try:
+            seconds = float(got)
+        except (TypeError, ValueError):
+            fail(f"{what} returned {plain(got)!r}", "return the step time in seconds, a float")
+        truth = model_step(key, cfg, batch, fabric)
+        if not abs(seconds - truth) <= REL * truth:
+            slow += seconds > truth
+            fast += seconds < truth
+    if slow or fast:
+        hints = []
+        if fast:
+            hints.append(
+                "too fast: something that takes time is missing — the backward pass (twice the forward's "
+                "FLOPs: 3 x transformer.flops_per_token per token), each collective's latency (α per step: "
+                "2(n-1) steps for an all-reduce, n-1 for an all-gather or a reduce-scatter), the "
+                "all-reduce's two halves (2(n-1)/n of the array), or the TP/SP/CP collectives, which are "
+                "not hidden: the next matmul waits for them"
+            )
+        if slow:
+            hints.append(
+                "too slow: something is counted that the model hides or does not have — the gradients', "
+                "the gathered parameters' and the loss's collectives hide behind the compute (max, not "
+                "sum); the FLOPs are split over the 8 devices; an all-gather or a reduce-scatter sends "
+                "(n-1)/n of its size_bytes, not all of it"
+            )
+        fail(
+            f"{slow + fast} of {len(cases)} cases are wrong ({slow} too slow, {fast} too fast, by more "
+            f"than {REL:.0%})",
+            "; ".join(hints),
+        )
+    return passed(f"the step time right within {REL:.0%} in all {len(cases)} cases")
