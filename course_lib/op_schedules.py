@@ -35,13 +35,14 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["IDLE", "F", "B", "W", "OpSchedule", "gpipe", "pipedream_flush", "interleaved", "zb_h1",
+__all__ = ["NAMES", "IDLE", "F", "B", "W", "OpSchedule", "gpipe", "pipedream_flush", "interleaved", "zb_h1",
            "OP_SCHEDULES", "make", "predicted_bubble", "predicted_in_flight", "measured_bubble",
            "measured_in_flight", "validate"]  # fmt: skip
 
 IDLE, F, B, W = 0, 1, 2, 3
 """Operation codes of a cell: nothing, a forward, a backward (input gradient; the whole backward when the
 schedule is fused), a weight gradient."""
+NAMES = {IDLE: "idle", F: "F", B: "B", W: "W"}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -300,12 +301,15 @@ def validate(sched: OpSchedule) -> None:
         cells = _cells(sched.op, sched.mb, sched.chunk, kind)
         if set(cells) != want or (sched.op == kind).sum() != len(want):
             raise ValueError(
-                f"{sched.name}: operation {kind} is not run once per (micro-batch, chunk, stage)"
+                f"{sched.name}: {NAMES[kind]} is not run once per (micro-batch, chunk, stage): missing "
+                f"{sorted(want - set(cells))[:3]}"
             )
         done.update({(kind, *k): t for k, t in cells.items()})
-    for (kind, i, c, s), t in done.items():
+    for (kind, i, c, s), t in sorted(done.items(), key=lambda kv: kv[1]):
         for need in _needs(kind, i, c, s, p, v):
             if done[need] >= t:
                 raise ValueError(
-                    f"{sched.name}: {(kind, i, c, s)} at tick {t} needs {need}, done at {done[need]}"
+                    f"{sched.name}: {NAMES[kind]} of micro-batch {i}, chunk {c} on stage {s} at tick {t} "
+                    f"needs the {NAMES[need[0]]} of stage {need[3]} (chunk {need[2]}), done at tick "
+                    f"{done[need]}: a value can be used from the tick after the one that made it"
                 )

@@ -229,7 +229,8 @@ def _segments(op: np.ndarray) -> list[tuple[int, int, tuple]]:
 
 
 def run(stage_fn: Callable, head_fn: Callable, params: Any, head_params: Any, xs: jax.Array, aux: Any,
-        sched: O.OpSchedule, axis: str, *, mode: str = "masked", the_plan: Plan | None = None):  # fmt: skip
+        sched: O.OpSchedule, axis: str, *, mode: str = "masked", the_plan: Plan | None = None,
+        input_grads: bool = True):  # fmt: skip
     """Run ``sched`` inside ``shard_map`` over ``axis``: the loss and its gradients.
 
     Args:
@@ -239,6 +240,8 @@ def run(stage_fn: Callable, head_fn: Callable, params: Any, head_params: Any, xs
       xs: ``[m, b, S, D]`` micro-batch inputs (stage 0 reads them); aux: pytree of ``[m, …]``.
       mode: one of :data:`MODES`.
       the_plan: :func:`plan` of ``sched`` (built here if not given).
+      input_grads: keep the cotangent of every micro-batch's input (``dxs``, an ``[m, b, S, D]`` buffer);
+        False returns a zero block of one activation in its place (what the memory measurement needs).
 
     Returns:
       ``(loss, grads, head_grads, dxs, trace)``: loss and ``head_grads`` nonzero on the last stage only
@@ -261,7 +264,7 @@ def run(stage_fn: Callable, head_fn: Callable, params: Any, head_params: Any, xs
     st = dict(
         xst=jnp.zeros((pl.n_x + 1, *act.shape), act.dtype), dyst=jnp.zeros((pl.n_dy + 1, *act.shape), act.dtype),
         grads=zeros(params), head_grads=zeros(head_params), loss=jnp.zeros((), act.dtype),
-        dxs=jnp.zeros((m + 1, *act.shape), act.dtype),
+        dxs=jnp.zeros((m + 1 if input_grads else 1, *act.shape), act.dtype),
     )  # fmt: skip
     st = _vary(st, axes)
     ctx = _Ctx(stage_fn, head_fn, params, head_params, xs, aux, sched, lax.axis_index(axis), axes)
@@ -270,26 +273,62 @@ def run(stage_fn: Callable, head_fn: Callable, params: Any, head_params: Any, xs
         body = lambda a, r, k=kinds: _tick(ctx, axis, k, mode, a, r)  # noqa: E731
         st, tr = lax.scan(body, st, jnp.asarray(pl.rows[start:stop]))
         traces.append(tr)
-    return st["loss"], st["grads"], st["head_grads"], st["dxs"][:m], jnp.concatenate(traces)
+    dxs = st["dxs"][:m] if input_grads else st["dxs"]
+    return st["loss"], st["grads"], st["head_grads"], dxs, jnp.concatenate(traces)
 
 
 def _inner(_, y, r):  # the loss of one micro-batch: <y, r>, so its gradient is r
     return (y * r).sum()
 
 
-def build_step(
-    mesh: Any, axis: str, sched: O.OpSchedule, stage_fn: Callable, *, mode: str = "masked"
-):
+def build_step(mesh: Any, axis: str, sched: O.OpSchedule, stage_fn: Callable, *, mode: str = "masked",
+               input_grads: bool = True):  # fmt: skip
     """``step(params, xs, r) -> (loss, grads, dxs, trace)``, jitted: :func:`run` under ``shard_map`` with
     the loss ``Σ_i <y_i, r_i>`` (``xs``, ``r`` [m, N, D] replicated; ``params``
     :func:`~course_lib.pipeline.chunked` to ``sched.n_chunks``, placed with ``stage_spec(axis)``);
-    ``trace`` int32 [T, 3, p], what every device ran (:func:`run`)."""
+    ``trace`` int32 [T, 3, p], what every device ran (:func:`run`); ``dxs`` a zero block without
+    ``input_grads``."""
     spec, the_plan = stage_spec(axis), plan(sched)
 
     def body(params, xs, r):
         loss, grads, _, dxs, tr = run(stage_fn, _inner, params, {}, xs, r, sched, axis, mode=mode,
-                                      the_plan=the_plan)  # fmt: skip
+                                      the_plan=the_plan, input_grads=input_grads)  # fmt: skip
         return lax.psum(loss, axis), grads, lax.psum(dxs, axis), tr[..., None]
 
     out_specs = (P(), spec, P(), P(None, None, axis))
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P(), P()), out_specs=out_specs))
+
+
+# --- what the two modes cost, predicted from the table ------------------------------------------------------
+
+
+def op_flops(stage_fn: Callable, chunk: Any, x: jax.Array) -> dict[str, float]:
+    """FLOPs of one cell of each operation, each compiled alone on one device: ``"F"`` (the chunk's
+    forward), ``"B"`` (the whole backward: recompute, then the vjp), ``"B_split"`` (recompute, then the
+    input's cotangent only), ``"W"`` (recompute, then the weights' cotangent only)."""
+
+    def flops(fn, *args):
+        cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+        return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+    def vjp_of(argnums):
+        def cell(chunk, x, r):
+            _, vjp = jax.vjp(lambda c, h: stage_fn(h, c), chunk, x)
+            grads = vjp(r)
+            return tuple(grads[a] for a in argnums)
+
+        return cell
+
+    return {"F": flops(stage_fn, x, chunk), "B": flops(vjp_of((0, 1)), chunk, x, x),
+            "B_split": flops(lambda c, h, r: jax.vjp(lambda hh: stage_fn(hh, c), h)[1](r), chunk, x, x),
+            "W": flops(lambda c, h, r: jax.vjp(lambda cc: stage_fn(h, cc), c)[1](r), chunk, x, x)}  # fmt: skip
+
+
+def work(sched: O.OpSchedule, cost: dict[str, float]) -> dict[str, float]:
+    """The work of one device over the step, in units of ``cost`` (:func:`op_flops`, or any per-operation
+    costs): ``"useful"``, its own cells (what ``mode="cond"`` computes; the same on every stage);
+    ``"masked"``, every operation some stage runs at each tick (what ``mode="masked"`` computes)."""
+    per = {O.F: cost["F"], O.B: cost["B_split" if sched.split else "B"], O.W: cost.get("W", 0.0)}
+    useful = sum(per[k] * float((sched.op[:, 0] == k).sum()) for k in per)
+    masked = sum(per[k] * float((sched.op == k).any(1).sum()) for k in per)
+    return {"useful": useful, "masked": masked}
