@@ -36,7 +36,7 @@ import dataclasses
 import numpy as np
 
 __all__ = ["NAMES", "IDLE", "F", "B", "W", "OpSchedule", "gpipe", "pipedream_flush", "interleaved", "zb_h1",
-           "OP_SCHEDULES", "make", "predicted_bubble", "predicted_in_flight", "measured_bubble",
+           "breadth_first", "OP_SCHEDULES", "make", "predicted_bubble", "predicted_in_flight", "measured_bubble",
            "measured_in_flight", "validate"]  # fmt: skip
 
 IDLE, F, B, W = 0, 1, 2, 3
@@ -184,6 +184,24 @@ def interleaved(n_stages: int, n_micro: int, n_chunks: int = 2) -> OpSchedule:
     return _simulate("interleaved", p, m, v, [_one_f_one_b(fwd, bwd, w) for w in warm])
 
 
+def breadth_first(n_stages: int, n_micro: int, n_chunks: int = 2) -> OpSchedule:
+    """Breadth-first interleaving (Lamy-Poirier 2023, "Breadth-First Pipeline Parallelism"; the looping
+    pipeline): the virtual stages of :func:`interleaved`, but every micro-batch goes through chunk 0 before
+    any goes through chunk 1, and all forwards come before the backwards (last chunk first). The same bubble
+    ``(p-1)/(v·m + p-1)``; every stage holds all ``v·m`` chunk inputs, but a chunk's weight gradients are
+    complete ``m`` backwards after they start, early in the backward, so a data-parallel all-reduce of
+    them can overlap the remaining chunks' backwards (depth-first finishes every chunk at the end).
+
+    Raises:
+      ValueError: a size that is not a positive integer.
+    """
+    _check_sizes(n_stages, n_micro, n_chunks)
+    p, m, v = n_stages, n_micro, n_chunks
+    order = [(F, i, c) for c in range(v) for i in range(m)]
+    order += [(B, i, c) for c in reversed(range(v)) for i in range(m)]
+    return _simulate("breadth_first", p, m, v, [order] * p)
+
+
 def zb_h1(n_stages: int, n_micro: int) -> OpSchedule:
     """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §3.1): the backward split into **B** (the
     input's gradient, sent to the previous stage) and **W** (the weights' gradient, which nothing waits
@@ -211,20 +229,21 @@ def zb_h1(n_stages: int, n_micro: int) -> OpSchedule:
     return _simulate("zb_h1", p, m, 1, orders, split=True)
 
 
-OP_SCHEDULES = {"gpipe": gpipe, "1f1b": pipedream_flush, "interleaved": interleaved, "zb_h1": zb_h1}
+OP_SCHEDULES = {"gpipe": gpipe, "1f1b": pipedream_flush, "interleaved": interleaved, "zb_h1": zb_h1,
+                "breadth_first": breadth_first}  # fmt: skip
 """The one-operation-per-tick schedules by name (``make(name, p, m, v)``)."""
 
 
 def make(name: str, n_stages: int, n_micro: int, n_chunks: int = 1) -> OpSchedule:
-    """The schedule ``name`` (a key of :data:`OP_SCHEDULES`); ``n_chunks`` only for ``"interleaved"``.
+    """The schedule ``name`` (a key of :data:`OP_SCHEDULES`); ``n_chunks`` only for the interleaved two.
 
     Raises:
       ValueError: an unknown name, or ``n_chunks > 1`` for a schedule without chunks.
     """
     if name not in OP_SCHEDULES:
         raise ValueError(f"schedule {name!r} is not one of {sorted(OP_SCHEDULES)}")
-    if name == "interleaved":
-        return interleaved(n_stages, n_micro, n_chunks)
+    if name in ("interleaved", "breadth_first"):
+        return OP_SCHEDULES[name](n_stages, n_micro, n_chunks)
     if n_chunks != 1:
         raise ValueError(
             f"schedule {name!r} has one chunk per stage; n_chunks={n_chunks} needs 'interleaved'"
@@ -243,18 +262,18 @@ def predicted_bubble(name: str, p: int, m: int, v: int = 1) -> float:
         raise ValueError(f"schedule {name!r} is not one of {sorted(OP_SCHEDULES)}")
     if name == "zb_h1":
         return (p - 1) / (3 * m + p - 1)
-    vm = v * m if name == "interleaved" else m
+    vm = v * m if name in ("interleaved", "breadth_first") else m
     return (p - 1) / (vm + p - 1)
 
 
 def predicted_in_flight(name: str, p: int, m: int, v: int = 1) -> list[int]:
-    """The most micro-batch inputs stage ``s`` holds at once (chunk inputs for ``interleaved``): GPipe
-    ``m``; 1F1B ``min(m, p-s)`` (Narayanan et al. 2021); ZB-H1 ``min(m, p)`` on every stage (1F1B's peak:
-    a W runs up to ``s`` micro-batches late on stage ``s``); interleaved ``min(v·m, 2(p-1-s) + (v-1)·p + 1)``,
-    its warm-up plus one."""
+    """The most micro-batch inputs stage ``s`` holds at once (chunk inputs for the interleaved two): GPipe
+    ``m``; breadth-first ``v·m``; 1F1B ``min(m, p-s)`` (Narayanan et al. 2021); ZB-H1 ``min(m, p)`` on
+    every stage (1F1B's peak: a W runs up to ``s`` micro-batches late on stage ``s``); interleaved 1F1B
+    ``min(v·m, 2(p-1-s) + (v-1)·p + 1)``, its warm-up plus one."""
     _check_sizes(p, m, v)
-    if name == "gpipe":
-        return [m] * p
+    if name in ("gpipe", "breadth_first"):
+        return [m * (v if name == "breadth_first" else 1)] * p
     if name == "interleaved":
         return [min(v * m, 2 * (p - 1 - s) + (v - 1) * p + 1) for s in range(p)]
     if name == "zb_h1":

@@ -269,7 +269,12 @@ def run(stage_fn: Callable, head_fn: Callable, params: Any, head_params: Any, xs
     st = _vary(st, axes)
     ctx = _Ctx(stage_fn, head_fn, params, head_params, xs, aux, sched, lax.axis_index(axis), axes)
     traces = []
-    for start, stop, kinds in _segments(sched.op):
+    # masked: a loop per run of ticks with the same operations in use (it computes only those); switched:
+    # one loop (a device computes only its own operation anyway), one body to compile
+    segments = _segments(sched.op)
+    if mode == "cond":
+        segments = [(0, sched.ticks, tuple(k for k in (O.F, O.B, O.W) if (sched.op == k).any()))]
+    for start, stop, kinds in segments:
         body = lambda a, r, k=kinds: _tick(ctx, axis, k, mode, a, r)  # noqa: E731
         st, tr = lax.scan(body, st, jnp.asarray(pl.rows[start:stop]))
         traces.append(tr)

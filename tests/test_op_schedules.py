@@ -57,6 +57,25 @@ def test_interleaved_bubble_and_in_flight(p, m, v):
     assert first == [(j, c) for c in range(v) for j in range(min(p, m))]
 
 
+@pytest.mark.parametrize("p, m, v", [(4, 8, 2), (2, 4, 3), (4, 4, 2), (1, 2, 2)])
+def test_breadth_first_holds_every_chunk_input_with_the_interleaved_bubble(p, m, v):
+    sched = O.breadth_first(p, m, v)
+    O.validate(sched)
+    assert O.measured_bubble(sched) == pytest.approx(O.measured_bubble(O.interleaved(p, m, v)))
+    assert O.measured_in_flight(sched).tolist() == [v * m] * p
+    f0 = [
+        (int(sched.mb[t, 0]), int(sched.chunk[t, 0]))
+        for t in range(sched.ticks)
+        if sched.op[t, 0] == O.F
+    ]
+    assert f0 == [
+        (i, c) for c in range(v) for i in range(m)
+    ]  # every micro-batch through chunk 0 first
+    # the last chunk's backwards all come first: its weight gradients are complete early
+    b0 = [int(sched.chunk[t, 0]) for t in range(sched.ticks) if sched.op[t, 0] == O.B]
+    assert b0 == [c for c in reversed(range(v)) for _ in range(m)]
+
+
 def test_every_schedule_within_ten_percent_of_its_prediction_at_4_8():
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1)):
         got = O.measured_bubble(O.make(name, 4, 8, v))

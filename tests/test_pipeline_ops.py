@@ -34,8 +34,17 @@ def residual():
 
 @pytest.mark.parametrize(
     "name, p, v, mode",
-    [(n, 4, 2 if n == "interleaved" else 1, mode) for n in O.OP_SCHEDULES for mode in PO.MODES]
-    + [("1f1b", 1, 1, "cond"), ("interleaved", 2, 2, "masked"), ("zb_h1", 2, 1, "cond")],
+    [
+        (n, 4, 2 if n == "interleaved" else 1, mode)
+        for n in ("gpipe", "1f1b", "interleaved", "zb_h1")
+        for mode in PO.MODES
+    ]
+    + [
+        ("1f1b", 1, 1, "cond"),
+        ("interleaved", 2, 2, "masked"),
+        ("zb_h1", 2, 1, "cond"),
+        ("breadth_first", 2, 2, "cond"),
+    ],  # fmt: skip
 )
 def test_every_schedule_equals_one_device(report, residual, name, p, v, mode):
     params, xs, r, loss, (g_params, g_xs) = residual
