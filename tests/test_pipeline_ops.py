@@ -104,10 +104,10 @@ def test_memory_of_1f1b_does_not_grow_with_m_and_gpipe_does(report):
                                  mode="cond", input_grads=False)  # fmt: skip
             mem = step.lower(PL.chunked(params, 1), xs, xs).compile().memory_analysis()
             temps[name, m] = mem.temp_size_in_bytes
-    assert temps["1f1b", 8] == temps["1f1b", 4]
-    assert (
-        temps["gpipe", 8] - temps["gpipe", 4] >= 4 * 32 * 16 * 4
-    )  # four more inputs held, at least
+    act = 32 * 16 * 4
+    # 1F1B: no more inputs held at 8 than at 4 (what grows with the ticks is the trace: int32 [T, 3])
+    assert 0 <= temps["1f1b", 8] - temps["1f1b", 4] < act
+    assert temps["gpipe", 8] - temps["gpipe", 4] >= 4 * act  # four more inputs held, at least
 
 
 def test_bad_mode_and_wrong_axis(report, residual):
