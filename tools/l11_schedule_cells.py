@@ -225,8 +225,10 @@ print(
     f"      wall time masked {1e3 * np.median(wall['zb_h1 masked']):.1f}, switched "
     f"{1e3 * np.median(wall['zb_h1 cond']):.1f} (threads sharing cores: not the devices' waiting)"
 )
-assert " conditional(" in op_runs["zb_h1", "cond"][0].as_text()
-assert " conditional(" not in op_runs["zb_h1", "masked"][0].as_text()
+has_cond = [" conditional(" in op_runs["zb_h1", md][0].as_text() for md in ("cond", "masked")]
+print(f"HLO conditional in the switched program {has_cond[0]}, in the masked one {has_cond[1]}")
+if report.platform == "cpu":  # observed on XLA:CPU (another compiler may turn a small branch into a select)
+    assert has_cond == [True, False]
 if predicted >= 1.3:  # wide margins: a loaded machine moves CPU times by tens of per cent
     assert 1 + (predicted - 1) / 3 < ratio < 2 * predicted, (ratio, predicted)
 print("on an accelerator (one chip per stage), from each run's trace:")
