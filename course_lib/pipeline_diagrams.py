@@ -17,9 +17,19 @@ import numpy as np
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
+from . import op_schedules as O
 from .schedules import Schedule, bubble_fraction
 
-__all__ = ["trace_arrays", "schedule", "layers", "in_flight", "expert_load", "drops"]
+__all__ = [
+    "trace_arrays",
+    "schedule",
+    "op_trace",
+    "ops",
+    "layers",
+    "in_flight",
+    "expert_load",
+    "drops",
+]
 
 _IDLE = "#e6e6e6"
 
@@ -106,6 +116,71 @@ def schedule(
         )
         title += f" — {ticks} ticks, bubble {bubble_fraction(sched):.1%} (F cost 1, B cost 2)"
     ax.set_title(title or "", fontsize=9, loc="left")
+    return ax.figure
+
+
+def op_trace(trace: np.ndarray) -> dict[str, np.ndarray]:
+    """A run's trace of :func:`course_lib.pipeline_ops.build_step`, int [T, 3, p] (operation, micro-batch,
+    chunk per device and tick), as the ``{"op", "mb", "chunk"}`` [T, p] arrays :func:`ops` draws.
+
+    Raises:
+      ValueError: a trace of another shape.
+    """
+    trace = np.asarray(trace)
+    if trace.ndim != 3 or trace.shape[1] != 3:
+        raise ValueError(
+            f"trace of shape {trace.shape}; expected [T, 3, p] from pipeline_ops.build_step"
+        )
+    return {"op": trace[:, 0], "mb": trace[:, 1], "chunk": trace[:, 2]}
+
+
+_SHADE = {O.F: 0.0, O.B: 1.0, O.W: 0.5}
+
+
+def ops(table, ax=None, title: str | None = None, n_chunks: int | None = None):
+    """Draw a one-operation-per-tick schedule (:mod:`course_lib.op_schedules`) or a run's trace
+    (:func:`op_trace`): ticks left to right, stage 0 on top; a cell coloured by micro-batch, pale F, dark B,
+    hatched W (ZB-H1's weight gradient), grey the bubble (idle: under ``lax.switch`` the device waits).
+
+    Args:
+      table: an :class:`~course_lib.op_schedules.OpSchedule` or the dict :func:`op_trace` makes.
+      title: default: the schedule's name, ticks and bubble.
+      n_chunks: label cells ``mb.chunk`` when > 1 (default: from the table).
+    """
+    get = table.get if isinstance(table, dict) else lambda k: getattr(table, k)
+    op, mb, ch = (np.asarray(get(k)) for k in ("op", "mb", "chunk"))
+    ticks, p = op.shape
+    chunks = n_chunks or int(ch.max()) + 1
+    if ax is None:
+        ax = plt.subplots(figsize=(min(14, max(6, 0.3 * ticks + 1.5)), 0.42 * p + 1.0))[1]
+    for t in range(ticks):
+        for s in range(p):
+            row, kind = p - 1 - s, int(op[t, s])
+            if kind == O.IDLE:
+                ax.add_patch(Rectangle((t, row), 1, 1, fc=_IDLE, ec="white", lw=0.6))
+                continue
+            base = (
+                np.asarray(_color(mb[t, s], False)) * (1 - _SHADE[kind])
+                + np.asarray(_color(mb[t, s], True)) * _SHADE[kind]
+            )
+            ax.add_patch(Rectangle((t, row), 1, 1, fc=tuple(base), ec="white", lw=0.6,
+                                   hatch="////" if kind == O.W else None))  # fmt: skip
+            label = f"{mb[t, s]}" if chunks == 1 else f"{mb[t, s]}.{ch[t, s]}"
+            ax.text(t + 0.5, row + 0.5, label, ha="center", va="center", fontsize=6.5,
+                    color="white" if kind == O.B else "black")  # fmt: skip
+    ax.set_xlim(0, ticks)
+    ax.set_ylim(0, p)
+    ax.set_yticks(np.arange(p) + 0.5, [f"stage {p - 1 - r}" for r in range(p)], fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.tick_params(axis="x", labelsize=7)
+    cell = "micro-batch" + (".chunk" if chunks > 1 else "")
+    ax.set_xlabel(f"tick   (pale: F, dark: B, hatched: W, grey: idle; label: {cell})", fontsize=8)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    if title is None:
+        name = getattr(table, "name", "run")
+        title = f"{name}: {ticks} ticks, bubble {O.measured_bubble(op):.1%} of the stage-ticks"
+    ax.set_title(title, fontsize=9, loc="left")
     return ax.figure
 
 

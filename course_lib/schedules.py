@@ -16,7 +16,8 @@ stash the F lane keeps its input until the B lane needs it.
 - :func:`circular` — interleaved (circular) GPipe: ``v`` chunks per device (virtual stages), micro-batches
   go round the ring ``v`` times, all forwards then all backwards. Bubble ``(p-1)/(v·m+p-1)``, ``v·m`` chunk
   inputs in flight. (Megatron-LM's *interleaved 1F1B* uses the same virtual stages in a 1F1B order, which
-  keeps the smaller bubble and a stash that does not grow with ``m``; it is not implemented here.)
+  keeps the smaller bubble and a stash that does not grow with ``m``: :func:`course_lib.op_schedules.interleaved`,
+  one operation per tick.)
 - :func:`busy` — not a pipeline: every stage works at every tick (no stage waits for its input); the time
   of the useful work, a timing baseline.
 
@@ -209,10 +210,11 @@ def one_f_one_b(n_stages: int, n_micro: int) -> Schedule:
 
 def circular(n_stages: int, n_micro: int, n_chunks: int = 2) -> Schedule:
     """Interleaved (circular) GPipe — virtual stages, all forwards then all backwards (not Megatron-LM's
-    interleaved 1F1B, which is not implemented here): device ``s`` holds chunks ``c = 0 … v-1`` (layers of virtual stage
-    ``c·p + s``); micro-batches go round the ring of stages ``v`` times, ``p`` at a time: stage ``s`` at
-    tick ``s + k`` runs the ``k``-th item of the order (group of ``p`` micro-batches, chunk, micro-batch).
-    ``v·m + p - 1`` forward ticks of one chunk each (bubble ``(p-1)/(v·m+p-1)``), then their mirror; a stage
+    interleaved 1F1B: :func:`course_lib.op_schedules.interleaved`): device ``s`` holds chunks
+    ``c = 0 … v-1`` (layers of virtual stage ``c·p + s``); micro-batches go round the ring of stages ``v``
+    times, ``p`` at a time: stage ``s`` at tick ``s + k`` runs the ``k``-th item of the order (group of
+    ``p`` micro-batches, chunk, micro-batch). ``v·m + p - 1`` forward ticks of one chunk each (bubble
+    ``(p-1)/(v·m+p-1)``), then their mirror; a stage
     holds ``v·m`` chunk inputs at once.
 
     Raises:

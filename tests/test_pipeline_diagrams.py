@@ -53,3 +53,22 @@ def test_layers_in_flight_expert_load_and_drops():
     fig = PD.drops([0.5, 1.0, 2.0], [0.5, 0.1, 0.0], [0.6, 0.2, 0.0])
     assert len(fig.axes[0].lines) == 2
     plt.close("all")
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb_h1"])
+def test_ops_draws_every_cell_of_a_one_operation_table(name):
+    from course_lib import op_schedules as O
+
+    sched = O.make(name, 4, 8, 2 if name == "interleaved" else 1)
+    fig = PD.ops(sched)
+    ax = fig.axes[0]
+    assert len(ax.patches) == sched.op.size  # one patch per cell, idle ones grey
+    assert len(ax.texts) == (sched.op != O.IDLE).sum()
+    hatched = sum(1 for patch in ax.patches if patch.get_hatch())
+    assert hatched == (sched.op == O.W).sum()
+    assert f"bubble {O.measured_bubble(sched):.1%}" in ax.get_title(loc="left")
+    drawn = PD.op_trace(np.stack([sched.op, sched.mb, sched.chunk], 1))
+    assert (drawn["op"] == sched.op).all()
+    with pytest.raises(ValueError, match=r"expected \[T, 3, p\]"):
+        PD.op_trace(np.zeros((3, 4, 2)))
+    plt.close(fig)
