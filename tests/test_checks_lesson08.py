@@ -564,6 +564,41 @@ def test_fsdp_critical_batch_wrong_answers():
     rejects(lesson08.check_fsdp_critical_batch, library, match="do not call the costs module")
 
 
+def test_fsdp_critical_batch_red_team_answers():
+    """Answers a learner wrote from the notebook's text: each refused with a hint true of its mistake."""
+    import dataclasses
+
+    from course_lib import costs
+
+    def both_ways_everywhere(f, h, p, n, fab):  # a switch's link taken as both directions too
+        return critical_ref(
+            f,
+            h,
+            p,
+            n,
+            dataclasses.replace(fab, link=dataclasses.replace(fab.link, topology="ring")),
+        )
+
+    rejects(
+        lesson08.check_fsdp_critical_batch,
+        both_ways_everywhere,
+        match="only a ring .*through a switch",
+    )
+
+    def with_collective_time(
+        f, h, p, n, fab
+    ):  # the library's collective times: named by their own module
+        comm = sum(
+            costs.collective_time(k, n, p, fab.link) for k in ("all-gather", "reduce-scatter")
+        )
+        return comm / max(f / (fab.chip.bf16 * 1e12), h / fab.chip.hbm_bytes_per_s)
+
+    rejects(
+        lesson08.check_fsdp_critical_batch, with_collective_time,
+        match="calls costs.collective_time: a library function this checker refuses",
+    )  # fmt: skip
+
+
 def comms_transfer(kind, n, size):
     from course_lib import comms
 

@@ -306,3 +306,30 @@ def test_critical_degree_wrong_answers():
         rejects(
             lesson10.check_tp_critical_degree, library, match="do not call course_lib.split_time"
         )
+
+
+def test_critical_degree_red_team_answers():
+    """Answers a learner wrote from the notebook's text: each refused with a hint true of its mistake."""
+    from course_lib import costs
+
+    def sent_as_all_gather(
+        c, b, fab
+    ):  # an all-reduce taken to send (n − 1) / n of its size, not 2 (n − 1) / n
+        return 1 + 2 * (critical_ref(c, b, fab) - 1)
+
+    rejects(
+        lesson10.check_tp_critical_degree,
+        sent_as_all_gather,
+        match="each sending 2 \\(n − 1\\) / n",
+    )
+
+    def with_collective_time(c, b, fab):  # the library's collective time: named by its own module
+        t, n = b * c.seq_len, 8
+        comm = 2 * costs.collective_time("all-reduce", n, 2 * t * c.d_model, fab.link) * n / (n - 1)
+        flops = t * (8 * c.d_model**2 + 4 * c.seq_len * c.d_model + 4 * c.d_model * c.d_ff)
+        return 1 + flops / (fab.chip.bf16 * 1e12) / comm
+
+    rejects(
+        lesson10.check_tp_critical_degree, with_collective_time,
+        match="calls costs.collective_time: a library function this checker refuses",
+    )  # fmt: skip

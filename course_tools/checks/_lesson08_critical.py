@@ -70,17 +70,19 @@ def _per_image(case: tuple, roofline: bool = True) -> float:
     return max(compute, hbm / chip.hbm_bytes_per_s) if roofline else compute
 
 
-def _bandwidth(name: str, both_ways: bool = True) -> float:
+def _bandwidth(name: str, both_ways: bool | str = True) -> float:
     link = FABRICS[name].link
-    return link.bytes_per_s * (2 if both_ways and link.topology == "ring" else 1)
+    doubled = both_ways == "always" or (both_ways and link.topology == "ring")
+    return link.bytes_per_s * (2 if doubled else 1)
 
 
 def reference(
-    case: tuple, *, share: float = 2.0, roofline: bool = True, both_ways: bool = True
+    case: tuple, *, share: float = 2.0, roofline: bool = True, both_ways: bool | str = True
 ) -> float:
     """The critical batch of ``case``: ``2 (n − 1) / n · P / B ÷ max(F / peak, H / HBM)`` (``B`` doubled
     on a ring). The keywords give the typical wrong forms: ``share`` (n − 1) / n's multiple of P,
-    ``roofline=False`` FLOPs only, ``both_ways=False`` one direction of a ring."""
+    ``roofline=False`` FLOPs only, ``both_ways=False`` one direction of a ring, ``both_ways="always"`` both
+    directions through a switch too."""
     n = case[3]
     if n <= 1:
         return 0.0
@@ -98,6 +100,11 @@ _WRONG = (
         dict(both_ways=False),
         "a ring link (fabric.link.topology == 'ring') carries data both ways: a ring all-gather or "
         "reduce-scatter sends half each way round",
+    ),
+    (
+        dict(both_ways="always"),  # before share=1.0: on a switch the two give the same values
+        "only a ring (fabric.link.topology == 'ring') carries data both ways; through a switch (NVLink, a "
+        "data-centre network) each device sends at fabric.link.bytes_per_s",
     ),
     (
         dict(share=1.0),

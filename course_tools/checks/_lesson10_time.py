@@ -62,6 +62,12 @@ def reference(cfg: Config, batch: int, fabric: costs.Fabric) -> float:
     return 1.0 + _x(cfg, fabric)
 
 
+_FACTORS_OF_2 = (
+    "check the factors of 2: two all-reduces per block (attention and MLP), each sending 2 (n − 1) / n of "
+    "its size (a reduce-scatter and an all-gather), 2 bytes per bfloat16 value, 2 FLOPs per multiply-add"
+)
+"""The hint of an answer off by exactly 2 on every case: each factor that, missed or doubled, gives it."""
+
 MISTAKES: tuple[tuple[Callable, str], ...] = (
     (lambda c, f: 1 + _x(c, f, ways=1),
      "on a ring (a TPU's ICI axis, or GPUs joined in a ring) an all-reduce sends half its bytes each way: "
@@ -75,11 +81,9 @@ MISTAKES: tuple[tuple[Callable, str], ...] = (
     (lambda c, f: 1 + _x(c, f, scores=False),
      "the attention scores and their product with v are matmuls too: 4·B·S²·D FLOPs per block"),
     (lambda c, f: 1 + _x(c, f) / 2,
-     "check the factors of 2: two all-reduces per block (attention and MLP), 2 bytes per bfloat16 value, "
-     "2 FLOPs per multiply-add"),
+     _FACTORS_OF_2),
     (lambda c, f: 1 + 2 * _x(c, f),
-     "check the factors of 2: two all-reduces per block (attention and MLP), 2 bytes per bfloat16 value, "
-     "2 FLOPs per multiply-add"),
+     _FACTORS_OF_2),
     (lambda c, f: 1 / (1 - _x(c, f)) if _x(c, f) != 1 else math.inf,  # n − 1 = x·n solved
      "each of the n devices computes 1/n of the block's FLOPs (its heads and its MLP columns)"),
 )  # fmt: skip

@@ -41,6 +41,16 @@ def _stub_code(name: str):
     return namespace[name].__code__
 
 
+_REFUSED = "a library function this checker refuses (its model, or a piece of it, is the exercise)"
+"""Why a forbidden call is refused: true of each forbidden function, not only the one compared with."""
+
+
+def _qualified(f: Callable) -> str:
+    """``module.name`` of ``f`` by the module that defines it (``costs.collective_time``, not the module of
+    another forbidden function)."""
+    return f"{f.__module__.rsplit('.', 1)[-1]}.{f.__name__}"
+
+
 def _signature(code) -> tuple:
     return code.co_code, code.co_consts, code.co_names
 
@@ -56,14 +66,13 @@ def unaided(what: str, forbidden: tuple, hint: str):
       ExerciseError: on leaving the block, if a forbidden function (or a copy of its code) was called or the
         profile hook was switched off; an ``ExerciseError`` from the block when nothing forbidden was called.
     """
-    signatures = {_signature(f.__code__): f.__name__ for f in forbidden}
+    signatures = {_signature(f.__code__): _qualified(f) for f in forbidden}
+    by_name = {f.__name__: _qualified(f) for f in forbidden}
     seen: list[str] = []
 
     def refuse(name):
-        seen.append(name)
-        raise RuntimeError(
-            f"ExerciseError: {what} calls {name}, the function this checker compares with: {hint}"
-        )
+        seen.append(by_name.get(name, name))
+        raise RuntimeError(f"ExerciseError: {what} calls {seen[-1]}, {_REFUSED}: {hint}")
 
     def watch(frame, event, arg):
         if event == "call" and _signature(frame.f_code) in signatures:
@@ -91,8 +100,7 @@ def unaided(what: str, forbidden: tuple, hint: str):
                 if hook is None:
                     f.__globals__.pop(_HOOK, None)
     if seen:
-        module = forbidden[0].__module__.rsplit(".", 1)[-1]
-        fail(f"{what} calls {module}.{seen[0]}: the function this checker compares with", hint)
+        fail(f"{what} calls {seen[0]}: {_REFUSED}", hint)
     if not intact:
         fail(
             f"{what} switched off or replaced the checker's profile hook (sys.setprofile)",
