@@ -247,11 +247,11 @@ _HIDDEN = ("gradients", "parameters gathered", "loss")
 """The collectives that hide behind compute (what they carry): the data-parallel traffic."""
 
 
-def _own_time(t, link, ring_factor=True, alpha=True) -> float:
+def _own_time(t, link, ring_factor=True, alpha=True, ar_steps=2) -> float:
     """A collective's time on a switch (NVLink, InfiniBand): α per ring step + bytes sent / bandwidth."""
     n = t.group_size
     if t.kind == "all-reduce":
-        steps, share = 2 * (n - 1), 2 * (n - 1) / n
+        steps, share = ar_steps * (n - 1), 2 * (n - 1) / n
     else:  # all-gather, reduce-scatter: one half of the ring
         steps, share = n - 1, (n - 1) / n
     return (steps * link.latency_s if alpha else 0.0) + t.size_bytes * (
@@ -260,16 +260,18 @@ def _own_time(t, link, ring_factor=True, alpha=True) -> float:
 
 
 def _step(
-    key, cfg, global_batch, fabric, *, passes=3, ring_factor=True, alpha=True, overlap="data"
-):
+    key, cfg, global_batch, fabric, *, passes=3, ring_factor=True, alpha=True, overlap="data",
+    ar_steps=2, bits=1, precision="bfloat16",
+):  # fmt: skip
     from course_lib import costs
 
     sizes = lm_layouts.mesh_axes(key, 8)
     flops = passes * transformer.flops_per_token(cfg) * global_batch * cfg.seq_len / 8
-    compute = flops / costs.rate(fabric.chip, "bfloat16")
+    compute = flops / costs.rate(fabric.chip, precision)
     hidden = critical = 0.0
     for t in lm_costs.predict_bytes(key, cfg, global_batch, sizes, itemsize=2):
-        seconds = _own_time(t, fabric.link_of(t.axis), ring_factor, alpha)
+        t = dataclasses.replace(t, size_bytes=t.size_bytes * bits)
+        seconds = _own_time(t, fabric.link_of(t.axis), ring_factor, alpha, ar_steps)
         if t.what.startswith(_HIDDEN):
             hidden += seconds
         else:
@@ -340,6 +342,31 @@ def step_no_overlap(*args):
 def step_all_hidden(*args):
     """Wrong: everything hidden, TP/SP/CP's collectives too (max of compute and all communication)."""
     return _step(*args, overlap="all")
+
+
+def step_all_reduce_alpha_once(*args):
+    """Wrong: an all-reduce's latency as n-1 steps of α (one half of the ring), not 2(n-1)."""
+    return _step(*args, ar_steps=1)
+
+
+def step_in_bits(*args):
+    """Wrong: the collectives' sizes in bits (8 × size_bytes) over a bandwidth in bytes per second."""
+    return _step(*args, bits=8)
+
+
+def step_float32_peak(*args):
+    """Wrong: the FLOPs over the chip's float32 peak, not its bfloat16 one."""
+    return _step(*args, precision="float32")
+
+
+def step_in_milliseconds(*args):
+    """Wrong: the right step time in milliseconds."""
+    return 1e3 * predict_step(*args)
+
+
+def step_constant(*args):
+    """Wrong: one plausible step time (10 ms) whatever the case."""
+    return 0.01
 
 
 def step_by_the_library(layout_key, cfg, global_batch, fabric):

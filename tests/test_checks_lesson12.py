@@ -284,6 +284,9 @@ def test_step_time_accepts_correct_forms(seed):
         (a.step_no_latency, "too fast"),
         (a.step_no_overlap, "too slow"),
         (a.step_all_hidden, "too fast"),
+        (a.step_all_reduce_alpha_once, "too fast: .*2\\(n-1\\) steps for an all-reduce"),
+        (a.step_in_bits, "too slow: .*no factor 8 for bits"),
+        (a.step_float32_peak, "too slow: .*bfloat16 peak"),
     ],
 )
 def test_step_time_rejects(answer, side, seed):
@@ -297,6 +300,18 @@ def test_step_time_rejects(answer, side, seed):
 def test_step_time_refuses_the_library_and_odd_answers():
     rejects(lesson12.check_step_time, a.step_by_the_library, match="calls lm_\\w+\\.step_time")
     rejects(lesson12.check_step_time, lambda *args: "fast", match="return the step time in seconds")
+    rejects(lesson12.check_step_time, a.step_in_milliseconds, match="1000 x.*not milliseconds")
+    rejects(lesson12.check_step_time, a.step_constant, match="same answer.*depends on the layout")
+
+
+def test_step_time_every_call_sees_an_all_reduces_latency():
+    """Whatever the draw, one case's all-reduce α is over the tolerance: n-1 steps instead of 2(n-1) fail."""
+    for seed in range(20):
+        rejects(
+            partial(lesson12.check_step_time, seed=seed),
+            a.step_all_reduce_alpha_once,
+            match="too fast",
+        )
 
 
 def test_step_time_no_constant_passes_and_cases_are_drawn_afresh():
