@@ -17,7 +17,8 @@ timed on a chip.
   parallelism in closed form, latency left out.
 - :func:`ring_matmul_plan`: the overlap a collective matmul offers (how many sends, each beside a matmul
   chunk of how many FLOPs, the time of each on a fabric); :func:`async_windows` reads what XLA:TPU
-  scheduled between each ``-start`` and its ``-done`` in a compiled program's text.
+  scheduled between each ``-start`` and its ``-done`` in a compiled program's text, :func:`window_counts`
+  counts it (pairs, pairs with a matmul under them, transfers in flight at once, matmuls that wait).
 """
 
 from __future__ import annotations
