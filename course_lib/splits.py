@@ -160,8 +160,9 @@ def ring_attention(
     ``o``). Steps ``1 … n-1`` are one ``lax.fori_loop`` whose body first receives the next block from
     device ``r - 1`` with ``ppermute``: ``n - 1`` sends of K and V, each ``2·B·(S/n)·H·Dh`` elements. A
     loop body holds one step, so what the program allocates does not grow with ``n``; ``unroll=True``
-    unrolls the loop (as a Python ``for`` would), and XLA:CPU's temporaries then grow by more than a
-    block per device (both measured with ``memory_analysis()`` in ``notebooks/10_transformers.ipynb``).
+    writes the steps out one after the other (a Python ``for``), and XLA:CPU's temporaries then grow by
+    more than a block per device (both measured with ``memory_analysis()`` in
+    ``notebooks/10_transformers.ipynb``).
     Equal to :func:`course_lib.transformer.causal_attention` on the whole sequence (float64: to 1e-10).
     """
     n = lax.axis_size(axis)
@@ -192,7 +193,13 @@ def ring_attention(
     # the carries vary over the ring (scores of this device's queries)
     m, o = lax.pcast((m, o), axis, to="varying")
     carry = (k, v, *fold(0, k, v, m, jnp.zeros_like(m), o))
-    _, _, _, denom, o = lax.fori_loop(1, n, step, carry, unroll=unroll)
+    # unrolled: written out step by step, as a Python for (fori_loop's own unroll=True is version-dependent)
+    if unroll:
+        for t in range(1, n):
+            carry = step(t, carry)
+    else:
+        carry = lax.fori_loop(1, n, step, carry)
+    _, _, _, denom, o = carry
     out = o / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.transpose(0, 2, 1, 3)
 
