@@ -57,11 +57,11 @@ _HINT = (
 
 _LAYOUT_HINT = (
     "give moe.experts [E/n, n·C, D] (or [E/n, n, C, D]): this device's E/n experts first, then the places "
-    "from device 0, 1, … of axis_name. lax.all_to_all(buf, axis_name, split_axis=0, concat_axis=1, "
-    "tiled=True) splits the expert dimension over the devices and concatenates the places; with "
-    "split_axis=0, concat_axis=0 the result is [n·E/n, C, D] with the source device first: reshape it to "
-    "[n, E/n, C, D] and transpose to [E/n, n, C, D]. The way back undoes it (in the first form "
-    "split_axis=1, concat_axis=0), ending in [E, C, D] expert-major on the device whose tokens they are"
+    "from device 0, 1, … of axis_name. A tiled lax.all_to_all splits one dimension into n blocks (block j "
+    "to device j: here the experts) and concatenates what arrives along another (here the places, device "
+    "0's first); if it concatenates along the experts' dimension instead, the source device comes first "
+    "([n·E/n, C, D]): reshape to [n, E/n, C, D] and transpose the experts in front before merging. The way "
+    "back undoes it, ending in [E, C, D] expert-major on the device whose tokens they are"
 )
 
 
