@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -42,6 +41,10 @@ E, K, D, F, N, CF = 8, 2, 16, 32, 16, 1.0
 
 _MESHES = ((("data", 2), ("expert", 4)), (("rows", 2), ("ep", 2)))
 """(data-like axis, expert axis) with sizes: the second with names no notebook uses."""
+
+_INIT = jax.jit(lambda key: moe.init_moe(key, D, F, E))
+_ONCE = {"xla_backend_optimization_level": 0}
+"""XLA:CPU without LLVM's optimisations for programs run once (half the compile, the same values)."""
 
 _FORBIDDEN = (
     moe_layout.to_experts,
@@ -129,11 +132,15 @@ def _run(moe_layer: Callable, names: tuple[str, str], sizes: tuple[int, int], de
     """The answer's output and compiled program on one mesh, and the one-device reference."""
     mesh = mesh_of(dict(zip(names, sizes, strict=True)), devices[: sizes[0] * sizes[1]], "auto")
     n = sizes[0] * sizes[1]
-    p = moe.init_moe(jax.random.key(int(rng.integers(1 << 30))), D, F, E)
-    x = jnp.asarray(rng.standard_normal((n * N, D)), jnp.float32)
+    # host arrays: placing them on the mesh needs no program (a device array would be sliced by one per leaf)
+    p = jax.device_get(_INIT(jax.random.key(int(rng.integers(1 << 30)))))
+    x = rng.standard_normal((n * N, D)).astype(np.float32)
     body = lambda x, p: moe_layer(x, p, names[1], K, CF)  # noqa: E731
     specs = (P(names), moe.expert_specs(p, names[1]))
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(names)))
+    once = _ONCE if jax.default_backend() == "cpu" else None
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(names)), compiler_options=once
+    )
     seen: dict = {}
     cap = moe.capacity(N, E, K, CF)
     what = f"moe_layer on a {names[0]} × {names[1]} = {sizes[0]} × {sizes[1]} mesh"
@@ -142,7 +149,7 @@ def _run(moe_layer: Callable, names: tuple[str, str], sizes: tuple[int, int], de
             what, lambda: fn.lower(x, p).compile(), explain=_explain(names, seen, cap, sizes[1])
         )
     got = compiled(x, p)
-    want = moe.moe_mlp(x, p, k=K, capacity_factor=CF, n_groups=n)
+    want = jax.jit(lambda x, p: moe.moe_mlp(x, p, k=K, capacity_factor=CF, n_groups=n))(x, p)
     return got, want, compiled, mesh, seen, cap
 
 
