@@ -249,6 +249,17 @@ def test_expert_exchange_accepts_correct_forms(report, answer):
     assert lesson11.check_expert_exchange(answer, report.devices)
 
 
+def test_expert_exchange_on_four_devices_judges_on_2x2_meshes(report, capsys):
+    assert lesson11.check_expert_exchange(a.moe_layer, report.devices[:4])
+    assert "data × expert = 2 × 2 mesh" in capsys.readouterr().out
+    rejects(
+        lesson11.check_expert_exchange,
+        a.moe_layer_no_transpose,
+        report.devices[:4],
+        match="2 × 2 mesh.*outputs differ",
+    )
+
+
 def test_expert_exchange_on_two_devices_is_judged_on_eight(report, capsys):
     assert lesson11.check_expert_exchange(a.moe_layer, report.devices[:2])
     assert "judged in a fresh process on 8 simulated CPU devices" in capsys.readouterr().out

@@ -5,8 +5,8 @@ The answer ``moe_layer(x, p, axis_name, k, capacity_factor)`` runs inside ``shar
 never by its text:
 
 - its output against :func:`course_lib.moe.moe_mlp` on one device with one group per device, at a
-  capacity that drops choices, on two meshes: ``data × expert`` = 2 × 4 and, with other axis names,
-  ``rows × ep`` = 2 × 2 (an answer that names an axis itself instead of ``axis_name`` fails there);
+  capacity that drops choices, on two meshes: ``data × expert`` = 2 × 4 (2 × 2 on 4 devices) and, with
+  other axis names, ``rows × ep`` = 2 × 2 (an answer that names an axis itself instead of ``axis_name`` fails there);
 - the arrays it hands to ``moe.experts`` and ``moe.combine`` (recorded while it runs), for a hint that
   names the dimension that is wrong;
 - the compiled program's collectives: exactly two all-to-alls' bytes on the expert axis and nothing on the
@@ -40,7 +40,8 @@ E, K, D, F, N, CF = 8, 2, 16, 32, 16, 1.0
 """Experts, choices per token, width, hidden width, tokens per device, capacity factor (drops choices)."""
 
 _MESHES = ((("data", 2), ("expert", 4)), (("rows", 2), ("ep", 2)))
-"""(data-like axis, expert axis) with sizes: the second with names no notebook uses."""
+"""(data-like axis, expert axis) with sizes (the expert axis 2 on 4 devices): the second with names no
+notebook uses."""
 
 _INIT = jax.jit(lambda key: moe.init_moe(key, D, F, E))
 _ONCE = {"xla_backend_optimization_level": 0}
@@ -172,6 +173,7 @@ def _check(moe_layer: Callable, devices: Sequence[Any]) -> bool:
     rng = np.random.default_rng(35)
     for axes in _MESHES:
         names, sizes = tuple(a for a, _ in axes), tuple(s for _, s in axes)
+        sizes = (sizes[0], min(sizes[1], len(devices) // sizes[0]))  # 2 x 2 on 4 devices
         with unaided("moe_layer", _FORBIDDEN, _HINT):
             got, want, compiled, mesh, seen, cap = _run(moe_layer, names, sizes, devices, rng)
         if tuple(got.shape) != tuple(want.shape):
@@ -190,8 +192,9 @@ def _check(moe_layer: Callable, devices: Sequence[Any]) -> bool:
                 _LAYOUT_HINT,
             )
         _judge_bytes(compiled, mesh, names, cap)
+    shown = f"2 × {min(4, len(devices) // 2)}"
     return passed(
-        "equals the one-device MoE (a capacity that drops choices) on a data × expert = 2 × 4 mesh and "
+        f"equals the one-device MoE (a capacity that drops choices) on a data × expert = {shown} mesh and "
         "a 2 × 2 mesh with other axis names; each device sends two all-to-alls' bytes on the expert axis "
         "and nothing on the other"
     )
