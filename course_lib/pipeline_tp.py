@@ -29,7 +29,15 @@ from jax.sharding import PartitionSpec as P
 
 from . import comms, pipeline, programs, splits, transformer
 
-__all__ = ["mesh_shape", "tp_stage_block", "block_specs", "pp_tp_loss", "predict", "measured"]
+__all__ = [
+    "mesh_shape",
+    "tp_stage_block",
+    "block_specs",
+    "pp_tp_loss",
+    "predict",
+    "measured",
+    "same",
+]
 
 
 def mesh_shape(n_devices: int, n_layers: int) -> tuple[int, int]:
@@ -149,3 +157,14 @@ def measured(hlo_text: str, mesh: Any) -> dict[str, dict[str, float]]:
         row["count"] += op.runs
         row["sent"] += op.runs * op.bytes_sent
     return out
+
+
+def same(measured_: dict, predicted: dict) -> bool:
+    """True when a program's collectives (:func:`measured`) match :func:`predict`: the same axes, every
+    axis's bytes equal (:func:`course_lib.comms.same_bytes`) and at most the predicted count (XLA's
+    all-reduce combiner may merge several all-reduces into one instruction: the same bytes, fewer ops)."""
+    return set(measured_) == set(predicted) and all(
+        comms.same_bytes(measured_[a]["sent"], predicted[a]["sent"])
+        and 1 <= measured_[a]["count"] <= predicted[a]["count"]
+        for a in predicted
+    )

@@ -43,5 +43,5 @@ def test_tp_inside_pipeline_stages_equals_one_device_and_its_collectives_are_pre
         assert float(jnp.abs(g - w).max()) < 1e-10 * max(1.0, float(jnp.abs(w).max()))
     got = pipeline_tp.measured(compiled.as_text(), mesh)
     pred = pipeline_tp.predict(sched, CFG.n_layers // p, xs.shape[1:], n_model, itemsize=8)
-    assert got == pred, (got, pred)
+    assert pipeline_tp.same(got, pred), (got, pred)
     assert ("model" in got) == (n_model > 1) and ("stage" in got) == (p > 1)
