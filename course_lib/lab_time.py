@@ -9,13 +9,15 @@ communication-bound. ``notebooks/08_lab.ipynb`` records them in every results ro
 
 On an accelerator the fabric is the chip the lab runs on. Simulated CPU devices are not a fabric (their
 collectives are copies in one process's memory): there the times are a PREDICTION for a named target
-(:data:`DEFAULT_TARGET`), never a CPU time; ``model_is_prediction`` says which.
+(:data:`DEFAULT_TARGET`), never a CPU time; ``model_is_prediction`` says which. The lab's committed run on
+one TPU v5e chip (:data:`TPU_LAB_RESULTS`) is the model's test on any machine: :func:`against_measured`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from . import comms, costs
@@ -170,3 +172,53 @@ def narrow_matmul_s(cfg: Any, global_batch: int, peak_flops_per_s: float, mxu: i
     return sum(
         f * global_batch / (peak_flops_per_s * min(widths[k], mxu) / mxu) for k, f in flops.items()
     )
+
+
+TPU_LAB_RESULTS = (
+    Path(__file__).resolve().parents[1]
+    / "data/tpu_reference/2026-12-06-tpu-v5-lite-x1-3/lab/bf16/lab_results.csv"
+)
+"""The lab run on one TPU v5e chip (``"TPU v5 lite"``) at the gpu profile, global batch 512, bfloat16: every
+strategy's measured step and its compiled program's FLOPs and bytes accessed (that run's ``summary.txt``)."""
+
+
+def against_measured(rows: Any) -> Any:
+    """The model's step beside the measured one, for results rows made on a chip (e.g. :data:`TPU_LAB_RESULTS`
+    read with ``pandas.read_csv``): per row, :func:`course_lib.costs.step_time` of its compiled FLOPs and
+    bytes accessed per device on the fabric of its ``device_kind`` (:func:`fabric_for`), at its precision.
+
+    Returns:
+      A pandas DataFrame indexed by ``strategy``: ``measured_s`` (the median step), ``compute_s`` (FLOPs ÷
+      the chip's peak), ``memory_s`` (bytes accessed ÷ HBM bandwidth), ``model_s`` (their maximum, the
+      roofline; one chip: no collectives), ``bound`` (``"compute"`` or ``"HBM"``), ``error`` (measured ÷
+      model − 1), ``mfu`` (the row's model-FLOPs utilisation).
+
+    Raises:
+      ValueError: a row made on simulated CPU devices or a chip no fabric describes (a CPU time is no test of
+        a chip's model), or a row with collectives (more than one device: the link is not modelled here).
+    """
+    import pandas as pd
+
+    out = {}
+    for _, row in pd.DataFrame(rows).iterrows():
+        key, fabric, prediction = fabric_for(str(row["device_kind"]), str(row["platform"]))
+        if prediction:
+            raise ValueError(
+                f"{row['strategy']}: ran on {row['device_kind']!r} ({row['platform']}), no chip of "
+                "course_lib.costs.FABRICS: its time is no test of the model; pass a chip's results"
+            )
+        if int(row["n_devices"]) != 1:
+            raise ValueError(
+                f"{row['strategy']}: {row['n_devices']} devices; against_measured models one chip "
+                "(no collectives): pass one-device rows"
+            )
+        flops, hbm = float(row["flops_per_device"]), float(row["bytes_accessed_per_device"])
+        t = costs.step_time(flops, hbm, [], fabric, str(row["precision"]),
+                            matmul_precision=str(row["matmul_precision"]))  # fmt: skip
+        measured = float(row["step_time_s"])
+        out[row["strategy"]] = dict(
+            measured_s=measured, compute_s=t["compute_s"], memory_s=t["memory_s"],
+            model_s=t["roofline_s"], bound=t["bound"], error=measured / t["roofline_s"] - 1,
+            mfu=float(row["mfu"]),
+        )  # fmt: skip
+    return pd.DataFrame.from_dict(out, orient="index").rename_axis("strategy")

@@ -271,7 +271,9 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
         else:
             axes = _axes(groups, shape_of_mesh)
         if groups is not None:
-            size = len(groups[0])
+            size = (
+                len(groups[0]) if groups else 1
+            )  # a ppermute with no pairs (one stage) sends nothing
         elif axes is not None:
             size = int(np.prod([shape_of_mesh[a] for a in axes]))
         else:

@@ -17,7 +17,8 @@ timed on a chip.
   parallelism in closed form, latency left out.
 - :func:`ring_matmul_plan`: the overlap a collective matmul offers (how many sends, each beside a matmul
   chunk of how many FLOPs, the time of each on a fabric); :func:`async_windows` reads what XLA:TPU
-  scheduled between each ``-start`` and its ``-done`` in a compiled program's text.
+  scheduled between each ``-start`` and its ``-done`` in a compiled program's text, :func:`window_counts`
+  counts it (pairs, pairs with a matmul under them, transfers in flight at once, matmuls that wait).
 """
 
 from __future__ import annotations
@@ -295,8 +296,9 @@ def async_windows(hlo_text: str) -> list[dict[str, Any]]:
 
     Returns:
       ``[{"computation", "start", "op" (e.g. "collective-permute"), "between" (instruction names),
-      "matmuls" (how many of them are matmuls: a fusion calling a convolution or dot, or one itself)}]``,
-      in program order.
+      "matmuls" (how many of them are matmuls: a fusion calling a convolution or dot, or one itself),
+      "done_feeds_matmul" (a matmul reads the ``-done``'s result directly: it had to wait for the
+      transfer)}]``, in program order; ``[]`` for a program with no asynchronous collective.
     """
     from .programs import _computations
 
@@ -306,14 +308,40 @@ def async_windows(hlo_text: str) -> list[dict[str, Any]]:
         for i, (name, opcode, _) in enumerate(parsed):
             if not opcode.endswith("-start") or opcode in ("copy-start",):
                 continue
-            between, matmuls = [], 0
+            between, matmuls, done = [], 0, None
             for other, op2, rest2 in parsed[i + 1 :]:
                 if op2.endswith("-done") and re.match(rf"%?{re.escape(name)}\b", rest2.strip()):
+                    done = other
                     break
                 between.append(other)
-                called = re.search(r"calls=%?([\w.\-]+)", rest2)
-                if op2 in ("convolution", "dot") or (called and called.group(1) in with_matmul):
-                    matmuls += 1
+                matmuls += _is_matmul(op2, rest2, with_matmul)
+            feeds = done is not None and any(
+                _is_matmul(op2, rest2, with_matmul)
+                and re.search(rf"[(,]\s*%?{re.escape(done)}[,)]", "(" + rest2.split(")")[0] + ")")
+                for _, op2, rest2 in parsed[i + 1 :]
+            )
             op = opcode[: -len("-start")]
-            out.append(dict(computation=comp, start=name, op=op, between=between, matmuls=matmuls))
+            out.append(dict(computation=comp, start=name, op=op, between=between, matmuls=matmuls,
+                            done_feeds_matmul=feeds))  # fmt: skip
     return out
+
+
+def _is_matmul(opcode: str, rest: str, with_matmul: set[str]) -> bool:
+    called = re.search(r"calls=%?([\w.\-]+)", rest)
+    return opcode in ("convolution", "dot") or bool(called and called.group(1) in with_matmul)
+
+
+def window_counts(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What :func:`async_windows` found, counted: ``{"windows"`` (start/done pairs), ``"overlapped"`` (pairs
+    with at least one matmul between start and done), ``"matmuls"`` (per pair, in program order),
+    ``"in_flight"`` (the most transfers started and not yet done at one point of the program: 2 for a
+    ring that sends both ways at once), ``"waiting"`` (pairs with no matmul between whose result a matmul
+    reads: a matmul that waits for its transfer)``}``."""
+    in_flight = [1 + sum(w["start"] in o["between"] for o in windows) for w in windows]
+    return {
+        "windows": len(windows),
+        "overlapped": sum(w["matmuls"] > 0 for w in windows),
+        "matmuls": [w["matmuls"] for w in windows],
+        "in_flight": max(in_flight, default=0),
+        "waiting": sum(w["matmuls"] == 0 and w["done_feeds_matmul"] for w in windows),
+    }

@@ -148,7 +148,9 @@ def sp_block(x: jax.Array, p: dict, axis: str, eps: float = 1e-5) -> jax.Array:
 # --- context parallelism -------------------------------------------------------------------------------------
 
 
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str) -> jax.Array:
+def ring_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, axis: str, *, unroll: bool = False
+) -> jax.Array:
     """Causal attention with the sequence split over ``axis``: q/k/v [B, S/n, H, Dh] → [B, S/n, H, Dh].
 
     Device ``r`` holds query block ``r`` and starts with key/value block ``r``. At step ``t`` it holds
@@ -157,10 +159,11 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str) -> jax.A
     scores into an online softmax (running maximum ``m``, normaliser ``denom``, unnormalised output
     ``o``). Steps ``1 … n-1`` are one ``lax.fori_loop`` whose body first receives the next block from
     device ``r - 1`` with ``ppermute``: ``n - 1`` sends of K and V, each ``2·B·(S/n)·H·Dh`` elements. A
-    loop body holds one step, so what the program allocates does not grow with ``n`` (measured in
-    ``notebooks/10_transformers.ipynb``); written unrolled, a scheduler may issue every ``ppermute``
-    first and hold every block. Equal to :func:`course_lib.transformer.causal_attention` on the whole
-    sequence (float64: to 1e-10).
+    loop body holds one step, so what the program allocates does not grow with ``n``; ``unroll=True``
+    writes the steps out one after the other (a Python ``for``), and XLA:CPU's temporaries then grow by
+    more than a block per device (both measured with ``memory_analysis()`` in
+    ``notebooks/10_transformers.ipynb``).
+    Equal to :func:`course_lib.transformer.causal_attention` on the whole sequence (float64: to 1e-10).
     """
     n = lax.axis_size(axis)
     me = lax.axis_index(axis)
@@ -190,7 +193,13 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str) -> jax.A
     # the carries vary over the ring (scores of this device's queries)
     m, o = lax.pcast((m, o), axis, to="varying")
     carry = (k, v, *fold(0, k, v, m, jnp.zeros_like(m), o))
-    _, _, _, denom, o = lax.fori_loop(1, n, step, carry)
+    # unrolled: written out step by step, as a Python for (fori_loop's own unroll=True is version-dependent)
+    if unroll:
+        for t in range(1, n):
+            carry = step(t, carry)
+    else:
+        carry = lax.fori_loop(1, n, step, carry)
+    _, _, _, denom, o = carry
     out = o / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.transpose(0, 2, 1, 3)
 

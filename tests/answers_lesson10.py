@@ -13,7 +13,37 @@ from course_lib import splits, transformer
 
 
 def ring_reference(q, k, v, axis):
-    """The notebook's solution."""
+    """The notebook's solution: the first block folded, then lax.fori_loop(1, n, …) receiving and folding."""
+    n_dev, me, blk = lax.axis_size(axis), lax.axis_index(axis), q.shape[1]
+    qi = me * blk + jnp.arange(blk)[:, None]
+    ring = [(i, (i + 1) % n_dev) for i in range(n_dev)]
+
+    def fold(t, k, v, m, denom, o):
+        kj = ((me - t) % n_dev) * blk + jnp.arange(blk)[None, :]
+        s = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(q.shape[-1])
+        s = jnp.where(qi >= kj, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        w = jnp.exp(s - safe[..., None])
+        scale = jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf))
+        denom = denom * scale + w.sum(-1)
+        return m_new, denom, o * scale[..., None] + jnp.einsum("bhqt,bthk->bhqk", w, v)
+
+    def step(t, carry):
+        k, v = lax.ppermute(carry[:2], axis, ring)
+        return (k, v, *fold(t, k, v, *carry[2:]))
+
+    m = jnp.full((q.shape[0], q.shape[2], blk), -jnp.inf, q.dtype)
+    o = jnp.zeros((q.shape[0], q.shape[2], blk, q.shape[3]), q.dtype)
+    m, o = lax.pcast((m, o), axis, to="varying")
+    carry = (k, v, *fold(0, k, v, m, jnp.zeros_like(m), o))
+    *_, denom, o = lax.fori_loop(1, n_dev, step, carry)
+    return (o / jnp.where(denom > 0, denom, 1.0)[..., None]).transpose(0, 2, 1, 3)
+
+
+def ring_unrolled(q, k, v, axis):
+    """Right values and gradients, written unrolled (a Python for): XLA:CPU issues every ppermute early and
+    holds every block, so the compiled temporaries grow with the ring."""
     return _ring(q, k, v, axis)
 
 
@@ -102,7 +132,7 @@ def ring_scan(q, k, v, axis):
 
 
 def ring_flat(q, k, v, axis):
-    """Another correct form: (batch, head) pairs flattened into one row axis, [B·H, Sq, Dh]."""
+    """Another correct form: (batch, head) pairs flattened into one row axis, [B·H, Sq, Dh], in a scan."""
     n, me = lax.axis_size(axis), lax.axis_index(axis)
     b, blk, h, dh = q.shape
 
@@ -110,9 +140,8 @@ def ring_flat(q, k, v, axis):
         return a.transpose(0, 2, 1, 3).reshape(b * h, blk, dh)
 
     qf, qi = rows(q), me * blk + jnp.arange(blk)[:, None]
-    m = jnp.full((b * h, blk), -jnp.inf, q.dtype)
-    denom, o = jnp.zeros_like(m), jnp.zeros_like(qf)
-    for t in range(n):
+
+    def fold(t, k, v, m, denom, o):
         kj = ((me - t) % n) * blk + jnp.arange(blk)[None, :]
         s = jnp.where(qi >= kj, jnp.einsum("rqd,rtd->rqt", qf, rows(k)) / math.sqrt(dh), -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
@@ -121,9 +150,17 @@ def ring_flat(q, k, v, axis):
             jnp.exp(s - safe[..., None]),
             jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf)),
         )
-        denom, o, m = denom * corr + w.sum(-1), o * corr[..., None] + w @ rows(v), m_new
-        if t < n - 1:
-            k, v = lax.ppermute((k, v), axis, [(i, (i + 1) % n) for i in range(n)])
+        return m_new, denom * corr + w.sum(-1), o * corr[..., None] + w @ rows(v)
+
+    def step(carry, t):
+        k, v, *state = carry
+        state = fold(t, k, v, *state)
+        return (*lax.ppermute((k, v), axis, [(i, (i + 1) % n) for i in range(n)]), *state), None
+
+    m = lax.pcast(jnp.full((b * h, blk), -jnp.inf, q.dtype), (axis,), to="varying")
+    start = (k, v, m, jnp.zeros_like(m), jnp.zeros_like(qf))  # qf varies over the ring already
+    (k, v, *state), _ = lax.scan(step, start, jnp.arange(n - 1))
+    _, denom, o = fold(n - 1, k, v, *state)
     return (o / denom[..., None]).reshape(b, h, blk, dh).transpose(0, 2, 1, 3)
 
 
@@ -186,12 +223,12 @@ def ring_gathered(q, k, v, axis):
     return transformer.causal_attention(q, k_all, v_all, q_offset=me * blk)
 
 
-def _fold(q, k, v, m, denom, o, t, axis):
+def _fold(q, k, v, m, denom, o, t, axis, fill=-jnp.inf):
     """One online-softmax step: this device's queries against the block that started on device me - t."""
     n, me, blk = lax.axis_size(axis), lax.axis_index(axis), q.shape[1]
     qi, kj = me * blk + jnp.arange(blk)[:, None], ((me - t) % n) * blk + jnp.arange(blk)[None, :]
     s = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(q.shape[-1])
-    s = jnp.where(qi >= kj, s, -jnp.inf)
+    s = jnp.where(qi >= kj, s, fill)
     m_new = jnp.maximum(m, s.max(-1))
     safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     w = jnp.exp(s - safe[..., None])
@@ -337,7 +374,16 @@ def ring_two_rounds(q, k, v, axis):
 
 def ring_fill_big(q, k, v, axis):
     """Another correct form: masked scores filled with -1e30 instead of -inf."""
-    return _ring(q, k, v, axis, fill=-1e30)
+    n = lax.axis_size(axis)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    fold = functools.partial(_fold, q, axis=axis, fill=-1e30)
+
+    def body(t, carry):
+        k, v, m, denom, o = carry
+        return (*lax.ppermute((k, v), axis, ring), *fold(k, v, m, denom, o, t))
+
+    k, v, m, denom, o = lax.fori_loop(0, n - 1, body, (k, v, *_start(q, axis)))
+    return _finish(*fold(k, v, m, denom, o, n - 1)[1:])
 
 
 def ring_max_from_zero(q, k, v, axis):

@@ -477,3 +477,109 @@ def route_from_one_le(logits, k, capacity):
     """Wrong: places from 1, kept up to the capacity (the same choices kept, each a row too far)."""
     r = route(logits, k, capacity)
     return r._replace(slot=r.slot + 1)
+
+
+# ---- exercise 4: the all_to_all exchange of experts beside data --------------------------------------------
+
+
+def _routed(x, p, k, capacity_factor):
+    e = p["router"]["kernel"].shape[1]
+    cap = moe.capacity(x.shape[0], e, k, capacity_factor)
+    r = moe.route(x @ p["router"]["kernel"], k, cap)
+    return moe.dispatch(x, r, e, cap), r, e, cap
+
+
+def moe_layer(x, p, axis_name, k, capacity_factor):
+    """Right (the notebook's): split the experts, concatenate the places, and back."""
+    buf, r, e, cap = _routed(x, p, k, capacity_factor)
+    mine = lax.all_to_all(buf, axis_name, split_axis=0, concat_axis=1, tiled=True)
+    back = lax.all_to_all(moe.experts(p, mine), axis_name, split_axis=1, concat_axis=0, tiled=True)
+    return moe.combine(back, r)
+
+
+def moe_layer_transposed(x, p, axis_name, k, capacity_factor):
+    """Right: split 0 / concat 0, then reshape and transpose the source device behind the experts."""
+    buf, r, e, cap = _routed(x, p, k, capacity_factor)
+    n = lax.axis_size(axis_name)
+    got = lax.all_to_all(buf, axis_name, 0, 0, tiled=True).reshape(n, e // n, cap, -1)
+    out = moe.experts(p, got.transpose(1, 0, 2, 3)).transpose(1, 0, 2, 3).reshape(e, cap, -1)
+    return moe.combine(lax.all_to_all(out, axis_name, 0, 0, tiled=True), r)
+
+
+def moe_layer_untiled(x, p, axis_name, k, capacity_factor):
+    """Right: the untiled all_to_all on [n, E/n, C, D], the experts on [E/n, n, C, D]."""
+    buf, r, e, cap = _routed(x, p, k, capacity_factor)
+    n = lax.axis_size(axis_name)
+    mine = lax.all_to_all(buf.reshape(n, e // n, cap, -1), axis_name, 0, 1)  # [E/n, n, C, D]
+    back = lax.all_to_all(moe.experts(p, mine), axis_name, 1, 0)  # [n, E/n, C, D]
+    return moe.combine(back.reshape(e, cap, -1), r)
+
+
+def moe_layer_library(x, p, axis_name, k, capacity_factor):
+    """Refused: the library's layer."""
+    from course_lib import moe_layout
+
+    return moe_layout.moe_mlp_ep_dp(
+        x, p, expert_axis=axis_name, k=k, capacity_factor=capacity_factor
+    )
+
+
+def moe_layer_swapped(x, p, axis_name, k, capacity_factor):
+    """Wrong: split_axis and concat_axis swapped on the way there."""
+    buf, r, e, cap = _routed(x, p, k, capacity_factor)
+    mine = lax.all_to_all(buf, axis_name, split_axis=1, concat_axis=0, tiled=True)
+    back = lax.all_to_all(moe.experts(p, mine), axis_name, split_axis=1, concat_axis=0, tiled=True)
+    return moe.combine(back, r)
+
+
+def moe_layer_swapped_back(x, p, axis_name, k, capacity_factor):
+    """Wrong: the way back repeats the way there (split 0, concat 1) instead of reversing it."""
+    buf, r, e, cap = _routed(x, p, k, capacity_factor)
+    mine = lax.all_to_all(buf, axis_name, split_axis=0, concat_axis=1, tiled=True)
+    back = lax.all_to_all(moe.experts(p, mine), axis_name, split_axis=0, concat_axis=1, tiled=True)
+    return moe.combine(back, r)
+
+
+def moe_layer_no_transpose(x, p, axis_name, k, capacity_factor):
+    """Wrong: split 0 / concat 0 and a reshape without the transpose (experts get other experts' rows)."""
+    buf, r, e, cap = _routed(x, p, k, capacity_factor)
+    n = lax.axis_size(axis_name)
+    got = lax.all_to_all(buf, axis_name, 0, 0, tiled=True).reshape(e // n, n * cap, -1)
+    out = moe.experts(p, got).reshape(e, cap, -1)
+    return moe.combine(lax.all_to_all(out, axis_name, 0, 0, tiled=True), r)
+
+
+def moe_layer_no_reshape_back(x, p, axis_name, k, capacity_factor):
+    """Wrong: the untiled exchange, and the way back not reshaped to [E, C, D]."""
+    buf, r, e, cap = _routed(x, p, k, capacity_factor)
+    n = lax.axis_size(axis_name)
+    mine = lax.all_to_all(buf.reshape(n, e // n, cap, -1), axis_name, 0, 1)
+    return moe.combine(lax.all_to_all(moe.experts(p, mine), axis_name, 1, 0), r)
+
+
+def moe_layer_named(x, p, axis_name, k, capacity_factor):
+    """Wrong: the expert axis named in the code ("expert") instead of axis_name."""
+    return moe_layer(x, p, "expert", k, capacity_factor)
+
+
+def moe_layer_both_axes(x, p, axis_name, k, capacity_factor):
+    """Wrong: the exchange over every axis of the mesh (the tokens' axes)."""
+    buf, r, e, cap = _routed(x, p, k, capacity_factor)
+    axes = jax.sharding.get_abstract_mesh().axis_names
+    mine = lax.all_to_all(buf, axes, split_axis=0, concat_axis=1, tiled=True)
+    back = lax.all_to_all(moe.experts(p, mine), axes, split_axis=1, concat_axis=0, tiled=True)
+    return moe.combine(back, r)
+
+
+def moe_layer_gather(x, p, axis_name, k, capacity_factor):
+    """Wrong (sends n times the bytes): every buffer gathered, this device's experts picked, then a
+    reduce-scatter back."""
+    buf, r, e, cap = _routed(x, p, k, capacity_factor)
+    n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    every = lax.all_gather(buf, axis_name)  # [n, E, C, D]
+    mine = lax.dynamic_slice_in_dim(every, me * (e // n), e // n, axis=1)  # [n, E/n, C, D]
+    out = moe.experts(p, mine.transpose(1, 0, 2, 3))  # [E/n, n, C, D]
+    full = jnp.zeros((e, n, cap, x.shape[-1]), x.dtype)
+    full = lax.dynamic_update_slice_in_dim(full, out, me * (e // n), axis=0)
+    back = lax.psum(full, axis_name)[:, lax.axis_index(axis_name)]
+    return moe.combine(back, r)

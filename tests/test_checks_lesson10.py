@@ -25,6 +25,16 @@ def test_ring_accepts_correct_forms(report, n):
     assert lesson10.check_ring_attention(a.ring_scan, report.devices[:n])
 
 
+def test_ring_refuses_an_unrolled_ring_on_four_devices(report):
+    """On 4 devices the rings of 3 and 4 are compiled (a ring of 2 runs its loop once)."""
+    rejects(
+        lesson10.check_ring_attention,
+        a.ring_unrolled,
+        report.devices[:4],
+        match="rings of 3 and 4 devices.*temporaries grow",
+    )
+
+
 def test_ring_accepts_fori_loop(report):
     assert lesson10.check_ring_attention(a.ring_fori, report.devices[:4])
 
@@ -77,6 +87,7 @@ def test_ring_accepts_masked_scores_filled_finite(report):
         ),
         (a.ring_two_rounds, "on 2 devices each device sends 10,080 bytes.*more than.*6,720 bytes"),
         # right values, but a lax.while_loop has no reverse-mode derivative: untrainable
+        (a.ring_unrolled, "temporaries grow from .* K/V blocks more for every device.*fori_loop"),
         (a.ring_while, "jax.grad of ring_attention.*cannot differentiate.*trained.*fori_loop"),
         (a.ring_while_count_down, "jax.grad of ring_attention.*cannot differentiate.*lax.scan"),
         (

@@ -233,3 +233,63 @@ def test_tpu_rules_still_refuse_wrong_answers(report, monkeypatch, answer, match
 def test_tpu_rules_still_refuse_wrong_routers(monkeypatch, answer, match):
     tpu_rules(monkeypatch)
     rejects(lesson11.check_router, answer, match=match)
+
+
+# ---- exercise 4: the all_to_all exchange of experts beside data ------------------------------------------
+
+
+def test_expert_exchange_stub_prints_not_written(report, monkeypatch, capsys):
+    not_written(
+        lesson11.check_expert_exchange, stub, report.devices, monkeypatch=monkeypatch, capsys=capsys
+    )
+
+
+@pytest.mark.parametrize("answer", [a.moe_layer, a.moe_layer_transposed, a.moe_layer_untiled])
+def test_expert_exchange_accepts_correct_forms(report, answer):
+    assert lesson11.check_expert_exchange(answer, report.devices)
+
+
+def test_expert_exchange_on_four_devices_judges_on_2x2_meshes(report, capsys):
+    assert lesson11.check_expert_exchange(a.moe_layer, report.devices[:4])
+    assert "data × expert = 2 × 2 mesh" in capsys.readouterr().out
+    rejects(
+        lesson11.check_expert_exchange,
+        a.moe_layer_no_transpose,
+        report.devices[:4],
+        match="2 × 2 mesh.*outputs differ",
+    )
+
+
+def test_expert_exchange_on_two_devices_is_judged_on_eight(report, capsys):
+    assert lesson11.check_expert_exchange(a.moe_layer, report.devices[:2])
+    assert "judged in a fresh process on 8 simulated CPU devices" in capsys.readouterr().out
+
+
+EXCHANGE_WRONG = [
+    (a.moe_layer_library, "calls moe_layout.moe_mlp_ep_dp"),
+    (a.moe_layer_swapped, r"moe.experts is given an array of shape \(32, 1, 16\).*2 experts first"),
+    (a.moe_layer_swapped_back, "all_to_all raised ValueError.*split_axis.*back undoes it"),
+    (a.moe_layer_no_transpose, "73% of the outputs differ.*transpose the experts in front"),
+    (a.moe_layer_no_reshape_back, r"moe.combine is given an array of shape \(4, 2, 4, 16\)"),
+    (a.moe_layer_named, "names the mesh axis 'expert', which this mesh \\('rows' × 'ep'\\)"),
+    (
+        a.moe_layer_both_axes,
+        r"outputs differ.*moe.experts is given an array of shape \(1, 32, 16\)",
+    ),
+    (a.moe_layer_gather, r"sends \{'expert': 18432.0\}.*send \{'expert': 3072.0\}"),
+]
+
+
+@pytest.mark.parametrize(
+    "answer, match", EXCHANGE_WRONG, ids=[w[0].__name__ for w in EXCHANGE_WRONG]
+)
+def test_expert_exchange_rejects(report, answer, match):
+    rejects(lesson11.check_expert_exchange, answer, report.devices, match=match)
+
+
+def test_tpu_rules_expert_exchange(report, monkeypatch):
+    tpu_rules(monkeypatch)
+    assert lesson11.check_expert_exchange(a.moe_layer, report.devices)
+    rejects(
+        lesson11.check_expert_exchange, a.moe_layer_no_transpose, report.devices, match="differ"
+    )

@@ -107,3 +107,33 @@ def test_the_roofline_plot():
     )  # roof, ridge, a point and a hollow each
     with pytest.raises(ValueError, match="no row has a finite"):
         plots.roofline(rows.assign(arithmetic_intensity=np.nan), 197e12, 819e9)
+
+
+def _chip_row(**over):
+    row = dict(strategy="jit", device_kind="TPU v5 lite", platform="tpu", n_devices=1,
+               precision="bfloat16", matmul_precision="default", flops_per_device=197e9,
+               bytes_accessed_per_device=819e6 * 2, step_time_s=2.4e-3, mfu=0.4)  # fmt: skip
+    return {**row, **over}
+
+
+def test_against_measured_sets_the_roofline_beside_the_step():
+    t = lab_time.against_measured(
+        [_chip_row(), _chip_row(strategy="big", bytes_accessed_per_device=1e6)]
+    )
+    jit, big = t.loc["jit"], t.loc["big"]
+    assert jit["compute_s"] == pytest.approx(1e-3) and jit["memory_s"] == pytest.approx(2e-3)
+    assert jit["model_s"] == pytest.approx(2e-3) and jit["bound"] == "HBM"
+    assert jit["error"] == pytest.approx(0.2) and jit["mfu"] == 0.4
+    assert big["bound"] == "compute" and big["model_s"] == pytest.approx(1e-3)
+
+
+def test_against_measured_refuses_a_cpu_time_or_several_devices():
+    with pytest.raises(ValueError, match="'cpu' \\(cpu\\).*no test of the model"):
+        lab_time.against_measured([_chip_row(device_kind="cpu", platform="cpu")])
+    with pytest.raises(ValueError, match="8 devices.*one-device rows"):
+        lab_time.against_measured([_chip_row(n_devices=8)])
+
+
+def test_the_committed_tpu_run_is_hbm_bound_within_30_percent():
+    t = lab_time.against_measured(pd.read_csv(lab_time.TPU_LAB_RESULTS))
+    assert len(t) == 8 and (t["bound"] == "HBM").all() and (t["error"].abs() < 0.3).all()

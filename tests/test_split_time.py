@@ -112,3 +112,43 @@ def test_async_windows_of_xla_tpus_collective_matmul():
     assert [w["op"] for w in windows] == ["collective-permute"] * 7
     assert all(w["matmuls"] == 1 for w in windows)
     assert split_time.async_windows(aot.hlo_text("lesson10.allgather_matmul")) == []
+
+
+def test_window_counts_of_xla_tpus_rings():
+    def counts(name):
+        return split_time.window_counts(split_time.async_windows(aot.hlo_text(f"lesson10.{name}")))
+
+    bidi, rs = counts("collective_matmul_bidi"), counts("collective_matmul_rs")
+    keys = ("windows", "overlapped", "in_flight", "waiting")
+    assert [bidi[k] for k in keys] == [14, 14, 2, 0]
+    assert [rs[k] for k in keys] == [7, 6, 1, 1]
+    assert rs["matmuls"] == [0] + [1] * 6
+    assert counts("matmul_reducescatter") == dict(
+        windows=0, overlapped=0, matmuls=[], in_flight=0, waiting=0
+    )
+
+
+def test_window_counts_of_a_written_schedule():
+    hlo = """HloModule m
+
+%mm (a: f32[2,2], b: f32[2,2]) -> f32[2,2] {
+  %a = f32[2,2] parameter(0)
+  %b = f32[2,2] parameter(1)
+  ROOT %d = f32[2,2] dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f32[2,2]) -> f32[2,2] {
+  %x = f32[2,2] parameter(0)
+  %s0 = (f32[2,2], f32[2,2]) collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}
+  %s1 = (f32[2,2], f32[2,2]) collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}
+  %f0 = f32[2,2] fusion(%x, %x), kind=kOutput, calls=%mm
+  %d0 = f32[2,2] collective-permute-done(%s0)
+  %d1 = f32[2,2] collective-permute-done(%s1)
+  ROOT %f1 = f32[2,2] fusion(%d1, %f0), kind=kOutput, calls=%mm
+}
+"""
+    windows = split_time.async_windows(hlo)
+    assert [w["start"] for w in windows] == ["s0", "s1"]
+    assert [w["done_feeds_matmul"] for w in windows] == [False, True]
+    got = split_time.window_counts(windows)
+    assert got == dict(windows=2, overlapped=2, matmuls=[1, 1], in_flight=2, waiting=0)

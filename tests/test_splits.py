@@ -16,7 +16,7 @@ from course_lib import split_diagrams as SD
 from course_lib import splits as SP
 from course_lib import transformer as T
 from course_lib.meshes import CONTEXT, MODEL, mesh_of
-from course_lib.programs import collective_ops, jaxpr_equations
+from course_lib.programs import collective_ops, jaxpr_equations, while_bodies
 
 matplotlib.use("Agg")
 ONCE = {"xla_backend_optimization_level": 0}
@@ -112,7 +112,10 @@ def test_tp_block_backward_is_megatrons_f(report):
     assert worst < 1e-10
 
 
-@pytest.mark.parametrize("fn", [SP.ring_attention, SP.ulysses_attention])
+UNROLLED = functools.partial(SP.ring_attention, unroll=True)
+
+
+@pytest.mark.parametrize("fn", [SP.ring_attention, UNROLLED, SP.ulysses_attention])
 def test_context_parallel_attention_equals_causal_attention(report, fn):
     n = 4
     mesh = _mesh(report, CONTEXT, n)
@@ -131,6 +134,11 @@ def test_context_parallel_attention_equals_causal_attention(report, fn):
     sent = sum(o.bytes_sent * o.runs for o in ops)  # a loop's collective at each trip
     if fn is SP.ring_attention:
         assert {o.op for o in ops} == {"collective-permute"} and sent == (n - 1) * 2 * block
+        assert while_bodies(c.as_text())  # the steps in a loop
+    elif fn is UNROLLED:
+        # K and V, n - 1 times, written out
+        assert len(ops) == 2 * (n - 1) and sent == (n - 1) * 2 * block
+        assert not while_bodies(c.as_text())
     else:
         assert {o.op for o in ops} == {"all-to-all"} and sent == 4 * (n - 1) / n * block
 

@@ -12,8 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from course_lib import precision, transformer
+from course_lib.meshes import CONTEXT, mesh_of
 from course_lib.programs import jaxpr_equations
 
 from ._common import fail
@@ -35,6 +37,7 @@ __all__ = [
     "ring_grads",
     "ring_low_scores",
     "ring_low_scores_and_grads",
+    "ring_temporaries",
     "sends_in_cond",
 ]
 
@@ -361,3 +364,57 @@ def device_program(jaxpr):
         if eqn.primitive.name == "shard_map":
             return eqn.params["jaxpr"]
     return jaxpr
+
+
+_TEMP_B, _TEMP_BLK, _TEMP_H, _TEMP_DH = 1, 8, 2, 4
+"""The rings whose compiled temporaries :func:`ring_temporaries` reads: blocks of 8 positions, float32 (one
+K or V block: 256 bytes)."""
+
+
+def ring_temporaries(fn, devices, call) -> tuple[tuple[int, int], dict[int, int]] | None:
+    """The ring compiled (``memory_analysis()``) for two rings of the devices present at a fixed block size
+    — ``max(3, c // 2)`` and ``c``, the most devices up to 8 (a ring of 2 runs its loop once, and XLA
+    removes a loop of one trip) — refused when its temporaries grow by a K/V block or more per device
+    added: an unrolled ring (a Python ``for``, ``unroll=True``) lets the scheduler issue every ``ppermute``
+    first and hold every block (XLA:CPU, blocks of 8: +4 blocks from 3 to 4 devices, +10 from 4 to 8); a
+    ``fori_loop`` or ``scan`` body holds one step (growth ≤ 0). None where fewer than 4 devices are
+    present or the backend reports no memory.
+
+    Returns:
+      ``((small, big), {ring: temporary bytes})``.
+
+    Raises:
+      ExerciseError: the temporaries grow.
+    """
+    big = min(len(devices), max(RINGS))
+    if big < 4:
+        return None
+    rings, temps = (max(3, big // 2), big), {}
+    kv = _TEMP_B * _TEMP_BLK * _TEMP_H * _TEMP_DH * 4
+    spec = P(None, CONTEXT)
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+    for c in rings:
+        mesh = mesh_of({CONTEXT: c}, list(devices)[:c], axis_type="auto")
+        mapped = jax.jit(jax.shard_map(lambda q, k, v: fn(q, k, v, CONTEXT), mesh=mesh,
+                                       in_specs=(spec,) * 3, out_specs=spec), compiler_options=options)  # fmt: skip
+        arg = jax.ShapeDtypeStruct((_TEMP_B, c * _TEMP_BLK, _TEMP_H, _TEMP_DH), jnp.float32)
+        compiled = call(f"ring_attention compiled for a ring of {c} devices",
+                        lambda *a, f=mapped: f.lower(*a).compile(),
+                        arg, arg, arg, name="ring_attention")  # fmt: skip
+        memory = compiled.memory_analysis()
+        if memory is None:
+            return None
+        temps[c] = int(memory.temp_size_in_bytes)
+    small, big = rings
+    growth = (temps[big] - temps[small]) / kv / (big - small)
+    if growth >= 1:
+        fail(
+            f"compiled by XLA:{jax.default_backend().upper()} for rings of {small} and {big} devices (blocks "
+            f"of {_TEMP_BLK} positions, float32), your ring's temporaries grow from {temps[small]:,} to "
+            f"{temps[big]:,} bytes: {growth:.1f} K/V blocks more for every device added. The values are "
+            "right, but the program holds the blocks it receives, not one step's",
+            "an unrolled ring (a Python for, or unroll=True) lets the compiler issue every ppermute "
+            "first and keep every block; loop with lax.fori_loop(0, n - 1, …) or lax.scan, whose body "
+            "holds one step whatever the ring's length",
+        )
+    return rings, temps

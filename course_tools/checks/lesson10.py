@@ -11,9 +11,9 @@ attention is compared with single-device causal attention in float64 on random i
 devices (or as many as are present; in float32 within ``precision.float32_rtol`` on XLA:TPU, which emulates
 float64, and the MLP likewise), with B, S, H and Dh all different; its sends (loop bodies counted per
 iteration) and largest intermediate are read from its jaxpr on rings of 2, 4 and 8 traced without devices,
-and the bytes one device holds at once from its jaxpr on a ring of 32. ZeRO-3 is compiled and its
-gradients, collectives (trip-weighted bytes) and ``memory_analysis()`` compared with data parallelism's with
-each block under ``jax.checkpoint`` saving nothing."""
+the bytes one device holds at once from its jaxpr on a ring of 32, and its compiled temporaries on two rings
+(they must not grow with the ring). ZeRO-3 is compiled and its gradients, collectives (trip-weighted bytes)
+and ``memory_analysis()`` compared with data parallelism's with each block under ``jax.checkpoint``."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ from ._lesson10_ring import (
     precise,
     ring_diagnose,
     ring_low_scores_and_grads,
+    ring_temporaries,
     sends_in_cond,
 )
 from ._lesson10_time import check_tp_critical_degree
@@ -244,10 +245,8 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
     counted ``length`` times, a ``while_loop``'s as many times as its counter runs; one whose counter
     cannot be run is refused); the bytes one device holds at once, its operations run in the order
     written (:func:`held_bytes`), on an abstract ring of 32 (:data:`_MEM_RING`), at most half the whole
-    sequence's K and V. Not the compiled program's ``memory_analysis()``: XLA:CPU may schedule every
-    ``ppermute`` of an unrolled ring first, and then holds every block even for an online softmax
-    (measured: the reference's temporaries equal a two-pass ring's on 8 devices). An answer calling
-    :mod:`course_lib.splits` is refused."""
+    sequence's K and V; the compiled temporaries on two rings must not grow (:func:`ring_temporaries`).
+    An answer calling :mod:`course_lib.splits` is refused."""
     ran = _ring_values(ring_attention, list(devices), np.random.default_rng(10))
     for c in _RINGS:
         sent, biggest, other, in_cond = _ring_structure(ring_attention, c)
@@ -306,11 +305,12 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
             "fold each block into a running maximum, sum and output as it arrives (the online "
             "softmax: rescale what is summed when the maximum grows) and let it go before the next",
         )
+    rings, temps = ring_temporaries(ring_attention, list(devices), _call_unaided) or ((), {})
     return passed(
         f"ring attention and its gradients equal causal attention's on {' and '.join(map(str, ran))} device(s); "
         f"on rings of {', '.join(map(str, _RINGS))} it sends n - 1 K/V blocks and holds no array of the full sequence; "
         f"on a ring of {_MEM_RING} one device holds at most {held:,} bytes at once (whole K and V: {full:,})"
-    )
+        + "".join(f"; compiled temporaries {temps[c]:,} bytes on a ring of {c}" for c in rings))  # fmt: skip
 
 
 # ---- exercise 4: ZeRO-3 ---------------------------------------------------------------------------------

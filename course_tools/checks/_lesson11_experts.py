@@ -1,0 +1,209 @@
+"""Lesson 11's exercise 4: the all_to_all dispatch and return of a MoE layer in the expert × data layout.
+
+The answer ``moe_layer(x, p, axis_name, k, capacity_factor)`` runs inside ``shard_map`` over a 2-D mesh
+(tokens split over both axes, experts over ``axis_name``). It is judged by what it computes and sends,
+never by its text:
+
+- its output against :func:`course_lib.moe.moe_mlp` on one device with one group per device, at a
+  capacity that drops choices, on two meshes: ``data × expert`` = 2 × 4 (2 × 2 on 4 devices) and, with
+  other axis names, ``rows × ep`` = 2 × 2 (an answer that names an axis itself instead of ``axis_name`` fails there);
+- the arrays it hands to ``moe.experts`` and ``moe.combine`` (recorded while it runs), for a hint that
+  names the dimension that is wrong;
+- the compiled program's collectives: exactly two all-to-alls' bytes on the expert axis and nothing on the
+  other (an ``all_gather`` sends ``n`` times more).
+
+It runs with :mod:`course_lib.moe_layout`'s exchange and layer and :func:`course_lib.moe.moe_mlp_ep` replaced
+by stubs that raise (:mod:`._unaided`). Fewer than 4 devices cannot hold both axes: the verdict then comes
+from a fresh process with 8 simulated CPU devices (:func:`._common.judged_on`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from course_lib import comms, moe, moe_layout
+from course_lib.meshes import mesh_of
+
+from ._common import call_answer, checker, close, fail, judged_on, passed
+from ._unaided import unaided
+
+__all__ = ["check_expert_exchange"]
+
+E, K, D, F, N, CF = 8, 2, 16, 32, 16, 1.0
+"""Experts, choices per token, width, hidden width, tokens per device, capacity factor (drops choices)."""
+
+_MESHES = ((("data", 2), ("expert", 4)), (("rows", 2), ("ep", 2)))
+"""(data-like axis, expert axis) with sizes (the expert axis 2 on 4 devices): the second with names no
+notebook uses."""
+
+_INIT = jax.jit(lambda key: moe.init_moe(key, D, F, E))
+_ONCE = {"xla_backend_optimization_level": 0}
+"""XLA:CPU without LLVM's optimisations for programs run once (half the compile, the same values)."""
+
+_FORBIDDEN = (
+    moe_layout.to_experts,
+    moe_layout.from_experts,
+    moe_layout.moe_mlp_ep_dp,
+    moe.moe_mlp_ep,
+)
+
+_HINT = (
+    "the exercise is to write the exchange: call jax.lax.all_to_all yourself instead of "
+    "course_lib.moe_layout's to_experts / from_experts / moe_mlp_ep_dp or moe.moe_mlp_ep"
+)
+
+_LAYOUT_HINT = (
+    "give moe.experts [E/n, n·C, D] (or [E/n, n, C, D]): this device's E/n experts first, then the places "
+    "from device 0, 1, … of axis_name. A tiled lax.all_to_all splits one dimension into n blocks (block j "
+    "to device j: here the experts) and concatenates what arrives along another (here the places, device "
+    "0's first); if it concatenates along the experts' dimension instead, the source device comes first "
+    "([n·E/n, C, D]): reshape to [n, E/n, C, D] and transpose the experts in front before merging. The way "
+    "back undoes it, ending in [E, C, D] expert-major on the device whose tokens they are"
+)
+
+
+@contextlib.contextmanager
+def _recording(seen: dict):
+    """While the block runs, ``moe.experts`` and ``moe.combine`` record the shapes they are given."""
+    experts, combine = moe.experts, moe.combine
+
+    def rec_experts(p, h):
+        seen.setdefault("experts", tuple(h.shape))
+        return experts(p, h)
+
+    def rec_combine(y, r):
+        seen.setdefault("combine", tuple(y.shape))
+        return combine(y, r)
+
+    moe.experts, moe.combine = rec_experts, rec_combine
+    try:
+        yield
+    finally:
+        moe.experts, moe.combine = experts, combine
+
+
+def _explain(names: tuple[str, str], seen: dict, cap: int, n_e: int):
+    def explain(err: BaseException):
+        text = str(err)
+        unbound = re.search(r"unbound axis name: (\w+)", text)
+        if unbound and unbound.group(1) not in names:
+            return (
+                f"moe_layer names the mesh axis {unbound.group(1)!r}, which this mesh ({names[0]!r} × "
+                f"{names[1]!r}) does not have",
+                "exchange over axis_name, the argument (the expert axis), not a name written in",
+            )
+        problem = _shape_problem(seen, cap, n_e)
+        if problem is None and "all_to_all" in text:
+            problem = (
+                f"moe_layer's lax.all_to_all raised {type(err).__name__}: {text[:300]}",
+                _LAYOUT_HINT,
+            )
+        return problem
+
+    return explain
+
+
+def _shape_problem(seen: dict, cap: int, n_e: int) -> tuple[str, str] | None:
+    got = seen.get("experts")
+    if got is not None and (got[0] != E // n_e or int(np.prod(got[1:-1])) != n_e * cap):
+        return (
+            f"moe.experts is given an array of shape {got}; with E = {E} experts on {n_e} devices and "
+            f"C = {cap} places it needs this device's {E // n_e} experts first and {n_e}·{cap} places",
+            _LAYOUT_HINT,
+        )
+    back = seen.get("combine")
+    if back is not None and back != (E, cap, D):
+        return (
+            f"moe.combine is given an array of shape {back}; it needs [E, C, D] = [{E}, {cap}, {D}] "
+            "(every expert's places of this device's tokens)",
+            "on the way back, exchange the experts' outputs so that each device gets its own places of "
+            "every expert, and reshape to [E, C, D] if your layout had a separate source dimension",
+        )
+    return None
+
+
+def _run(moe_layer: Callable, names: tuple[str, str], sizes: tuple[int, int], devices, rng):
+    """The answer's output and compiled program on one mesh, and the one-device reference."""
+    mesh = mesh_of(dict(zip(names, sizes, strict=True)), devices[: sizes[0] * sizes[1]], "auto")
+    n = sizes[0] * sizes[1]
+    # host arrays: placing them on the mesh needs no program (a device array would be sliced by one per leaf)
+    p = jax.device_get(_INIT(jax.random.key(int(rng.integers(1 << 30)))))
+    x = rng.standard_normal((n * N, D)).astype(np.float32)
+    body = lambda x, p: moe_layer(x, p, names[1], K, CF)  # noqa: E731
+    specs = (P(names), moe.expert_specs(p, names[1]))
+    once = _ONCE if jax.default_backend() == "cpu" else None
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(names)), compiler_options=once
+    )
+    seen: dict = {}
+    cap = moe.capacity(N, E, K, CF)
+    what = f"moe_layer on a {names[0]} × {names[1]} = {sizes[0]} × {sizes[1]} mesh"
+    with _recording(seen):
+        compiled = call_answer(
+            what, lambda: fn.lower(x, p).compile(), explain=_explain(names, seen, cap, sizes[1])
+        )
+    got = compiled(x, p)
+    want = jax.jit(lambda x, p: moe.moe_mlp(x, p, k=K, capacity_factor=CF, n_groups=n))(x, p)
+    return got, want, compiled, mesh, seen, cap
+
+
+def _judge_bytes(compiled, mesh, names, cap: int) -> None:
+    n_e = mesh.shape[names[1]]
+    sent = comms.sent_by_axis(comms.collectives(compiled.as_text(), dict(mesh.shape)))
+    sent = {a: b for a, b in sent.items() if b}
+    want = {names[1]: 2 * (n_e - 1) / n_e * E * cap * D * 4}
+    if not comms.same_by_axis(sent, want):
+        fail(
+            f"on the {names[0]} × {names[1]} mesh each device sends {sent} bytes per axis; the two "
+            f"exchanges of the buffer [E, C, D] = [{E}, {cap}, {D}] (float32) send {want}",
+            "exchange with two lax.all_to_all over axis_name only: an all_gather or a psum sends every "
+            "device's whole buffer, and nothing needs to cross the other axis",
+        )
+
+
+@judged_on(4, "fewer than 4 devices cannot hold a data axis and an expert axis of 2 or more each")
+def _check(moe_layer: Callable, devices: Sequence[Any]) -> bool:
+    rng = np.random.default_rng(35)
+    for axes in _MESHES:
+        names, sizes = tuple(a for a, _ in axes), tuple(s for _, s in axes)
+        sizes = (sizes[0], min(sizes[1], len(devices) // sizes[0]))  # 2 x 2 on 4 devices
+        with unaided("moe_layer", _FORBIDDEN, _HINT):
+            got, want, compiled, mesh, seen, cap = _run(moe_layer, names, sizes, devices, rng)
+        if tuple(got.shape) != tuple(want.shape):
+            fail(
+                f"moe_layer returned {tuple(got.shape)} per mesh; want {tuple(want.shape)}",
+                "return moe.combine(back, r): one row per token of this device",
+            )
+        if not close(got, want):
+            problem = _shape_problem(seen, cap, sizes[1])
+            wrong = float(np.mean(~np.isclose(np.asarray(got), np.asarray(want), atol=1e-3)))
+            fail(
+                f"on the {names[0]} × {names[1]} = {sizes[0]} × {sizes[1]} mesh, {wrong:.0%} of the "
+                "outputs differ from the one-device MoE (one group per device)"
+                + (f"; {problem[0]}" if problem else "")
+                + ": an expert computes places that are not its own, or they return to other places",
+                _LAYOUT_HINT,
+            )
+        _judge_bytes(compiled, mesh, names, cap)
+    shown = f"2 × {min(4, len(devices) // 2)}"
+    return passed(
+        f"equals the one-device MoE (a capacity that drops choices) on a data × expert = {shown} mesh and "
+        "a 2 × 2 mesh with other axis names; each device sends two all-to-alls' bytes on the expert axis "
+        "and nothing on the other"
+    )
+
+
+@checker
+def check_expert_exchange(moe_layer: Callable, devices: Sequence[Any]) -> bool:
+    """``moe_layer(x [N, D], p, axis_name, k, capacity_factor) -> [N, D]`` inside ``shard_map`` with the
+    tokens split over two axes and the experts over ``axis_name``: the MoE MLP whose dispatch buffer
+    ``[E, C, D]`` goes to the experts' devices and comes back with ``lax.all_to_all`` (the module docstring
+    says how it is judged)."""
+    return _check(moe_layer, devices)
