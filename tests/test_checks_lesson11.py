@@ -5,6 +5,7 @@ the student stub (8 simulated CPU devices from conftest.py; subsets for other de
 from functools import partial
 
 import answers_lesson11 as a
+import answers_lesson11_experts as ax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -277,6 +278,15 @@ EXCHANGE_WRONG = [
         r"outputs differ.*moe.experts is given an array of shape \(1, 32, 16\)",
     ),
     (a.moe_layer_gather, r"sends \{'expert': 18432.0\}.*send \{'expert': 3072.0\}"),
+    (
+        ax.moe_layer_ppermute,
+        r"\{'expert': 3072.0\} bytes.*\(collective-permute\).*not by all-to-alls",
+    ),
+    (ax.moe_layer_bfloat16, "near the one-device MoE's.*cast to bfloat16"),
+    (ax.moe_layer_psum, r"\(all-reduce\).*an all_gather or a psum"),
+    (ax.moe_layer_weights_gathered, r"\(all-gather\).*the experts' weights"),
+    (ax.moe_layer_double, r"\(all-to-all\).*carry more, or less, than the dispatch buffer"),
+    (ax.moe_layer_four, r"shape \(2, 16, 16\).*4 experts first"),
 ]
 
 

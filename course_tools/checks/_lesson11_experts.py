@@ -10,7 +10,10 @@ never by its text:
 - the arrays it hands to ``moe.experts`` and ``moe.combine`` (recorded while it runs), for a hint that
   names the dimension that is wrong;
 - the compiled program's collectives: exactly two all-to-alls' bytes on the expert axis and nothing on the
-  other (an ``all_gather`` sends ``n`` times more).
+  other (an ``all_gather`` sends ``n`` times more), all of them all-to-alls (``n - 1`` ppermutes send the
+  same bytes in ``n - 1`` rounds); the hint names what the collectives found say;
+- outputs off by less than :data:`ROUNDED` of the largest are told they are rounded (a bfloat16 exchange),
+  not misplaced.
 
 It runs with :mod:`course_lib.moe_layout`'s exchange and layer and :func:`course_lib.moe.moe_mlp_ep` replaced
 by stubs that raise (:mod:`._unaided`). Fewer than 4 devices cannot hold both axes: the verdict then comes
@@ -155,16 +158,61 @@ def _run(moe_layer: Callable, names: tuple[str, str], sizes: tuple[int, int], de
 
 
 def _judge_bytes(compiled, mesh, names, cap: int) -> None:
+    """Exactly two all-to-alls' bytes on the expert axis, nothing on the other, and all of it all-to-alls."""
     n_e = mesh.shape[names[1]]
-    sent = comms.sent_by_axis(comms.collectives(compiled.as_text(), dict(mesh.shape)))
-    sent = {a: b for a, b in sent.items() if b}
+    ops = [c for c in comms.collectives(compiled.as_text(), dict(mesh.shape)) if c.sent_bytes]
+    sent = comms.sent_by_axis(ops)
+    kinds = sorted({c.kind for c in ops})
     want = {names[1]: 2 * (n_e - 1) / n_e * E * cap * D * 4}
+    what = f"on the {names[0]} × {names[1]} mesh each device sends {sent} bytes per axis ({', '.join(kinds)})"
     if not comms.same_by_axis(sent, want):
         fail(
-            f"on the {names[0]} × {names[1]} mesh each device sends {sent} bytes per axis; the two "
-            f"exchanges of the buffer [E, C, D] = [{E}, {cap}, {D}] (float32) send {want}",
-            "exchange with two lax.all_to_all over axis_name only: an all_gather or a psum sends every "
-            "device's whole buffer, and nothing needs to cross the other axis",
+            f"{what}; the two exchanges of the buffer [E, C, D] = [{E}, {cap}, {D}] (float32) send {want}",
+            "exchange with two lax.all_to_all over axis_name only: "
+            + _bytes_hint(kinds, sent, names),
+        )
+    if kinds != ["all-to-all"]:
+        fail(
+            f"{what}: the right bytes, but not by all-to-alls",
+            "one lax.all_to_all each way: n-1 ppermutes (collective-permutes) send the same bytes in n-1 "
+            "rounds, each with its own latency, where one all-to-all moves every block at once",
+        )
+
+
+def _bytes_hint(kinds: list[str], sent: dict, names: tuple[str, str]) -> str:
+    """What the collectives found say about the bytes: a gather or a sum, the other axis, or extra data."""
+    hints = []
+    if {"all-gather", "all-reduce", "reduce-scatter"} & set(kinds):
+        hints.append(
+            "an all_gather or a psum (or psum_scatter) sends every device's whole buffer, or the experts' "
+            "weights when those are gathered: many times what an all_to_all sends"
+        )
+    if any(axis != names[1] for axis in sent):
+        hints.append("nothing needs to cross the other axis")
+    if not hints:
+        hints.append(
+            "all-to-alls that carry more, or less, than the dispatch buffer [E, C, D] and the experts' "
+            "outputs [E/n, n·C, D], in float32: send those arrays themselves, nothing beside them"
+        )
+    return "; ".join(hints)
+
+
+ROUNDED = 0.05
+"""Largest error, relative to the largest output, of an answer whose values are only rounded (an exchange in
+bfloat16: 2⁻⁸ per element); a place computed by another expert or returned to another token is off by about
+the outputs' own size."""
+
+
+def _judge_rounding(got, want) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    if err < ROUNDED:
+        fail(
+            f"the outputs are near the one-device MoE's but off by {err:.1e} of the largest (more than "
+            "this platform's matmul rounding), as when every place is computed by its expert and comes back "
+            "at a lower precision",
+            "exchange the float32 buffer and outputs as they are: a cast to bfloat16 or float16 around "
+            "lax.all_to_all rounds every value sent",
         )
 
 
@@ -182,6 +230,7 @@ def _check(moe_layer: Callable, devices: Sequence[Any]) -> bool:
                 "return moe.combine(back, r): one row per token of this device",
             )
         if not close(got, want):
+            _judge_rounding(got, want)
             problem = _shape_problem(seen, cap, sizes[1])
             wrong = float(np.mean(~np.isclose(np.asarray(got), np.asarray(want), atol=1e-3)))
             fail(
