@@ -21,9 +21,10 @@ runs the next one as soon as what it needs has arrived. The schedules differ onl
   device, **depth-first**: a group of ``p`` micro-batches goes through chunk 0, then the same group through
   chunk 1, …; bubble ``(p-1)/(v·m)`` of the ideal step (``(p-1)/(v·m + p-1)`` of the step).
 - :func:`zb_h1` — ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with each backward
-  split into B and W; a stage runs a B as soon as it can, a W only when it has nothing else to do (and
-  before a new F would exceed 1F1B's ``p-s`` micro-batches in flight). Bubble ``(p-1)(T_F+T_B-T_W)`` per
-  stage, about a third of 1F1B's ``(p-1)(T_F+T_B+T_W)``: ``(p-1)/(3m+p-1)`` of the step.
+  split into B and W; on stage ``s`` the W of micro-batch ``i`` runs after the B of micro-batch ``i + s``,
+  in what were 1F1B's idle ticks, so every stage holds at most ``p`` micro-batches (1F1B's peak). Bubble
+  ``(p-1)(T_F+T_B-T_W)`` per stage, a third of 1F1B's ``(p-1)(T_F+T_B+T_W)`` at ``T_F = T_B = T_W``:
+  ``(p-1)/(3m+p-1)`` of the step.
 
 :func:`predicted_bubble` and :func:`predicted_in_flight` are the closed forms; :func:`measured_bubble` and
 :func:`measured_in_flight` read a table (or a run's trace). Taught in ``notebooks/11_pipeline_experts.ipynb``.
@@ -167,8 +168,8 @@ def interleaved(n_stages: int, n_micro: int, n_chunks: int = 2) -> OpSchedule:
     """Interleaved 1F1B (Narayanan et al. 2021, §2.2; Megatron-LM): device ``s`` holds chunks ``c = 0 … v-1``
     (virtual stage ``c·p + s``); the order is depth-first (:func:`_depth_first`), with
     ``min(v·m, 2(p-1-s) + (v-1)·p)`` warm-up forwards, then 1F1B. Each tick runs one chunk (``1/v`` of a
-    stage), so the bubble is ``(p-1)/v`` stage-times: ``(p-1)/(v·m)`` of the ideal step. A stage holds about
-    ``v·p + p - 2s`` chunk inputs (each ``1/v`` of a stage's activations).
+    stage), so the bubble is ``(p-1)/v`` stage-times: ``(p-1)/(v·m)`` of the ideal step. Stage ``s`` holds
+    ``min(v·m, v·p + p - 1 - 2s)`` chunk inputs (each ``1/v`` of a stage's activations).
 
     Raises:
       ValueError: a size that is not a positive integer, or ``n_micro`` not a multiple of ``n_stages``.

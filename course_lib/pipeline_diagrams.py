@@ -3,8 +3,9 @@ device holds, the stash over time, the experts' load against their capacity, wha
 
 Each function takes an optional ``ax``, returns the Figure, never calls ``plt.show()`` and changes no global
 style. A schedule's cells are coloured by micro-batch (pale: forward F, dark: backward B; a cell that runs
-both lanes at once is split, F above B); grey cells are the bubble: the stage computes there too, and
-its result is thrown away. Used by ``notebooks/11_pipeline_experts.ipynb``.
+both lanes at once is split, F above B); grey cells are the bubble: in the lockstep (masked) executors
+the stage computes there too and its result is thrown away; in a switched run (``pipeline_ops``,
+``mode="cond"``) the device computes nothing there and waits. Used by ``notebooks/11_pipeline_experts.ipynb``.
 """
 
 from __future__ import annotations
