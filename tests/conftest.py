@@ -80,3 +80,26 @@ def _standing_in(runtest, stem):
             runtest()
 
     return run
+
+
+@pytest.fixture(scope="module")
+def residual():
+    """The pipeline tests' one-device reference, in float64: residual-stage parameters, 4 micro-batches
+    ``xs [4, 3, 8]``, the head's weights ``r`` (loss = sum of stage(x) * r), the loss and its gradients
+    with respect to (params, xs). tests/test_pipeline.py, tests/test_pipeline_ops.py."""
+    import jax
+    import jax.numpy as jnp
+
+    from course_lib import pipeline_measure as PM
+
+    with jax.enable_x64(True):
+        params = PM.init_residual(jax.random.key(0), 8, 8, jnp.float64)
+        xs = jax.random.normal(jax.random.key(1), (4, 3, 8), jnp.float64)
+        r = jax.random.normal(jax.random.key(2), (4, 3, 8), jnp.float64)
+        stage = PM.residual_stage()
+
+        def ref(params, xs):
+            return (jax.vmap(lambda x: stage(x, params))(xs) * r).sum()
+
+        loss, grads = jax.value_and_grad(ref, argnums=(0, 1))(params, xs)
+    return params, xs, r, loss, grads

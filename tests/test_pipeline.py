@@ -30,21 +30,6 @@ def _max_diff(a, b):
     )
 
 
-@pytest.fixture(scope="module")
-def residual():
-    with jax.enable_x64(True):
-        params = PM.init_residual(jax.random.key(0), 8, 8, jnp.float64)
-        xs = jax.random.normal(jax.random.key(1), (4, 3, 8), jnp.float64)
-        r = jax.random.normal(jax.random.key(2), (4, 3, 8), jnp.float64)
-        stage = PM.residual_stage()
-
-        def ref(params, xs):
-            return (jax.vmap(lambda x: stage(x, params))(xs) * r).sum()
-
-        loss, grads = jax.value_and_grad(ref, argnums=(0, 1))(params, xs)
-    return params, xs, r, loss, grads
-
-
 @pytest.mark.parametrize(
     "name, p, v",
     [("gpipe", 4, 1), ("1f1b", 4, 1), ("circular", 2, 2), ("1f1b", 1, 1)],

@@ -17,21 +17,6 @@ def _mesh(report, p):
     return mesh_of({STAGE: p}, report.devices[:p], axis_type="auto")
 
 
-@pytest.fixture(scope="module")
-def residual():
-    with jax.enable_x64(True):
-        params = PM.init_residual(jax.random.key(0), 8, 8, jnp.float64)
-        xs = jax.random.normal(jax.random.key(1), (4, 3, 8), jnp.float64)
-        r = jax.random.normal(jax.random.key(2), (4, 3, 8), jnp.float64)
-        stage = PM.residual_stage()
-
-        def ref(params, xs):
-            return (jax.vmap(lambda x: stage(x, params))(xs) * r).sum()
-
-        loss, grads = jax.value_and_grad(ref, argnums=(0, 1))(params, xs)
-    return params, xs, r, loss, grads
-
-
 @pytest.mark.parametrize(
     "name, p, v, mode",
     [
