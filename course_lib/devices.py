@@ -329,15 +329,16 @@ def _start_backend(jax: Any, platform: str) -> str:
         ) from e
     if platform == "gpu" and backend != "gpu":
         raise DeviceSetupError(
-            f"platform='gpu' but JAX's backend is {backend!r}: no GPU is visible to JAX. Install the CUDA build "
-            f"of the same JAX (pip install 'jax[cuda12]==0.12.0.1'), check nvidia-smi and CUDA_VISIBLE_DEVICES, "
-            f"or use platform='auto' / 'cpu' to run on simulated CPU devices."
+            f"platform='gpu' but JAX's backend is {backend!r}: no GPU is visible to JAX. Install the CUDA "
+            f"build of the same JAX (pip install 'jax[cuda12]=={jax.__version__}'), check nvidia-smi and "
+            f"CUDA_VISIBLE_DEVICES, or use platform='auto' / 'cpu' to run on simulated CPU devices."
         )
     if platform == "tpu" and backend != "tpu":
         raise DeviceSetupError(
             f"platform='tpu' but JAX's backend is {backend!r}: no TPU is visible to JAX. On a TPU VM (Colab's or "
-            f"Kaggle's TPU runtime, a Cloud TPU) install JAX with its TPU runtime (pip install 'jax[tpu]'), check "
-            f"that no other process holds the chips and that JAX_PLATFORMS is unset, and restart the kernel; "
+            f"Kaggle's TPU runtime, a Cloud TPU) install the same JAX with its TPU runtime "
+            f"(pip install 'jax[tpu]=={jax.__version__}': lesson 00 checks the pin), check that no other "
+            f"process holds the chips and that JAX_PLATFORMS is unset, and restart the kernel; "
             f"or use platform='auto' / 'cpu' to run on simulated CPU devices."
         )
     return backend

@@ -2,10 +2,12 @@
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 
 from course_lib import devices
@@ -78,13 +80,15 @@ def test_other_count_after_start_says_restart_the_kernel():
 
 
 def test_gpu_platform_without_gpu_names_the_fix():
-    with pytest.raises(DeviceSetupError, match="jax\\[cuda12\\]"):
+    with pytest.raises(DeviceSetupError, match=re.escape(f"jax[cuda12]=={jax.__version__}")):
         setup_devices(8, platform="gpu")
 
 
 def test_tpu_platform_without_tpu_names_the_fix():
+    pin = re.escape(jax.__version__)
     with pytest.raises(
-        DeviceSetupError, match=r"no TPU is visible to JAX.*jax\[tpu\].*platform='auto' / 'cpu'"
+        DeviceSetupError,
+        match=rf"no TPU is visible to JAX.*jax\[tpu\]=={pin}.*platform='auto' / 'cpu'",
     ):
         setup_devices(8, platform="tpu")
 
