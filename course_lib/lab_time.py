@@ -191,7 +191,9 @@ def against_measured(rows: Any) -> Any:
       A pandas DataFrame indexed by ``strategy``: ``measured_s`` (the median step), ``compute_s`` (FLOPs ÷
       the chip's peak), ``memory_s`` (bytes accessed ÷ HBM bandwidth), ``model_s`` (their maximum, the
       roofline; one chip: no collectives), ``bound`` (``"compute"`` or ``"HBM"``), ``error`` (measured ÷
-      model − 1), ``mfu`` (the row's model-FLOPs utilisation).
+      model − 1), ``mfu`` (the row's model-FLOPs utilisation), ``mfu_roofline`` (the MFU the same model
+      FLOPs would reach in ``model_s``: ``mfu · measured_s / model_s``, the most the roofline allows; the
+      compute term's ``compute_s / model_s`` counts the compiled FLOPs, so it bounds HFU, not MFU).
 
     Raises:
       ValueError: a row made on simulated CPU devices or a chip no fabric describes (a CPU time is no test of
@@ -219,6 +221,6 @@ def against_measured(rows: Any) -> Any:
         out[row["strategy"]] = dict(
             measured_s=measured, compute_s=t["compute_s"], memory_s=t["memory_s"],
             model_s=t["roofline_s"], bound=t["bound"], error=measured / t["roofline_s"] - 1,
-            mfu=float(row["mfu"]),
+            mfu=float(row["mfu"]), mfu_roofline=float(row["mfu"]) * measured / t["roofline_s"],
         )  # fmt: skip
     return pd.DataFrame.from_dict(out, orient="index").rename_axis("strategy")

@@ -16,8 +16,9 @@ tokens into a buffer ``[E, C, D]`` (:func:`course_lib.moe.dispatch`), and the ex
 :func:`moe_mlp_ep_dp` is the layer inside ``shard_map``; :func:`ep_dp_loss` a training loss (the layer's
 squared error to a target plus ``α`` times the load-balancing loss, its ``f`` and ``P`` averaged over every
 device by :func:`global_balancing_loss`); :func:`predict_transfers` every collective of its gradient program
-from shapes (the ``expert`` axis carries the four all-to-alls, the ``data`` axis the experts' gradients, both
-axes together the router's gradient and the loss), compared with the compiled program's in
+from shapes (the ``expert`` axis carries three all-to-alls — four in a layer whose input needs a gradient —,
+the ``data`` axis the experts' gradients, both axes together the router's gradient and the loss),
+compared with the compiled program's in
 ``notebooks/11_pipeline_experts.ipynb`` (section 6) and ``tests/test_moe_layout.py``; :func:`mesh_shape`
 picks the mesh for a device count. The one-device reference is :func:`course_lib.moe.moe_mlp` with
 ``n_groups`` = the device count (each group one device's tokens).

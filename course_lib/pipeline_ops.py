@@ -310,7 +310,10 @@ def build_step(mesh: Any, axis: str, sched: O.OpSchedule, stage_fn: Callable, *,
 def op_flops(stage_fn: Callable, chunk: Any, x: jax.Array) -> dict[str, float]:
     """FLOPs of one cell of each operation, each compiled alone on one device: ``"F"`` (the chunk's
     forward), ``"B"`` (the whole backward: recompute, then the vjp), ``"B_split"`` (recompute, then the
-    input's cotangent only), ``"W"`` (recompute, then the weights' cotangent only)."""
+    input's cotangent only), ``"W"`` (recompute, then the weights' cotangent only: from the chunk's output
+    cotangent alone, so it also runs the input-gradient chain back through the chunk's layers; about
+    3 ``"F"`` for a chunk of several layers, where Qi et al.'s W, which keeps each layer's cotangent from
+    B, costs about one)."""
 
     def flops(fn, *args):
         cost = jax.jit(fn).lower(*args).compile().cost_analysis()

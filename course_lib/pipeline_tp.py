@@ -6,9 +6,10 @@ hidden columns; ``w1`` column-parallel, ``w2`` row-parallel). The executor's tic
 stream typed as varying over every axis its parameters vary over — ``model`` too — so lesson 10's
 :func:`course_lib.splits.tp_block` (whose *f* casts an invariant stream to varying) does not apply as it
 is. :func:`tp_stage_block` is the same block for a stream of either type: in the forward pass one
-all-reduce per sub-layer (*g*) as before; in the backward pass the all-reduce sits at *g*'s transpose (the
-stream's cotangent is summed where a replicated value joins a varying one) instead of at *f*'s: the same
-count and bytes. The LayerNorms' parameters, replicated over ``model`` and used on the varying stream, get
+all-reduce per sub-layer (*g*) as before; in the backward pass *g*'s ``psum`` transposes to a cast that
+moves nothing, and the all-reduce sits where its replicated result joins the varying stream (the transpose
+of that implicit cast to varying) instead of at *f*'s: the same count and bytes. The LayerNorms' parameters,
+replicated over ``model`` and used on the varying stream, get
 their gradients summed over ``model`` too (four ``[D]`` vectors per layer application).
 
 :func:`pp_tp_loss` runs GPipe's forward with this block and a sum of squares as the head; its gradient

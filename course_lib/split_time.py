@@ -235,6 +235,10 @@ def ring_matmul_plan(
       n: devices on the ring.
       fabric: the chip and its link (a ``"switch"`` link carries a step's two halves one after the other:
         they share the device's injection bandwidth).
+      itemsize: bytes per element sent: 2 for bfloat16 blocks (XLA:TPU sends the bfloat16 copy of a float32
+        block it multiplies at the default precision); 4 for the reduce-scatter ring's partial sums, which
+        XLA:TPU accumulates and sends in float32 (the v5e reference, ``notebooks/10_transformers.ipynb``).
+      precision: the peak the matmuls run at (:func:`course_lib.costs.rate`).
 
     Returns:
       ``{"permutes", "steps", "chunk_flops" (one matmul chunk), "chunk_s", "step_s" (a step's matmuls),

@@ -124,6 +124,7 @@ def test_against_measured_sets_the_roofline_beside_the_step():
     assert jit["compute_s"] == pytest.approx(1e-3) and jit["memory_s"] == pytest.approx(2e-3)
     assert jit["model_s"] == pytest.approx(2e-3) and jit["bound"] == "HBM"
     assert jit["error"] == pytest.approx(0.2) and jit["mfu"] == 0.4
+    assert jit["mfu_roofline"] == pytest.approx(0.48)  # the model FLOPs in the roofline time
     assert big["bound"] == "compute" and big["model_s"] == pytest.approx(1e-3)
 
 
