@@ -352,6 +352,12 @@ def build_lm_3d(info, config, devices, *, n_micro=2, compiler_options=None):
     return _layout(info, config, devices, n_micro, compiler_options)
 
 
+def build_lm_ep_dp(info, config, devices, *, n_micro=2, compiler_options=None):
+    """EP+DP: ``data × expert``; the MoE transformer (:mod:`course_lib.lm_experts`), the batch over both
+    axes, the experts over ``expert`` (two ``all_to_all`` per layer forward); ``n_micro`` unused."""
+    return _layout(info, config, devices, n_micro, compiler_options)
+
+
 class RemadeBatches(Sequence):
     """A finished run's batches, made again when read: ``batches[i]`` equals the batch step ``i`` trained on.
 

@@ -143,9 +143,14 @@ def predict_bytes(
       sends one micro-batch activation per tick that a later tick reads, forward and backward, and
       all-reduces the embedding's and the head's gradients over the stages. On XLA:CPU every layout's
       compiled program sends exactly these bytes per mesh axis (the lab asserts it); the same step under
-      the partitioner (``lm_layouts.build(..., partitioner=True)``) sends other collectives.
+      the partitioner (``lm_layouts.build(..., partitioner=True)``) sends other collectives. ``ep_dp`` (the
+      MoE transformer): :func:`course_lib.lm_experts.predict_bytes`.
     """
     lay = layout(key)
+    if lay.expert_axis:  # the MoE transformer's own (course_lib.lm_experts)
+        from . import lm_experts
+
+        return lm_experts.predict_bytes(config, global_batch, sizes, itemsize=itemsize)
     b = global_batch // math.prod(sizes[a] for a in lay.batch_axes)
     act = b * config.seq_len * config.d_model * itemsize  # a local batch's residual stream
     if lay.stage_axis:
@@ -310,8 +315,15 @@ def predict_memory(key: str, config, global_batch: int, sizes: dict[str, int], i
     (:func:`activation_bytes`, an estimate; ``remat`` passed on), and what the compiled step's
     ``memory_analysis()`` reports exactly: ``arguments`` (params + optimizer + batch) and ``outputs`` (params
     + optimizer + gradients + the loss, + 8 bytes per output array on XLA:CPU: the output tuple's table of
-    buffer pointers)."""
+    buffer pointers). ``ep_dp`` (the MoE transformer): :func:`course_lib.lm_experts.predict_memory`
+    (``n_micro`` unused; ``remat`` not modelled there: ValueError)."""
     lay = layout(key)
+    if lay.expert_axis:
+        from . import lm_experts
+
+        if remat:
+            raise ValueError(f"remat is not modelled for layout {key!r}; pass remat=False")
+        return lm_experts.predict_memory(config, global_batch, sizes, itemsize)
     prm = param_bytes(key, config, sizes, itemsize)
     n_leaves = len(jax.tree.leaves(_abstract_params(config, key)))
     b = _local_batch(lay, global_batch, sizes)

@@ -19,6 +19,9 @@ key          mesh (8 devices)              what is split
 ``dp_cp``    data=4 × context=2            the batch over data, the sequence over context (activations
                                            sequence-sharded; attention gathers the keys and values)
 ``3d``       data=2 × fsdp=2 × model=2     the three at once
+``ep_dp``    data=4 × expert=2             a mixture-of-experts transformer (lesson 11's MoE MLP): the batch
+                                           over both axes, the experts over expert, two ``all_to_all``
+                                           per layer forward (:mod:`course_lib.lm_experts`)
 ===========  ============================  ===================================================================
 
 The step is SGD with momentum returning the new parameters and momentum, the loss and the gradients, so
@@ -40,12 +43,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import lm_steps, pipeline, schedules, transformer
-from .meshes import CONTEXT, DATA, MODEL, STAGE, mesh_of
+from .meshes import CONTEXT, DATA, EXPERT, MODEL, STAGE, mesh_of
 
 __all__ = [
     "FSDP",
     "Layout",
     "LAYOUTS",
+    "DENSE_KEYS",
     "layout",
     "fixed_axes",
     "mesh_axes",
@@ -80,6 +84,8 @@ class Layout:
       model_axis: the tensor-parallel axis, or None.
       fsdp_axis: the axis every parameter is also split over, or None.
       stage_axis: the pipeline axis, or None.
+      expert_axis: the axis the experts of a mixture-of-experts MLP are split over, or None (the layout
+        then trains :mod:`course_lib.lm_experts`' MoE transformer, not the dense one).
     """
 
     key: str
@@ -91,6 +97,7 @@ class Layout:
     model_axis: str | None = None
     fsdp_axis: str | None = None
     stage_axis: str | None = None
+    expert_axis: str | None = None
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -111,9 +118,15 @@ LAYOUTS: dict[str, Layout] = {
                seq_axis=CONTEXT),
         Layout("3d", "data x fsdp x model (3-D)", "X", ((DATA, 2), (FSDP, 2), (MODEL, 2)), (DATA, FSDP),
                model_axis=MODEL, fsdp_axis=FSDP),
+        Layout("ep_dp", "data x expert (EP+DP, MoE)", "*", ((DATA, 4), (EXPERT, 2)), (DATA, EXPERT),
+               expert_axis=EXPERT),
     )
 }  # fmt: skip
 """Every layout of the lab, in its order."""
+
+DENSE_KEYS = tuple(k for k, lay in LAYOUTS.items() if not lay.expert_axis)
+"""The layouts of the dense transformer (all but ``ep_dp``, which trains the MoE transformer of
+:mod:`course_lib.lm_experts`): the ones whose parameters, rankings and memory compare like for like."""
 
 
 def layout(key: str) -> Layout:
@@ -171,7 +184,9 @@ def param_specs(key: str, params: Any, sizes: dict[str, int]) -> Any:
     for ``pp_dp`` the blocks :func:`course_lib.pipeline.chunked` to ``[1, L, …]``. The model axis splits the
     heads of ``wq``/``wk``/``wv``/``wo`` and the MLP width of ``w1``/``w2`` (and ``w1``'s bias); the fsdp axis
     then splits, in every leaf, the first dimension not already split that it divides (never a block's
-    layer axis); a leaf it divides nowhere stays replicated over it.
+    layer axis); a leaf it divides nowhere stays replicated over it. An expert layout (``ep_dp``, the MoE
+    parameters of :func:`course_lib.lm_experts.init_params`): the experts' leaves of ``blocks.moe`` split
+    on their expert dimension over the expert axis, the router and everything else replicated.
     """
     lay = layout(key)
 
@@ -181,6 +196,9 @@ def param_specs(key: str, params: Any, sizes: dict[str, int]) -> Any:
         spec: list = [None] * len(shape)
         if lay.stage_axis:
             return pipeline.stage_spec(lay.stage_axis) if names[0] == "blocks" else P()
+        if lay.expert_axis:
+            expert = names[:2] == ("blocks", "moe") and names[2] != "router"
+            return P(None, lay.expert_axis) if expert else P()
         offset = 1 if names[0] == "blocks" else 0
         if lay.model_axis and names[0] == "blocks" and names[1:] in _TP_DIM:
             spec[offset + _TP_DIM[names[1:]]] = lay.model_axis
@@ -340,10 +358,19 @@ def build(
         ``with_sharding_constraint``: the partitioner picks the collectives (the lab's contrast). Not for
         ``pp_dp`` (always lesson 11's pipeline).
 
+    An expert layout (``ep_dp``) is :func:`course_lib.lm_experts.build` (the MoE transformer; no
+    partitioner variant, ``n_micro`` unused).
+
     Raises:
       ValueError: an unknown layout, or a device count it does not fit.
     """
     lay = layout(key)
+    if lay.expert_axis:
+        from . import lm_experts
+
+        if partitioner:
+            raise ValueError(f"layout {key!r} is written in shard_map only; pass partitioner=False")
+        return lm_experts.build(config, devices, compiler_options=compiler_options)
     devices = list(devices)
     sizes = mesh_axes(key, len(devices))
     if sizes is None:

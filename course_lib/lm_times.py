@@ -91,9 +91,17 @@ def step_time(key: str, config, global_batch: int, fabric, n_devices: int = 8, *
       "sent_bytes", "memory_bytes" (parameters, optimizer, gradients, activations)}``.
       :func:`course_lib.lm_plots.time_breakdown` splits ``step_s`` into its parts.
 
+    ``ep_dp`` trains the MoE transformer: :func:`course_lib.lm_experts.step_time` (the same time model,
+    the same keys; ``n_micro`` and ``remat`` not used there).
+
     Raises:
       ValueError: the layout does not fit ``n_devices``, or an unknown ``overlap``.
     """
+    if layout(key).expert_axis:
+        from . import lm_experts
+
+        return lm_experts.step_time(config, global_batch, fabric, n_devices, precision=precision,
+                                    roofline=roofline, mfu=mfu, overlap=overlap)  # fmt: skip
     sizes = mesh_axes(key, n_devices)
     if sizes is None:
         raise ValueError(f"layout {key!r} does not fit {n_devices} devices")
@@ -136,9 +144,13 @@ def rank_layouts(config, global_batch: int, fabric, n_devices: int = 8, *,
     """Every layout that fits ``n_devices`` (and, given ``memory_limit``, whose predicted memory per device
     is at most it), fastest first by :func:`step_time` (``options`` passed on: ``precision``, ``roofline``,
     ``mfu``, ``remat``, ``overlap``) — the model's ranking, not a measurement. A layout whose batch or heads
-    do not split is left out."""
+    do not split is left out, and so is ``ep_dp``: it trains another model (the MoE transformer, ``E``
+    times the MLP's parameters), so its time is not a way to run this one; :func:`step_time` gives its row
+    (the lab shows it beside the ranking)."""
     rows = []
     for key in LAYOUTS:
+        if LAYOUTS[key].expert_axis:
+            continue
         sizes = mesh_axes(key, n_devices)
         if sizes is None or not splits(key, config, global_batch, sizes):
             continue

@@ -218,6 +218,7 @@ REGISTRY: dict[str, StrategyInfo] = {
         _lm("pp_dp", "T4", builders.build_lm_pp_dp),
         _lm("dp_cp", "T5", builders.build_lm_dp_cp),
         _lm("3d", "T6", builders.build_lm_3d),
+        _lm("ep_dp", "T7", builders.build_lm_ep_dp),  # the MoE transformer (course_lib.lm_experts)
     )
 }  # fmt: skip
 """Every strategy, in the lab's order; the one place a strategy is described."""
@@ -303,7 +304,7 @@ def build_layout(
 
     Args:
       key: a key of :data:`LAYOUT_KEYS` (``"dp"``, ``"tp_sp"``, ``"fsdp_tp"``, ``"pp_dp"``, ``"dp_cp"``,
-        ``"3d"``).
+        ``"3d"``, ``"ep_dp"``: the MoE transformer, placed with :func:`course_lib.lm_experts.init_params`).
       config: the transformer's shape (:class:`course_lib.transformer.TransformerConfig`).
       devices: the devices of the mesh; their number fixes its axes (:func:`course_lib.lm_layouts.mesh_axes`).
       n_micro: the pipeline's micro-batches per data shard (``pp_dp``).

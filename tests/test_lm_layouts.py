@@ -58,7 +58,9 @@ def test_check_run_names_the_pipelines_micro_batches():
         ValueError, match=r"layout 'pp_dp'.*multiple of 8 \(4 data shards x 2 micro"
     ):
         lm_runs.check_run(keys, 8, 12, 3)
-    lm_runs.check_run([k for k in keys if k != "pp_dp"], 8, 12, 3)
+    with pytest.raises(ValueError, match=r"layout 'ep_dp'.*multiple of 8 \(8 data shards\)"):
+        lm_runs.check_run([k for k in keys if k != "pp_dp"], 8, 12, 3)  # ep_dp: data=4 x expert=2
+    lm_runs.check_run([k for k in keys if k not in ("pp_dp", "ep_dp")], 8, 12, 3)
 
 
 @pytest.mark.parametrize("steps", [0, -1])
@@ -184,7 +186,7 @@ def test_the_step_time_model_ranks_fitting_layouts_and_the_memory_model_is_monot
     gpu = transformer.GPU
     rows = lm_costs.rank_layouts(gpu, 64, lm_costs.FABRICS["H100"], 8)
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
-    assert {r["layout"] for r in rows} == set(lm_layouts.LAYOUTS)
+    assert {r["layout"] for r in rows} == set(lm_layouts.DENSE_KEYS)  # ep_dp: another model
     tight = lm_costs.rank_layouts(gpu, 64, lm_costs.FABRICS["H100"], 8, memory_limit=56e9)
     assert tight and all(r["memory_bytes"] <= 56e9 for r in tight) and len(tight) < len(rows)
     small = lm_costs.largest_layers("fsdp_tp", gpu, 16, 24e9)
