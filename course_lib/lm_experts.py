@@ -161,7 +161,10 @@ def build(config, devices: Sequence[Any], *, compiler_options: dict | None = Non
             f"(expert={fixed_axes('ep_dp')[EXPERT]}); {len(devices)} given"
         )
     if N_EXPERTS % sizes[EXPERT]:
-        raise ValueError(f"{N_EXPERTS} experts do not split over expert={sizes[EXPERT]} devices")
+        raise ValueError(
+            f"{N_EXPERTS} experts do not split over expert={sizes[EXPERT]} devices; use an expert axis "
+            f"that divides {N_EXPERTS}"
+        )
     mesh = mesh_of(sizes, devices, axis_type="auto")
     abstract = jax.eval_shape(lambda: init_params(jax.random.key(0), config))
     specs = param_specs("ep_dp", abstract, sizes)
@@ -292,7 +295,9 @@ def step_time(config, global_batch: int, fabric, n_devices: int = 8, *, precisio
     calls this one for ``ep_dp``): :func:`flops_per_device` at ``mfu`` of the peak, with ``roofline`` the HBM
     bytes ``8·params + 2·activations`` (:func:`predict_memory`), every :func:`predict_bytes` transfer on its
     axis's link; ``overlap`` as there (the all-to-alls are on the critical path: the experts wait for their
-    tokens). ``capacity_factor`` 1.25 by default (a usual training setting; the lab's parity uses
+    tokens; ``critical_s`` is their time, overlapped by nothing under ``"data"``). ``capacity_factor`` 1.25
+    by default (a usual training setting: the experts compute all ``E·C ≈ 1.25·k·N`` places per device and
+    layer, empty ones included, and choices beyond ``C`` would be dropped; the lab's parity uses
     :data:`CAPACITY_FACTOR`, which drops nothing).
 
     Returns:
@@ -319,7 +324,12 @@ def step_time(config, global_batch: int, fabric, n_devices: int = 8, *, precisio
         config, global_batch, sizes, itemsize=itemsize, capacity_factor=capacity_factor
     )
     t = costs.step_time(flops, moved if roofline else None, transfers, fabric, precision)
-    critical = t["comm_by_axis"].get(EXPERT, 0.0)
+    # the all-to-alls alone (not the axis: at data=1 the gradients' all-reduce runs over expert too)
+    critical = sum(
+        costs.collective_time(x.kind, x.group_size, x.size_bytes, fabric.link_of(x.axis))
+        for x in transfers
+        if x.kind == "all-to-all"
+    )
     roof = t["roofline_s"]
     bounds = {"no_overlap_s": t["no_overlap_s"], "overlap_s": t["overlap_s"],
               "data_overlap_s": max(roof, t["comm_s"] - critical) + critical}  # fmt: skip

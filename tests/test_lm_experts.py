@@ -89,6 +89,13 @@ def test_the_step_time_model_gives_its_row_beside_the_dense_ranking():
     assert set(row["comm_s"]) == {"expert", "data", "data,expert"}
     bigger = lm_costs.step_time("ep_dp", transformer.GPU, 128, h100)
     assert bigger["flop_s"] == pytest.approx(2 * row["flop_s"])  # the FLOPs are linear in the batch
+    # the critical part is the all-to-alls: at 8 devices all of expert's time, at 2 (data=1) not the
+    # gradients' all-reduce, which runs over expert there too and overlaps under overlap="data"
+    assert row["critical_s"] == pytest.approx(row["comm_s"]["expert"])
+    two = lm_costs.step_time("ep_dp", transformer.GPU, 64, h100, 2, overlap="data")
+    assert set(two["comm_s"]) == {"expert"} and 0 < two["critical_s"] < two["comm_s"]["expert"]
+    rest = two["comm_s"]["expert"] - two["critical_s"]
+    assert two["step_s"] == pytest.approx(max(two["compute_s"], rest) + two["critical_s"])
 
 
 def test_bad_input_is_refused_with_the_value_and_the_fix(report):
