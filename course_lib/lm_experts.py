@@ -121,6 +121,10 @@ def grads_fn(mesh, specs: Any, config, *, k: int = TOP_K, capacity_factor: float
       (replicated) and the gradients (laid out by ``specs``). Each leaf is made to vary (``lax.pcast``)
       over the axes its spec does not split it over, so its gradient's all-reduce (the transpose) sums
       over exactly those: ``data,expert`` for the replicated leaves, ``data`` for the experts'.
+
+    Raises:
+      ValueError: when the returned function is traced, if the experts do not split over the ``expert``
+        axis (:func:`course_lib.moe_layout.moe_mlp_ep_dp`).
     """
     axes = (DATA, EXPERT)
     n_shards = mesh.shape[DATA] * mesh.shape[EXPERT]
