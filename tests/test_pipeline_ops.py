@@ -140,17 +140,20 @@ def test_split_stage_backward_is_the_vjp():
 
 def test_split_stage_w_costs_one_forward_and_zb_h1_the_work_of_1f1b():
     chunk, x = PM.init_residual(jax.random.key(0), 4, 64), jnp.ones((128, 64), jnp.float32)
-    # unrolled: cost_analysis counts a loop's body once
-    plain, split = (
-        PO.op_flops(PM.residual_stage(True, split=sp), chunk, x) for sp in (False, True)
-    )
-    assert plain["F"] == split["F"] and plain["B"] == split["B"]
-    assert 2.5 < plain["W"] / plain["F"] < 3.1  # the W that starts from the output's cotangent
-    assert 0.95 < split["W"] / split["F"] < 1.05  # dW_l = h_l^T g_l: one matmul per layer
-    assert 1.95 < split["B_split"] / split["F"] < 2.1  # recompute, then the input-gradient chain
-    one_f = PO.work(O.pipedream_flush(4, 8), split)["useful"]
-    assert PO.work(O.zb_h1(4, 8), plain)["useful"] > 1.3 * one_f
-    assert abs(PO.work(O.zb_h1(4, 8), split)["useful"] / one_f - 1) < 0.03
+    # cost_analysis counts a loop's body once: rolled, every operation is counted for one layer
+    for unroll in (False, True):
+        plain, split = (
+            PO.op_flops(PM.residual_stage(unroll, split=sp), chunk, x) for sp in (False, True)
+        )
+        assert plain["F"] == split["F"] and plain["B"] == split["B"]
+        assert 2.5 < plain["W"] / plain["F"] < 3.1  # the W that starts from the output's cotangent
+        assert 0.95 < split["W"] / split["F"] < 1.05  # dW_l = h_l^T g_l: one matmul per layer
+        assert (
+            1.95 < split["B_split"] / split["F"] < 2.1
+        )  # recompute, then the input-gradient chain
+        one_f = PO.work(O.pipedream_flush(4, 8), split)["useful"]
+        assert PO.work(O.zb_h1(4, 8), plain)["useful"] > 1.3 * one_f
+        assert abs(PO.work(O.zb_h1(4, 8), split)["useful"] / one_f - 1) < 0.03
 
 
 def _check_saving_slots(sched, pl):
