@@ -298,8 +298,10 @@ def run(stage_fn: Callable, head_fn: Callable, params: Any, head_params: Any, xs
     """Run ``sched`` inside ``shard_map`` over ``axis``: the loss and its gradients.
 
     Args:
-      stage_fn: ``(x [b, S, D], chunk_params) -> [b, S, D]``; head_fn: ``(head_params, y, aux_i) -> scalar``,
-        micro-batch ``i``'s loss from the last virtual stage's output.
+      stage_fn: ``(x [b, S, D], chunk_params) -> [b, S, D]``, or a split stage (:func:`is_split_stage`:
+        a split schedule's B then saves for its W, in ``the_plan.n_saved`` slots).
+      head_fn: ``(head_params, y, aux_i) -> scalar``, micro-batch ``i``'s loss from the last virtual stage's
+        output.
       params: this device's chunks, leaves ``[v, k, …]`` (:func:`course_lib.pipeline.chunked`).
       xs: ``[m, b, S, D]`` micro-batch inputs (stage 0 reads them); aux: pytree of ``[m, …]``.
       mode: one of :data:`MODES`.
@@ -313,7 +315,8 @@ def run(stage_fn: Callable, head_fn: Callable, params: Any, head_params: Any, xs
       ``trace`` int32 [T, 3]: the operation, micro-batch and chunk this device ran at each tick.
 
     Raises:
-      ValueError: an unknown ``mode``, or an axis whose size is not the schedule's stage count.
+      ValueError: an unknown ``mode``, an axis whose size is not the schedule's stage count, or a
+        ``the_plan`` built for the other kind of stage (``plan(sched, split_stage=...)``).
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
