@@ -212,8 +212,11 @@ def _backward(ctx: _Ctx, st: dict, row, okb, chunk, top) -> jax.Array:
     x, n_dy = st["xst"][xslot], st["dyst"].shape[0] - 1
     if ctx.saving:  # the split stage's B: the input's cotangent, and what W needs
         dx, saved = ctx.stage_fn.backward_input(x, chunk, st["dyst"][dyslot])
-        slot = jnp.where(okb, row[7], jax.tree.leaves(st["sv"])[0].shape[0] - 1)
-        st["sv"] = jax.tree.map(lambda buf, a: buf.at[slot].set(a), st["sv"], saved)
+        if "sv" in st:  # masked: in its slot, in place
+            slot = jnp.where(okb, row[7], jax.tree.leaves(st["sv"])[0].shape[0] - 1)
+            st["sv"] = jax.tree.map(lambda buf, a: buf.at[slot].set(a), st["sv"], saved)
+        else:  # switched: _tick stores it
+            st["sv_out"] = saved
         return dx
     if ctx.sched.split:
         y, vjp = jax.vjp(lambda h: ctx.stage_fn(h, chunk), x)
@@ -250,9 +253,8 @@ def _ops(ctx: _Ctx, st: dict, row, ok: dict) -> tuple[dict, jax.Array, jax.Array
         st["dxs"] = st["dxs"].at[jnp.where(first, mb, st["dxs"].shape[0] - 1)].set(dx_out)
     if O.W in ok:
         if ctx.saving:  # only the products of what B saved
-            d_params = ctx.stage_fn.backward_weight(
-                jax.tree.map(lambda buf: buf[row[7]], st["sv"]), chunk
-            )
+            saved = st["sv_in"] if "sv_in" in st else jax.tree.map(lambda b: b[row[7]], st["sv"])
+            d_params = ctx.stage_fn.backward_weight(saved, chunk)
         else:  # recompute, then the vjp with respect to the weights from the output's cotangent
             x, dy = st["xst"][row[3]], st["dyst"][row[4]]
             (d_params,) = jax.vjp(lambda prm: ctx.stage_fn(x, prm), chunk)[1](dy)
@@ -264,6 +266,12 @@ def _tick(ctx: _Ctx, axis: str, kinds: tuple, mode: str, st: dict, row_all):
     """One tick: the device's operation (masked or switched), the sends, the arrivals stored."""
     row = row_all[ctx.s]
     op = row[0]
+    if (
+        ctx.saving and mode == "cond"
+    ):  # the saved buffer stays out of the switch (which would copy it)
+        sv = st.pop("sv")
+        st["sv_in"] = jax.tree.map(lambda buf: buf[row[7]], sv)
+        st["sv_out"] = jax.tree.map(jnp.zeros_like, st["sv_in"])
     if mode == "masked":
         st, y, dx = _ops(ctx, st, row, {k: op == k for k in kinds})
         y, dx = jnp.where(op == O.F, y, 0), jnp.where(op == O.B, dx, 0)
@@ -272,6 +280,10 @@ def _tick(ctx: _Ctx, axis: str, kinds: tuple, mode: str, st: dict, row_all):
         branches += [lambda a, k=k: _ops(ctx, a, row, {k: True}) if k in kinds else branches[0](a)
                      for k in (O.F, O.B, O.W)]  # fmt: skip
         st, y, dx = lax.switch(op, branches, st)
+    if ctx.saving and mode == "cond":
+        del st["sv_in"]
+        slot = jnp.where(op == O.B, row[7], jax.tree.leaves(sv)[0].shape[0] - 1)
+        st["sv"] = jax.tree.map(lambda buf, a: buf.at[slot].set(a), sv, st.pop("sv_out"))
     ring = ctx.sched.n_chunks > 1
     p = ctx.sched.n_stages
     if O.F in kinds:
