@@ -79,7 +79,7 @@ def main() -> None:
                     .memory_analysis()
                     .temp_size_in_bytes
                 )
-                busy = pl.rows[..., 0] != O.IDLE
+                busy = np.isin(pl.rows[..., 0], (O.F, O.B))  # a saving W reads no input slot
                 per_stage = [int(pl.rows[busy[:, s], s, 3].max()) + 1 for s in range(p)]
                 print(f"m={mm}: slots (inputs, cotangents, saved) {pl.n_x, pl.n_dy, pl.n_saved}; input slots per "
                       f"stage {per_stage}; temp bytes {temps[-1]:,}")  # fmt: skip
