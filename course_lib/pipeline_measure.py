@@ -41,6 +41,7 @@ from .measure import Timing
 __all__ = [
     "ANALYSIS_OPTIONS",
     "residual_stage",
+    "ResidualStage",
     "init_residual",
     "build_train",
     "lane_flops",
@@ -61,14 +62,64 @@ buffers come from XLA's HLO passes, which the backend's optimisation level leave
 (``tests/test_pipeline_measure.py`` checks it), and the programs compile in about half the time."""
 
 
-def residual_stage(unroll: bool = False) -> Callable:
-    """A stage of residual layers: ``x [N, D] -> x + tanh(x @ w)`` for each ``w`` of ``chunk["w"] [k, D, D]``."""
+def residual_stage(unroll: bool = False, *, split: bool = False) -> Callable:
+    """A stage of residual layers: ``x [N, D] -> x + tanh(x @ w)`` for each ``w`` of ``chunk["w"] [k, D, D]``.
+    ``split=True`` returns a :class:`ResidualStage`: the same function, with the split backward of
+    zero-bubble pipelines (:mod:`course_lib.pipeline_ops`)."""
+    if split:
+        return ResidualStage(unroll)
 
     def stage(x, chunk):
         x = pipeline.vary_like(x, chunk)  # an input every stage holds, on a stage's own layers
         return lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x, chunk["w"], unroll=unroll)[0]
 
     return stage
+
+
+class ResidualStage:
+    """:func:`residual_stage` as a **split stage** (Qi et al. 2023's B and W): callable as the plain
+    ``stage(x, chunk)``, and
+
+    - ``backward_input(x, chunk, dy) -> (dx, saved)``: recompute the chunk from its input ``x [..., D]`` and
+      run the input-gradient chain from the output cotangent ``dy`` (like ``x``); ``saved`` keeps, per layer
+      ``l``, its input ``h_l`` and the cotangent ``g_l`` of its matmul output ``h_l @ w_l``
+      (``{"h", "g"}``, each ``[k, ..., D]``: ``2k`` activations). The ``g_l`` are the cotangents of zero
+      **probes** added to each matmul output: a vjp with respect to ``(x, probes)``, not the weights.
+    - ``backward_weight(saved, chunk) -> d_chunk``: ``dW_l = h_lᵀ g_l`` (``{"w": [k, D, D]}``), one matmul
+      per layer: about one forward's FLOPs, against about three for a W that starts from ``dy`` alone.
+
+    Taught in ``notebooks/11_pipeline_experts.ipynb``; ``tests/test_pipeline_ops.py``.
+    """
+
+    def __init__(self, unroll: bool = False):
+        self.unroll = unroll
+
+    def _layers(self, x, w, probes):
+        def layer(h, w_e):
+            return h + jnp.tanh(h @ w_e[0] + w_e[1]), h  # (next input, this layer's input)
+
+        return lax.scan(layer, x, (w, probes), unroll=self.unroll)
+
+    def __call__(self, x, chunk):
+        x = pipeline.vary_like(x, chunk)
+        return lax.scan(
+            lambda h, w: (h + jnp.tanh(h @ w), None), x, chunk["w"], unroll=self.unroll
+        )[0]
+
+    def backward_input(self, x, chunk, dy):
+        x, w = pipeline.vary_like(x, chunk), chunk["w"]
+        probes = pipeline.vary_like(jnp.zeros((w.shape[0], *x.shape), x.dtype), chunk)
+        _, vjp, hs = jax.vjp(lambda h, e: self._layers(h, w, e), x, probes, has_aux=True)
+        dx, gs = vjp(pipeline.vary_like(dy, chunk))
+        return dx, {"h": hs, "g": gs}
+
+    def backward_weight(self, saved, chunk):
+        # a scan over the layers, like the stage's own: cost_analysis counts a loop's body once, so the
+        # FLOPs of F, B and W compare per layer unrolled or not (pipeline_ops.op_flops)
+        k, d = chunk["w"].shape[0], chunk["w"].shape[-1]
+        hs, gs = (saved[a].reshape(k, -1, d) for a in ("h", "g"))
+        dw = lax.scan(lambda _, hg: (None, hg[0].T @ hg[1]), None, (hs, gs), unroll=self.unroll)[1]
+        return {"w": dw.astype(chunk["w"].dtype)}
 
 
 def init_residual(key: jax.Array, n_layers: int, d: int, dtype=jnp.float32) -> dict:

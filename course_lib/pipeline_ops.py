@@ -8,6 +8,17 @@ with ``ppermute``. A value may arrive before it is used: the receiver keeps it i
 cotangent from its arrival to B, or to W when the backward is split). B recomputes the chunk from its
 stashed input under ``jax.vjp`` (as :func:`course_lib.pipeline.train` does).
 
+The split backward (ZB-H1) runs in one of two ways, chosen by the stage:
+
+- a plain ``stage_fn(x, chunk)``: B keeps the chunk's output cotangent ``dy``; W recomputes the chunk and
+  runs a vjp with respect to the weights from ``dy``, so it runs the input-gradient chain again (about
+  3 F of FLOPs, :func:`op_flops`);
+- a **split stage** (:func:`is_split_stage`, e.g. ``pipeline_measure.residual_stage(split=True)``): B
+  runs ``backward_input`` and keeps what it saves (each layer's input and matmul-output cotangent) in a
+  third buffer of slots, from B to W; W runs ``backward_weight`` on them, the products ``h_lᵀ g_l``
+  (about 1 F: Qi et al.'s W). The input and the cotangent then live only until B; the last stage's F
+  computes the head's gradient and keeps the output's cotangent for its B.
+
 Two ways to run a tick (``mode``):
 
 - ``"masked"`` — SPMD lockstep: every device computes every operation some device runs at that tick and
@@ -33,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from . import op_schedules as O
 from .pipeline import _axes_of, _chunk, _vary, next_stage, stage_spec
 
-__all__ = ["Plan", "plan", "run", "build_step", "MODES"]
+__all__ = ["Plan", "plan", "is_split_stage", "run", "build_step", "MODES", "op_flops", "work"]
 
 MODES = ("masked", "cond")
 """How a tick computes: every operation used at the tick, masked; or only the device's own (``lax.switch``)."""
@@ -43,14 +54,27 @@ class Plan(NamedTuple):
     """What the executor reads at every tick, built from a table by :func:`plan`.
 
     Attributes:
-      rows: int32 [T, p, 7]: op, micro-batch, chunk, input slot, cotangent slot, slot for the input that
-        arrives at the end of the tick, slot for the cotangent that arrives (a spare slot where none).
+      rows: int32 [T, p, 8]: op, micro-batch, chunk, input slot, cotangent slot, slot for the input that
+        arrives at the end of the tick, slot for the cotangent that arrives, slot of what B saves for W
+        (a spare slot where none).
       n_x, n_dy: slots of inputs and of cotangents a stage needs (the spare one not counted).
+      n_saved: slots of what a split stage's B saves for its W (:func:`is_split_stage`; 0 without one).
     """
 
     rows: np.ndarray
     n_x: int
     n_dy: int
+    n_saved: int = 0
+
+
+def is_split_stage(stage_fn: Any) -> bool:
+    """True when ``stage_fn`` is a **split stage**: callable as ``stage_fn(x, chunk)`` and with
+    ``backward_input(x, chunk, dy) -> (dx, saved)`` and ``backward_weight(saved, chunk) -> d_chunk``
+    (e.g. :class:`course_lib.pipeline_measure.ResidualStage`). A split schedule's B then saves ``saved``
+    and its W only finishes the weights' gradient from it."""
+    return callable(getattr(stage_fn, "backward_input", None)) and callable(
+        getattr(stage_fn, "backward_weight", None)
+    )
 
 
 def _colour(intervals: list[tuple]) -> tuple[dict, int]:
@@ -66,56 +90,69 @@ def _colour(intervals: list[tuple]) -> tuple[dict, int]:
     return slot_of, len(busy_until)
 
 
-def _lifetimes(sched: O.OpSchedule, s: int, cells: dict) -> tuple[list, list]:
-    """Intervals (in half-ticks: an op at ``2t``, an arrival stored at ``2t + 1``) of stage ``s``'s inputs
-    and cotangents."""
-    p, v = sched.n_stages, sched.n_chunks
+def _lifetimes(sched: O.OpSchedule, s: int, cells: dict, saving: bool) -> tuple[list, list, list]:
+    """Intervals (in half-ticks: an op at ``2t``, an arrival stored at ``2t + 1``) of stage ``s``'s inputs,
+    cotangents and (``saving``: a split stage under a split schedule) what B saves for W. Saving, the
+    input and the cotangent live until B (the last stage's cotangent from its F, which makes it) and the
+    saved values from B to W; else both live until the last operation that reads them, B or W."""
+    p = sched.n_stages
     f, b = cells[O.F], cells[O.B]
-    last = cells[O.W] if sched.split else b
-    xs, dys = [], []
+    last = b if saving or not sched.split else cells[O.W]
+    xs, dys, saved = [], [], []
     for (i, c, st), t in f.items():
         if st != s:
             continue
         prev = (i, c, s - 1) if s > 0 else (i, c - 1, p - 1)
         start = 2 * f[prev] + 1 if prev in f else 2 * t
         xs.append((start, 2 * last[(i, c, s)], (i, c)))
+        if saving:
+            saved.append((2 * b[(i, c, s)], 2 * cells[O.W][(i, c, s)], (i, c)))
         nxt = (i, c, s + 1) if s < p - 1 else (i, c + 1, 0)
         top = nxt not in b
         if top and not sched.split:
             continue  # the last virtual stage's fused B makes its cotangent and uses it at once
-        start = 2 * b[(i, c, s)] if top else 2 * b[nxt] + 1
+        start = (2 * t if saving else 2 * b[(i, c, s)]) if top else 2 * b[nxt] + 1
         dys.append((start, 2 * last[(i, c, s)], (i, c)))
-    del v
-    return xs, dys
+    return xs, dys, saved
 
 
-def plan(sched: O.OpSchedule) -> Plan:
-    """The slots and arrivals of every cell of ``sched`` (:class:`Plan`).
+def plan(sched: O.OpSchedule, split_stage: bool = False) -> Plan:
+    """The slots and arrivals of every cell of ``sched`` (:class:`Plan`); ``split_stage``: the stage is a
+    split stage (:func:`is_split_stage`), so a split schedule's B saves for its W (a third buffer of slots,
+    ``n_saved``; ignored for a fused schedule).
 
     Raises:
       ValueError: ``sched`` breaks :func:`course_lib.op_schedules.validate`.
     """
     O.validate(sched)
     p, v, T = sched.n_stages, sched.n_chunks, sched.ticks
+    saving = bool(split_stage and sched.split)
     kinds = (O.F, O.B, O.W) if sched.split else (O.F, O.B)
     cells = {k: O._cells(sched.op, sched.mb, sched.chunk, k) for k in kinds}
-    per_stage, n_x, n_dy = [], 1, 1
+    per_stage, n_x, n_dy, n_sv = [], 1, 1, 1 if saving else 0
     for s in range(p):
-        xs, dys = _lifetimes(sched, s, cells)
-        x_slot, nx = _colour(xs)
-        dy_slot, ndy = _colour(dys)
-        per_stage.append((x_slot, dy_slot))
-        n_x, n_dy = max(n_x, nx), max(n_dy, ndy)
-    rows = np.zeros((T, p, 7), np.int32)
+        xs, dys, saved = _lifetimes(sched, s, cells, saving)
+        (x_slot, nx), (dy_slot, ndy), (sv_slot, nsv) = _colour(xs), _colour(dys), _colour(saved)
+        per_stage.append((x_slot, dy_slot, sv_slot))
+        n_x, n_dy, n_sv = max(n_x, nx), max(n_dy, ndy), max(n_sv, nsv)
+    rows = np.zeros((T, p, 8), np.int32)
     rows[..., :3] = np.stack([sched.op, sched.mb, np.maximum(sched.chunk, 0)], -1)
-    rows[..., 3], rows[..., 4], rows[..., 5], rows[..., 6] = n_x, n_dy, n_x, n_dy
+    rows[..., 3], rows[..., 4], rows[..., 5], rows[..., 6], rows[..., 7] = (
+        n_x,
+        n_dy,
+        n_x,
+        n_dy,
+        n_sv,
+    )
     for t in range(T):
         for s in range(p):
             op, i, c = (int(a) for a in rows[t, s, :3])
-            x_slot, dy_slot = per_stage[s]
-            if op != O.IDLE:
+            x_slot, dy_slot, sv_slot = per_stage[s]
+            if op != O.IDLE and not (saving and op == O.W):  # a saving W reads only what B saved
                 rows[t, s, 3] = x_slot[(i, c)]
                 rows[t, s, 4] = dy_slot.get((i, c), n_dy)
+            if op in (O.B, O.W):
+                rows[t, s, 7] = sv_slot.get((i, c), n_sv)
             if op == O.F:  # the next (virtual) stage receives this input at the end of the tick
                 to, cc = (s + 1, c) if s < p - 1 else (0, c + 1)
                 if cc < v:
@@ -124,7 +161,7 @@ def plan(sched: O.OpSchedule) -> Plan:
                 to, cc = (s - 1, c) if s > 0 else (p - 1, c - 1)
                 if cc >= 0:
                     rows[t, to, 6] = per_stage[to][1][(i, cc)]
-    return Plan(rows, n_x, n_dy)
+    return Plan(rows, n_x, n_dy, n_sv)
 
 
 class _Ctx(NamedTuple):
@@ -137,62 +174,91 @@ class _Ctx(NamedTuple):
     sched: O.OpSchedule
     s: jax.Array
     axes: tuple
+    saving: bool  # a split stage under a split schedule: B saves for W (:func:`is_split_stage`)
 
 
 def _at(aux, mb):
     return jax.tree.map(lambda a: a[jnp.maximum(mb, 0)], aux)
 
 
+def _add(grads, c, d, ok):
+    return jax.tree.map(lambda g, dd: g.at[c].add(jnp.where(ok, dd, 0)), grads, d)
+
+
+def _forward(ctx: _Ctx, st: dict, row, okf, chunk, top) -> jax.Array:
+    """F: the chunk's forward; on the last virtual stage the loss (and, for a saving B, the head's
+    gradients and the output's cotangent, put in the cotangent slot for B)."""
+    mb, c, xslot, dyslot = row[1], row[2], row[3], row[4]
+    x = jnp.where((ctx.s == 0) & (c == 0), ctx.xs[jnp.maximum(mb, 0)], st["xst"][xslot])
+    st["xst"] = st["xst"].at[jnp.where(okf, xslot, st["xst"].shape[0] - 1)].set(x)
+    y = ctx.stage_fn(x, chunk)
+    if ctx.saving:
+        loss, (d_head, dy) = jax.value_and_grad(ctx.head_fn, argnums=(0, 1))(
+            ctx.head_params, y, _at(ctx.aux, mb)
+        )
+        st["dyst"] = st["dyst"].at[jnp.where(okf & top, dyslot, st["dyst"].shape[0] - 1)].set(dy)
+        st["head_grads"] = jax.tree.map(
+            lambda g, d: g + jnp.where(okf & top, d, 0), st["head_grads"], d_head
+        )
+    else:
+        loss = ctx.head_fn(ctx.head_params, y, _at(ctx.aux, mb))
+    st["loss"] = st["loss"] + jnp.where(okf & top, loss, 0)
+    return y
+
+
+def _backward(ctx: _Ctx, st: dict, row, okb, chunk, top) -> jax.Array:
+    """B: the input's cotangent (the weights' too when fused); returns the cotangent to send back."""
+    mb, c, xslot, dyslot = row[1], row[2], row[3], row[4]
+    x, n_dy = st["xst"][xslot], st["dyst"].shape[0] - 1
+    if ctx.saving:  # the split stage's B: the input's cotangent, and what W needs
+        dx, saved = ctx.stage_fn.backward_input(x, chunk, st["dyst"][dyslot])
+        if "sv" in st:  # masked: in its slot, in place
+            slot = jnp.where(okb, row[7], jax.tree.leaves(st["sv"])[0].shape[0] - 1)
+            st["sv"] = jax.tree.map(lambda buf, a: buf.at[slot].set(a), st["sv"], saved)
+        else:  # switched: _tick stores it
+            st["sv_out"] = saved
+        return dx
+    if ctx.sched.split:
+        y, vjp = jax.vjp(lambda h: ctx.stage_fn(h, chunk), x)
+    else:
+        y, vjp = jax.vjp(lambda prm, h: ctx.stage_fn(h, prm), chunk, x)
+    d_head, dy_top = jax.grad(ctx.head_fn, argnums=(0, 1))(ctx.head_params, y, _at(ctx.aux, mb))
+    dy = jnp.where(top, dy_top, st["dyst"][dyslot])
+    st["head_grads"] = jax.tree.map(
+        lambda g, d: g + jnp.where(okb & top, d, 0), st["head_grads"], d_head
+    )
+    if ctx.sched.split:
+        (dx,) = vjp(dy)
+        st["dyst"] = st["dyst"].at[jnp.where(okb, dyslot, n_dy)].set(dy)  # for W
+    else:
+        d_params, dx = vjp(dy)
+        st["grads"] = _add(st["grads"], c, d_params, okb)
+    return dx
+
+
 def _ops(ctx: _Ctx, st: dict, row, ok: dict) -> tuple[dict, jax.Array, jax.Array]:
     """Every operation of one cell, each applied only where ``ok[kind]`` (a bool array, or True):
     returns the new state, the F output to send on and the B output to send back."""
     sched, s = ctx.sched, ctx.s
-    p, v, n_x, n_dy = (
-        sched.n_stages,
-        sched.n_chunks,
-        st["xst"].shape[0] - 1,
-        st["dyst"].shape[0] - 1,
-    )
-    _, mb, c, xslot, dyslot = (row[k] for k in range(5))
-    chunk = _chunk(ctx.params, c, v)
-    top = (s == p - 1) & (c == v - 1)
+    mb, c = row[1], row[2]
+    chunk = _chunk(ctx.params, c, sched.n_chunks)
+    top = (s == sched.n_stages - 1) & (c == sched.n_chunks - 1)
     zero = jnp.zeros_like(st["xst"][0])
     st, y_out, dx_out = dict(st), zero, zero
     if O.F in ok:
-        okf = ok[O.F]
-        x = jnp.where((s == 0) & (c == 0), ctx.xs[jnp.maximum(mb, 0)], st["xst"][xslot])
-        st["xst"] = st["xst"].at[jnp.where(okf, xslot, n_x)].set(x)
-        y_out = ctx.stage_fn(x, chunk)
-        loss = ctx.head_fn(ctx.head_params, y_out, _at(ctx.aux, mb))
-        st["loss"] = st["loss"] + jnp.where(okf & top, loss, 0)
+        y_out = _forward(ctx, st, row, ok[O.F], chunk, top)
     if O.B in ok:
-        okb, x = ok[O.B], st["xst"][xslot]
-        if sched.split:
-            y, vjp = jax.vjp(lambda h: ctx.stage_fn(h, chunk), x)
-        else:
-            y, vjp = jax.vjp(lambda prm, h: ctx.stage_fn(h, prm), chunk, x)
-        d_head, dy_top = jax.grad(ctx.head_fn, argnums=(0, 1))(ctx.head_params, y, _at(ctx.aux, mb))
-        dy = jnp.where(top, dy_top, st["dyst"][dyslot])
-        st["head_grads"] = jax.tree.map(
-            lambda g, d: g + jnp.where(okb & top, d, 0), st["head_grads"], d_head
-        )
-        if sched.split:
-            (dx_out,) = vjp(dy)
-            st["dyst"] = st["dyst"].at[jnp.where(okb, dyslot, n_dy)].set(dy)  # for W
-        else:
-            d_params, dx_out = vjp(dy)
-            st["grads"] = jax.tree.map(
-                lambda g, d: g.at[c].add(jnp.where(okb, d, 0)), st["grads"], d_params
-            )
-        first = okb & (s == 0) & (c == 0)
+        dx_out = _backward(ctx, st, row, ok[O.B], chunk, top)
+        first = ok[O.B] & (s == 0) & (c == 0)
         st["dxs"] = st["dxs"].at[jnp.where(first, mb, st["dxs"].shape[0] - 1)].set(dx_out)
     if O.W in ok:
-        okw, x, dy = ok[O.W], st["xst"][xslot], st["dyst"][dyslot]
-        _, vjp = jax.vjp(lambda prm: ctx.stage_fn(x, prm), chunk)
-        (d_params,) = vjp(dy)
-        st["grads"] = jax.tree.map(
-            lambda g, d: g.at[c].add(jnp.where(okw, d, 0)), st["grads"], d_params
-        )
+        if ctx.saving:  # only the products of what B saved
+            saved = st["sv_in"] if "sv_in" in st else jax.tree.map(lambda b: b[row[7]], st["sv"])
+            d_params = ctx.stage_fn.backward_weight(saved, chunk)
+        else:  # recompute, then the vjp with respect to the weights from the output's cotangent
+            x, dy = st["xst"][row[3]], st["dyst"][row[4]]
+            (d_params,) = jax.vjp(lambda prm: ctx.stage_fn(x, prm), chunk)[1](dy)
+        st["grads"] = _add(st["grads"], c, d_params, ok[O.W])
     return _vary((st, y_out, dx_out), ctx.axes)
 
 
@@ -200,6 +266,12 @@ def _tick(ctx: _Ctx, axis: str, kinds: tuple, mode: str, st: dict, row_all):
     """One tick: the device's operation (masked or switched), the sends, the arrivals stored."""
     row = row_all[ctx.s]
     op = row[0]
+    if (
+        ctx.saving and mode == "cond"
+    ):  # the saved buffer stays out of the switch (which would copy it)
+        sv = st.pop("sv")
+        st["sv_in"] = jax.tree.map(lambda buf: buf[row[7]], sv)
+        st["sv_out"] = jax.tree.map(jnp.zeros_like, st["sv_in"])
     if mode == "masked":
         st, y, dx = _ops(ctx, st, row, {k: op == k for k in kinds})
         y, dx = jnp.where(op == O.F, y, 0), jnp.where(op == O.B, dx, 0)
@@ -208,6 +280,10 @@ def _tick(ctx: _Ctx, axis: str, kinds: tuple, mode: str, st: dict, row_all):
         branches += [lambda a, k=k: _ops(ctx, a, row, {k: True}) if k in kinds else branches[0](a)
                      for k in (O.F, O.B, O.W)]  # fmt: skip
         st, y, dx = lax.switch(op, branches, st)
+    if ctx.saving and mode == "cond":
+        del st["sv_in"]
+        slot = jnp.where(op == O.B, row[7], jax.tree.leaves(sv)[0].shape[0] - 1)
+        st["sv"] = jax.tree.map(lambda buf, a: buf.at[slot].set(a), sv, st.pop("sv_out"))
     ring = ctx.sched.n_chunks > 1
     p = ctx.sched.n_stages
     if O.F in kinds:
@@ -234,8 +310,10 @@ def run(stage_fn: Callable, head_fn: Callable, params: Any, head_params: Any, xs
     """Run ``sched`` inside ``shard_map`` over ``axis``: the loss and its gradients.
 
     Args:
-      stage_fn: ``(x [b, S, D], chunk_params) -> [b, S, D]``; head_fn: ``(head_params, y, aux_i) -> scalar``,
-        micro-batch ``i``'s loss from the last virtual stage's output.
+      stage_fn: ``(x [b, S, D], chunk_params) -> [b, S, D]``, or a split stage (:func:`is_split_stage`:
+        a split schedule's B then saves for its W, in ``the_plan.n_saved`` slots).
+      head_fn: ``(head_params, y, aux_i) -> scalar``, micro-batch ``i``'s loss from the last virtual stage's
+        output.
       params: this device's chunks, leaves ``[v, k, …]`` (:func:`course_lib.pipeline.chunked`).
       xs: ``[m, b, S, D]`` micro-batch inputs (stage 0 reads them); aux: pytree of ``[m, …]``.
       mode: one of :data:`MODES`.
@@ -249,14 +327,19 @@ def run(stage_fn: Callable, head_fn: Callable, params: Any, head_params: Any, xs
       ``trace`` int32 [T, 3]: the operation, micro-batch and chunk this device ran at each tick.
 
     Raises:
-      ValueError: an unknown ``mode``, or an axis whose size is not the schedule's stage count.
+      ValueError: an unknown ``mode``, an axis whose size is not the schedule's stage count, or a
+        ``the_plan`` built for the other kind of stage (``plan(sched, split_stage=...)``).
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
     if lax.axis_size(axis) != sched.n_stages:
         raise ValueError(f"schedule {sched.name!r} has {sched.n_stages} stages but axis {axis!r} has "
                          f"{lax.axis_size(axis)} devices; build it with n_stages={lax.axis_size(axis)}")  # fmt: skip
-    pl = the_plan or plan(sched)
+    saving = bool(sched.split and is_split_stage(stage_fn))
+    pl = the_plan or plan(sched, saving)
+    if (pl.n_saved > 0) != saving:
+        raise ValueError(f"the_plan has n_saved={pl.n_saved} for a stage that is {'' if saving else 'not '}"
+                         f"split under {sched.name!r}: build it with plan(sched, split_stage={saving})")  # fmt: skip
     axes = _axes_of((xs, params), axis)
     params, head_params = _vary((params, head_params), axes)
     act, m = xs[0], sched.n_micro
@@ -266,8 +349,15 @@ def run(stage_fn: Callable, head_fn: Callable, params: Any, head_params: Any, xs
         grads=zeros(params), head_grads=zeros(head_params), loss=jnp.zeros((), act.dtype),
         dxs=jnp.zeros((m + 1 if input_grads else 1, *act.shape), act.dtype),
     )  # fmt: skip
+    if saving:  # n_saved slots (and a spare) of what B saves for W
+        saved = jax.eval_shape(
+            stage_fn.backward_input, act, _chunk(params, 0, sched.n_chunks), act
+        )[1]
+        st["sv"] = jax.tree.map(lambda a: jnp.zeros((pl.n_saved + 1, *a.shape), a.dtype), saved)
     st = _vary(st, axes)
-    ctx = _Ctx(stage_fn, head_fn, params, head_params, xs, aux, sched, lax.axis_index(axis), axes)
+    ctx = _Ctx(
+        stage_fn, head_fn, params, head_params, xs, aux, sched, lax.axis_index(axis), axes, saving
+    )
     traces = []
     # masked: a loop per run of ticks with the same operations in use (it computes only those); switched:
     # one loop (a device computes only its own operation anyway), one body to compile
@@ -293,7 +383,7 @@ def build_step(mesh: Any, axis: str, sched: O.OpSchedule, stage_fn: Callable, *,
     :func:`~course_lib.pipeline.chunked` to ``sched.n_chunks``, placed with ``stage_spec(axis)``);
     ``trace`` int32 [T, 3, p], what every device ran (:func:`run`); ``dxs`` a zero block without
     ``input_grads``."""
-    spec, the_plan = stage_spec(axis), plan(sched)
+    spec, the_plan = stage_spec(axis), plan(sched, is_split_stage(stage_fn))
 
     def body(params, xs, r):
         loss, grads, _, dxs, tr = run(stage_fn, _inner, params, {}, xs, r, sched, axis, mode=mode,
@@ -309,11 +399,13 @@ def build_step(mesh: Any, axis: str, sched: O.OpSchedule, stage_fn: Callable, *,
 
 def op_flops(stage_fn: Callable, chunk: Any, x: jax.Array) -> dict[str, float]:
     """FLOPs of one cell of each operation, each compiled alone on one device: ``"F"`` (the chunk's
-    forward), ``"B"`` (the whole backward: recompute, then the vjp), ``"B_split"`` (recompute, then the
-    input's cotangent only), ``"W"`` (recompute, then the weights' cotangent only: from the chunk's output
-    cotangent alone, so it also runs the input-gradient chain back through the chunk's layers; about
-    3 ``"F"`` for a chunk of several layers, where Qi et al.'s W, which keeps each layer's cotangent from
-    B, costs about one)."""
+    forward), ``"B"`` (the whole backward: recompute, then the vjp), ``"B_split"`` and ``"W"``, the split
+    backward. For a split stage (:func:`is_split_stage`) as the executor runs it: B_split is
+    ``backward_input`` (recompute, then the input-gradient chain, keeping each layer's input and matmul
+    cotangent: about 2 ``"F"``) and W is ``backward_weight`` (one product per layer: about 1 ``"F"``, Qi et
+    al.'s W). For a plain ``stage_fn``: B_split recomputes, then the input's cotangent only; W recomputes,
+    then the weights' cotangent from the chunk's output cotangent alone, so it also runs the input-gradient
+    chain back through the chunk's layers (about 3 ``"F"`` for a chunk of several layers)."""
 
     def flops(fn, *args):
         cost = jax.jit(fn).lower(*args).compile().cost_analysis()
@@ -327,9 +419,13 @@ def op_flops(stage_fn: Callable, chunk: Any, x: jax.Array) -> dict[str, float]:
 
         return cell
 
-    return {"F": flops(stage_fn, x, chunk), "B": flops(vjp_of((0, 1)), chunk, x, x),
-            "B_split": flops(lambda c, h, r: jax.vjp(lambda hh: stage_fn(hh, c), h)[1](r), chunk, x, x),
-            "W": flops(lambda c, h, r: jax.vjp(lambda cc: stage_fn(h, cc), c)[1](r), chunk, x, x)}  # fmt: skip
+    out = {"F": flops(stage_fn, x, chunk), "B": flops(vjp_of((0, 1)), chunk, x, x)}
+    if is_split_stage(stage_fn):
+        saved = jax.eval_shape(stage_fn.backward_input, x, chunk, x)[1]
+        return out | {"B_split": flops(stage_fn.backward_input, x, chunk, x),
+                      "W": flops(stage_fn.backward_weight, saved, chunk)}  # fmt: skip
+    return out | {"B_split": flops(lambda c, h, r: jax.vjp(lambda hh: stage_fn(hh, c), h)[1](r), chunk, x, x),
+                  "W": flops(lambda c, h, r: jax.vjp(lambda cc: stage_fn(h, cc), c)[1](r), chunk, x, x)}  # fmt: skip
 
 
 def work(sched: O.OpSchedule, cost: dict[str, float]) -> dict[str, float]:
