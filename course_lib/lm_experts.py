@@ -311,7 +311,7 @@ def step_time(config, global_batch: int, fabric, n_devices: int = 8, *, precisio
       ValueError: the layout does not fit ``n_devices``, the batch does not split, or an unknown ``overlap``.
     """
     from .lm_layouts import mesh_axes
-    from .lm_times import OVERLAPS
+    from .lm_times import OVERLAPS, _itemsize
 
     sizes = mesh_axes("ep_dp", n_devices)
     if sizes is None:
@@ -320,7 +320,7 @@ def step_time(config, global_batch: int, fabric, n_devices: int = 8, *, precisio
         )
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap={overlap!r}; one of {OVERLAPS}")
-    itemsize = 2 if precision == "bfloat16" else (8 if precision == "float64" else 4)
+    itemsize = _itemsize(precision)
     mem = predict_memory(config, global_batch, sizes, itemsize, capacity_factor=capacity_factor)
     flops = flops_per_device(config, global_batch, sizes, capacity_factor=capacity_factor) / mfu
     moved = 8 * mem["params"] + 2 * mem["activations"]

@@ -19,6 +19,12 @@ from . import comms, costs, lm_costs, transformer
 from .lm_layouts import LAYOUTS, layout, mesh_axes
 from .meshes import STAGE
 
+
+def _itemsize(precision: str) -> int:
+    """Bytes of one element the time model moves at ``precision`` (bfloat16 2, float64 8, else 4)."""
+    return 2 if precision == "bfloat16" else (8 if precision == "float64" else 4)
+
+
 # ---- a step-time model for 8 GPUs or a TPU slice (a model, not a measurement) -------------------------------
 
 FABRICS = {name: costs.FABRICS[name] for name in ("H100", "H200", "TPU v5e")}
@@ -107,7 +113,7 @@ def step_time(key: str, config, global_batch: int, fabric, n_devices: int = 8, *
         raise ValueError(f"layout {key!r} does not fit {n_devices} devices")
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap={overlap!r}; one of {OVERLAPS}")
-    itemsize = 2 if precision == "bfloat16" else (8 if precision == "float64" else 4)
+    itemsize = _itemsize(precision)
     lay = layout(key)
     m = n_micro or (4 * sizes[lay.stage_axis] if lay.stage_axis else 1)
     mem = lm_costs.predict_memory(key, config, global_batch, sizes, itemsize, m, remat=remat)
@@ -188,7 +194,7 @@ def largest_layers(key: str, config, global_batch: int, memory_limit: float, n_d
     if sizes is None:
         raise ValueError(f"layout {key!r} does not fit {n_devices} devices")
     step = sizes.get(STAGE, 1)
-    itemsize = 2 if precision == "bfloat16" else (8 if precision == "float64" else 4)
+    itemsize = _itemsize(precision)
 
     def fits(n):  # step_time's memory_bytes, without the time
         cfg = dataclasses.replace(config, n_layers=n * step)

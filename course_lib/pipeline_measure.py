@@ -70,10 +70,14 @@ def residual_stage(unroll: bool = False, *, split: bool = False) -> Callable:
         return ResidualStage(unroll)
 
     def stage(x, chunk):
-        x = pipeline.vary_like(x, chunk)  # an input every stage holds, on a stage's own layers
-        return lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x, chunk["w"], unroll=unroll)[0]
+        # an input every stage holds, on a stage's own layers
+        return _residual_layers(pipeline.vary_like(x, chunk), chunk["w"], unroll)
 
     return stage
+
+
+def _residual_layers(x, w, unroll):
+    return lax.scan(lambda h, w_l: (h + jnp.tanh(h @ w_l), None), x, w, unroll=unroll)[0]
 
 
 class ResidualStage:
@@ -101,10 +105,7 @@ class ResidualStage:
         return lax.scan(layer, x, (w, probes), unroll=self.unroll)
 
     def __call__(self, x, chunk):
-        x = pipeline.vary_like(x, chunk)
-        return lax.scan(
-            lambda h, w: (h + jnp.tanh(h @ w), None), x, chunk["w"], unroll=self.unroll
-        )[0]
+        return _residual_layers(pipeline.vary_like(x, chunk), chunk["w"], self.unroll)
 
     def backward_input(self, x, chunk, dy):
         x, w = pipeline.vary_like(x, chunk), chunk["w"]

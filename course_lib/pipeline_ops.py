@@ -137,13 +137,7 @@ def plan(sched: O.OpSchedule, split_stage: bool = False) -> Plan:
         n_x, n_dy, n_sv = max(n_x, nx), max(n_dy, ndy), max(n_sv, nsv)
     rows = np.zeros((T, p, 8), np.int32)
     rows[..., :3] = np.stack([sched.op, sched.mb, np.maximum(sched.chunk, 0)], -1)
-    rows[..., 3], rows[..., 4], rows[..., 5], rows[..., 6], rows[..., 7] = (
-        n_x,
-        n_dy,
-        n_x,
-        n_dy,
-        n_sv,
-    )
+    rows[..., 3:] = (n_x, n_dy, n_x, n_dy, n_sv)  # the spare slots, where a cell names none
     for t in range(T):
         for s in range(p):
             op, i, c = (int(a) for a in rows[t, s, :3])
@@ -185,6 +179,10 @@ def _add(grads, c, d, ok):
     return jax.tree.map(lambda g, dd: g.at[c].add(jnp.where(ok, dd, 0)), grads, d)
 
 
+def _add_head(head_grads, d_head, ok):
+    return jax.tree.map(lambda g, d: g + jnp.where(ok, d, 0), head_grads, d_head)
+
+
 def _forward(ctx: _Ctx, st: dict, row, okf, chunk, top) -> jax.Array:
     """F: the chunk's forward; on the last virtual stage the loss (and, for a saving B, the head's
     gradients and the output's cotangent, put in the cotangent slot for B)."""
@@ -197,9 +195,7 @@ def _forward(ctx: _Ctx, st: dict, row, okf, chunk, top) -> jax.Array:
             ctx.head_params, y, _at(ctx.aux, mb)
         )
         st["dyst"] = st["dyst"].at[jnp.where(okf & top, dyslot, st["dyst"].shape[0] - 1)].set(dy)
-        st["head_grads"] = jax.tree.map(
-            lambda g, d: g + jnp.where(okf & top, d, 0), st["head_grads"], d_head
-        )
+        st["head_grads"] = _add_head(st["head_grads"], d_head, okf & top)
     else:
         loss = ctx.head_fn(ctx.head_params, y, _at(ctx.aux, mb))
     st["loss"] = st["loss"] + jnp.where(okf & top, loss, 0)
@@ -224,9 +220,7 @@ def _backward(ctx: _Ctx, st: dict, row, okb, chunk, top) -> jax.Array:
         y, vjp = jax.vjp(lambda prm, h: ctx.stage_fn(h, prm), chunk, x)
     d_head, dy_top = jax.grad(ctx.head_fn, argnums=(0, 1))(ctx.head_params, y, _at(ctx.aux, mb))
     dy = jnp.where(top, dy_top, st["dyst"][dyslot])
-    st["head_grads"] = jax.tree.map(
-        lambda g, d: g + jnp.where(okb & top, d, 0), st["head_grads"], d_head
-    )
+    st["head_grads"] = _add_head(st["head_grads"], d_head, okb & top)
     if ctx.sched.split:
         (dx,) = vjp(dy)
         st["dyst"] = st["dyst"].at[jnp.where(okb, dyslot, n_dy)].set(dy)  # for W
@@ -266,9 +260,8 @@ def _tick(ctx: _Ctx, axis: str, kinds: tuple, mode: str, st: dict, row_all):
     """One tick: the device's operation (masked or switched), the sends, the arrivals stored."""
     row = row_all[ctx.s]
     op = row[0]
-    if (
-        ctx.saving and mode == "cond"
-    ):  # the saved buffer stays out of the switch (which would copy it)
+    # switched, the saved buffer stays out of lax.switch (which would copy it): one cell read before it
+    if ctx.saving and mode == "cond":
         sv = st.pop("sv")
         st["sv_in"] = jax.tree.map(lambda buf: buf[row[7]], sv)
         st["sv_out"] = jax.tree.map(jnp.zeros_like, st["sv_in"])
