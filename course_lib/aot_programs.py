@@ -17,8 +17,9 @@ devices, and nothing is placed or run. The programs are the course's own, at the
   each block each way (``collective_matmul_bidi``), matmul × reduce-scatter (``collective_matmul_rs``,
   beside the plain ``matmul_reducescatter``).
 - ``lab12.*``: the transformer lab's layouts (``notebooks/12_transformer_lab.ipynb``,
-  :mod:`course_lib.lm_layouts`) on their 8-device meshes, ``transformer.TINY``, global batch 16, float32,
-  and ``tp_sp`` left to the partitioner (``lab12.tp_sp_partitioner``).
+  :mod:`course_lib.lm_layouts`) on their 8-device meshes, ``transformer.TINY``, global batch 16, float32
+  (``ep_dp``: the MoE transformer of :mod:`course_lib.lm_experts`, data=4 × expert=2), and ``tp_sp`` left to
+  the partitioner (``lab12.tp_sp_partitioner``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import lm_layouts, parallel, splits, strategies, transformer
+from . import lm_experts, lm_layouts, parallel, splits, strategies, transformer
 from . import precision as precision_lib
 from .config import PROFILES, init_run
 from .meshes import CONTEXT, DATA, MODEL, mesh_of
@@ -248,9 +249,11 @@ def _matmul_rs(ring: bool, devices, profile) -> Made:
 def _lab12(key: str, partitioner: bool, devices, profile) -> Made:
     config = transformer.TINY
     built = lm_layouts.build(key, config, devices, partitioner=partitioner)
-    params = jax.eval_shape(
-        lambda: built.to_layout(transformer.init_model(jax.random.key(0), config)[1])
-    )
+    if lm_layouts.LAYOUTS[key].expert_axis:  # ep_dp trains the MoE transformer (lm_experts)
+        init = lambda: lm_experts.init_params(jax.random.key(0), config)  # noqa: E731
+    else:
+        init = lambda: transformer.init_model(jax.random.key(0), config)[1]  # noqa: E731
+    params = jax.eval_shape(lambda: built.to_layout(init()))
     params = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         params,
@@ -322,8 +325,6 @@ def _catalogue() -> dict[str, Program]:
     out += [
         Program(f"lab12.{k}", nb12, f"layout {lay.label}", partial(_lab12, k, False))
         for k, lay in lm_layouts.LAYOUTS.items()
-        if k
-        in lm_layouts.DENSE_KEYS  # ep_dp (the MoE transformer) is not in the committed reference yet
     ]
     out.append(
         Program(
