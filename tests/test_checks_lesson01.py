@@ -406,6 +406,9 @@ def test_block_memory_compiled_as_jax_0_12_compiles_it():
 
     merged = abs(flops(4) / flops(None) - 1) < 0.02
     assert merged == blocks.barriers_merged() == (jax.__version_info__ < (0, 11)), jax.__version__
+    assert merged == blocks.barriers_merged("cpu")
+    # never on a TPU: XLA:TPU needs the pass (without it, "HLO opt-barrier is not implemented on TPU")
+    assert not blocks.barriers_merged("tpu") and not blocks.barriers_merged("gpu")
     assert (
         abs(flops(4, blocks.KEEP_BARRIERS) / flops(None) - 4 / 3) < 0.02
     )  # with the pass off: 4/3

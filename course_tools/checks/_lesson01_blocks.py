@@ -32,11 +32,15 @@ KEEP_BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 """The compiler option that keeps JAX 0.10.2's XLA:CPU from merging a checkpoint's recomputation away."""
 
 
-def barriers_merged() -> bool:
-    """Whether this JAX's XLA:CPU merges a checkpoint's recomputation away by default (JAX < 0.11)."""
+def barriers_merged(platform: str | None = None) -> bool:
+    """Whether programs for ``platform`` (default: JAX's default backend) need :data:`KEEP_BARRIERS`: XLA:CPU
+    under JAX < 0.11, which merges a checkpoint's recomputation away by default. Never on another
+    platform: XLA:TPU needs ``cse_barrier_expander`` (without it: ``UNIMPLEMENTED: HLO opt-barrier is not
+    implemented on TPU``, JAX 0.10.2, TPU v5e)."""
     import jax
 
-    return jax.__version_info__ < (0, 11)
+    platform = platform or jax.default_backend()
+    return platform == "cpu" and jax.__version_info__ < (0, 11)
 
 
 def _loss(w, x, block):
@@ -64,7 +68,7 @@ def measure_blocks() -> dict:
     w = jax.device_put(rng.normal(size=(WIDTH, WIDTH)).astype(np.float32) / np.sqrt(WIDTH), cpu)
     x = jax.device_put(rng.normal(size=(ROWS, WIDTH)).astype(np.float32), cpu)
     activation = ROWS * WIDTH * 4
-    options = KEEP_BARRIERS if barriers_merged() else None
+    options = KEEP_BARRIERS if barriers_merged("cpu") else None
     raw = {}
     for block in (None, *BLOCKS):
         lowered = jax.jit(jax.grad(functools.partial(_loss, block=block))).lower(w, x)

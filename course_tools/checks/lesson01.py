@@ -429,7 +429,7 @@ def check_block_memory(predictions: Mapping | None) -> bool:
     print("  activations  :", "  ".join(f"{measured[k][0]:5.2f}" for k in BLOCKS))
     print("  FLOPs / none :", "  ".join(f"{measured[k][1]:5.2f}" for k in BLOCKS))
     print(f"  (no checkpoint: {measured[None][0]:.2f} activations; measured with XLA:CPU)")
-    if barriers_merged():
+    if barriers_merged("cpu"):
         print(
             f"  (JAX {jax.__version__}: compiled without XLA:CPU's pass cse_barrier_expander, which would merge"
             " the recomputation away; lesson 01, section 7)"
