@@ -8,11 +8,13 @@
 """
 
 import ast
+import re
 from pathlib import Path
 
 import matrix
 import nbformat
 import pytest
+from IPython.core.displayhook import DisplayHook
 
 from course_tools.student import BEGIN, END, student_notebook
 
@@ -83,6 +85,25 @@ def test_exercises_are_marked(name):
     student, replaced = student_notebook(nb, name)
     assert replaced == len(solution_cells)
     assert "BEGIN SOLUTION" not in "".join(c.source for c in student.cells)
+
+
+CHECKER_CALL = re.compile(r"lesson\d\d\.check_\w+")
+
+
+@pytest.mark.parametrize("name", [*LESSONS, "08_lab", "12_transformer_lab"])
+def test_no_check_cell_shows_the_checkers_bool(name):
+    """A checker prints its verdict and returns True or False (tests and ``if check(...):`` cells read it);
+    a cell whose last line is the bare call would show that bool under the verdict, so it ends in ``;``,
+    which IPython reads as "show no value" (its own test, ``DisplayHook.semicolon_at_end_of_expression``)."""
+    calls = 0
+    for cell in _code_cells(_read(name)):
+        tree = ast.parse(cell.source)
+        last = tree.body[-1] if tree.body else None
+        if isinstance(last, ast.Expr) and isinstance(last.value, ast.Call):
+            if CHECKER_CALL.fullmatch(ast.unparse(last.value.func)):
+                calls += 1
+                assert DisplayHook.semicolon_at_end_of_expression(cell.source), cell.source
+    assert calls or name == "12_transformer_lab", name  # lab 12's check cells are `if check(...):`
 
 
 def _solution_sizes(nb) -> list[int]:
