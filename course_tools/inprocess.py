@@ -15,7 +15,8 @@ process, the way papermill would in a kernel:
 
 Differences from a kernel run: one notebook per process (a notebook's device setup must run before JAX
 starts, and JAX starts once per process); widgets and ``input()`` do not work; ``%%`` cell magics and
-``!`` shell lines run as IPython runs them outside Jupyter.
+``!`` shell lines run as IPython runs them outside Jupyter; a cell's last value is printed (``Out[0]: …``)
+unless the cell ends in ``;``, as in a kernel (the lessons' check cells do: the checker prints its verdict).
 
 ``python -m course_tools.inprocess NOTEBOOK OUTPUT [-p NAME VALUE]... [--report FILE] [--keep-going]``
 (``tools/tpu_check.sh`` runs every notebook this way).
@@ -84,11 +85,21 @@ class _Shell:
     _class = None
 
     def __init__(self):
+        from IPython.core.displayhook import DisplayHook
         from IPython.core.interactiveshell import InteractiveShell
 
         if _Shell._class is None:
 
+            class Hook(DisplayHook):
+                # the cell being run: IPython reads it from a history these runs do not keep
+                cell = ""
+
+                def quiet(self):  # a cell ending in ";" shows no value, as in a kernel
+                    return self.semicolon_at_end_of_expression(self.cell)
+
             class Shell(InteractiveShell):
+                displayhook_class = Hook
+
                 def enable_gui(self, gui=None):  # no event loop to hook: plots are captured inline
                     pass
 
@@ -111,6 +122,7 @@ class _Shell:
     def run(self, source: str) -> tuple[list[dict], BaseException | None]:
         from IPython.utils.capture import capture_output
 
+        self.shell.displayhook.cell = source
         with capture_output() as cap:
             result = self.shell.run_cell(source, store_history=False)
         outputs = []

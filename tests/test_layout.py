@@ -1,6 +1,8 @@
 """The code's shape: two layers, modules short enough to read in one sitting, pointers that resolve."""
 
 import ast
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,56 @@ def test_no_pointer_to_files_outside_the_repository():
     files += [ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml"]
     found = [str(p.relative_to(ROOT)) for p in files if needle in p.read_text(errors="replace")]
     assert not found, f"pointers to {needle}* in {found}"
+
+
+def _readme_headings(text: str) -> list[str]:
+    """The headings of a Markdown text, outside its fenced code blocks."""
+    headings, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#+ (.+)", line)):
+            headings.append(m.group(1).strip())
+    return headings
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def _sources(path: Path) -> str:
+    if path.suffix == ".ipynb":  # the cells' text, not the JSON's escaped quotes
+        cells = json.loads(path.read_text())["cells"]
+        return "\n".join("".join(c["source"]) for c in cells)
+    return path.read_text(errors="replace")
+
+
+SECTION_NAMED = re.compile(r"""README(?:\.md)?(?:, |'s \w+ )["']([^"'\n]+)["']""")
+"""A README section named in words: the name in quotes after ``README,`` or ``README's table``."""
+ANCHOR_NAMED = re.compile(r"README\.md#([\w-]+)")
+
+
+def test_every_readme_section_named_elsewhere_exists():
+    # a heading is named by its text, or by its part before a colon ("Tests" for "Tests: every notebook…")
+    headings = _readme_headings((ROOT / "README.md").read_text())
+    names = set(headings) | {h.split(":")[0] for h in headings}
+    anchors = {_anchor(h) for h in headings}
+    places = [*PACKAGES, "tools", "docs", "deploy", "tests", "notebooks", ".ci"]
+    suffixes = {".py", ".md", ".ipynb", ".txt", ".yml", ".toml", ".sh", ""}
+    files = [p for d in places for p in (ROOT / d).rglob("*") if p.is_file()]
+    files = [p for p in files if p.suffix in suffixes and "__pycache__" not in p.parts]
+    files += [ROOT / n for n in ("README.md", "Makefile", "pyproject.toml", "environment.yml")]
+    files += sorted(ROOT.glob("requirements*.txt"))
+    named, missing = [], []
+    for path in files:
+        text, where = _sources(path), str(path.relative_to(ROOT))
+        for name in SECTION_NAMED.findall(text):
+            named.append((where, name))
+            missing += [] if name in names else [(where, name)]
+        for anchor in ANCHOR_NAMED.findall(text):
+            missing += [] if anchor in anchors else [(where, f"#{anchor}")]
+    for anchor in re.findall(r"\]\(#([\w-]+)\)", (ROOT / "README.md").read_text()):
+        missing += [] if anchor in anchors else [("README.md", f"#{anchor}")]
+    assert {"requirements.txt", "Makefile"} <= {w for w, _ in named}, named  # the scan finds them
+    assert not missing, f"README has no such section: {missing}; its headings: {headings}"

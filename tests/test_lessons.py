@@ -8,11 +8,13 @@
 """
 
 import ast
+import re
 from pathlib import Path
 
 import matrix
 import nbformat
 import pytest
+from IPython.core.displayhook import DisplayHook
 
 from course_tools.student import BEGIN, END, student_notebook
 
@@ -83,6 +85,53 @@ def test_exercises_are_marked(name):
     student, replaced = student_notebook(nb, name)
     assert replaced == len(solution_cells)
     assert "BEGIN SOLUTION" not in "".join(c.source for c in student.cells)
+
+
+CHECKER_CALL = re.compile(r"lesson\d\d\.check_\w+")
+
+
+@pytest.mark.parametrize("name", [*LESSONS, "08_lab", "12_transformer_lab"])
+def test_no_check_cell_shows_the_checkers_bool(name):
+    """A checker prints its verdict and returns True or False (tests and ``if check(...):`` cells read it);
+    a cell whose last line is the bare call would show that bool under the verdict, so it ends in ``;``,
+    which IPython reads as "show no value" (its own test, ``DisplayHook.semicolon_at_end_of_expression``)."""
+    calls = 0
+    for cell in _code_cells(_read(name)):
+        tree = ast.parse(cell.source)
+        last = tree.body[-1] if tree.body else None
+        if isinstance(last, ast.Expr) and isinstance(last.value, ast.Call):
+            if CHECKER_CALL.fullmatch(ast.unparse(last.value.func)):
+                calls += 1
+                assert DisplayHook.semicolon_at_end_of_expression(cell.source), cell.source
+    assert calls or name == "12_transformer_lab", name  # lab 12's check cells are `if check(...):`
+
+
+def _commands(markdown: str) -> set[str]:
+    """The shell commands a Markdown text gives: its ```bash blocks' lines (comments dropped) and its inline
+    code that starts with ``make``, ``.venv/bin/``, ``.venv311/bin/`` or ``python`` (whitespace as one
+    space: a span may break across lines)."""
+    blocks = re.findall(r"```bash\n(.*?)```", markdown, re.S)
+    found = {line.split(" #")[0].strip() for b in blocks for line in b.splitlines()}
+    prose = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    found |= {" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)}
+    return {c for c in found if c.startswith(("make ", ".venv/bin/", ".venv311/bin/", "python "))}
+
+
+def test_lesson_00_gives_the_readmes_accelerator_commands():
+    """Lesson 00's Colab/Kaggle section gives README's commands, no others (the student package's README
+    too: the lesson ships there): README's installs of an accelerator's JAX, each one, and nothing else."""
+    (section,) = [c.source for c in _read("00_setup").cells if c.get("id") == "colab-kaggle"]
+    ours = _commands(section)
+    readme = (ROOT / "README.md").read_text()
+    student = (ROOT / "docs" / "student-README.md").read_text()
+    accelerators = readme[readme.index("## Running on accelerators") :]
+    accelerators = accelerators[: accelerators.index("\n## ")]
+    installs = {c for c in _commands(accelerators) if 'pip install "jax[' in c}
+    assert len(installs) == 3, installs  # TPU (JAX 0.12, JAX 0.10.2 on Python 3.11), CUDA 12
+    assert {c for c in ours if "pip install" in c} == installs
+    assert ours - _commands(readme) == set() and ours - _commands(student) == set()
+    words = ("Colab", "Kaggle", "`platform`", '"tpu"', '"gpu"', "Python 3.11", "JAX 0.10.2")
+    assert [w for w in words if w not in section] == []
 
 
 def _solution_sizes(nb) -> list[int]:

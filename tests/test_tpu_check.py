@@ -94,6 +94,20 @@ def test_plots_and_tables_are_kept_as_rich_outputs(tmp_path):
     assert any("text/html" in o.get("data", {}) for o in cells[3]["outputs"])
 
 
+def test_a_cell_ending_in_a_semicolon_shows_no_value_as_in_a_kernel(tmp_path):
+    # the lessons' check cells end in ";": the checker prints its verdict, its True is not shown again
+    src = notebook(
+        tmp_path,
+        ("n = 1", ["parameters"]),
+        ("print('✓ right')\nn == 1;  # checked", []),
+        ("n == 1", []),
+    )
+    inprocess.execute(src, tmp_path / "out.ipynb", echo=False)
+    cells = json.loads((tmp_path / "out.ipynb").read_text())["cells"]
+    assert [o["text"] for o in cells[2]["outputs"]] == ["✓ right\n"]
+    assert "True" in cells[3]["outputs"][0]["text"]  # without one, the value is shown
+
+
 def test_the_command_line_exit_status(tmp_path):
     src = notebook(tmp_path, ("n = 1", ["parameters"]), ("assert n == 1", []))
     run = lambda *a: subprocess.run(

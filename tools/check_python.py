@@ -99,7 +99,7 @@ def main(argv):
     else:
         print(
             f"Python {found} OK: the second environment, JAX 0.10.2 ({requirements}); the course is written "
-            "for JAX 0.12 on Python >= 3.12 (README, Two environments)"
+            'for JAX 0.12 on Python >= 3.12 (README, "Two environments")'
         )
 
 
