@@ -19,7 +19,9 @@ Every block's MLP is lesson 11's mixture-of-experts MLP (:func:`course_lib.moe.i
 ``memory_analysis()``, :func:`step_time` the step through the course's one time model (a MODEL, as
 :func:`course_lib.lm_times.step_time` for the dense layouts). :func:`reference_step` is the same model on
 one device with :func:`course_lib.moe.moe_dense` (no capacity): equal to the layout's step when no token is
-dropped, which :data:`CAPACITY_FACTOR` (``E/k``: every token's choices fit one expert) guarantees.
+dropped, which :data:`CAPACITY_FACTOR` (``E/k``: ``C = N``, a place for every token in every expert)
+guarantees. The loss is the cross-entropy alone, without the load-balancing term that training adds
+(:func:`course_lib.moe.load_balancing_loss`; at ``C = N`` nothing is dropped, however unbalanced).
 Taught in ``notebooks/12_transformer_lab.ipynb`` (parity, bytes and memory beside the other layouts in
 sections 1–3; its step-time row in section 4); tested in ``tests/test_lm_experts.py``.
 """
