@@ -47,7 +47,11 @@ def test_the_catalogue_names_its_notebooks_and_covers_the_three_lessons():
 
     root = Path(__file__).resolve().parent.parent
     names = list(aot_programs.PROGRAMS)
-    assert len(names) == len(set(names)) == 28
+    assert len(names) == len(set(names)) == 29
+    # every program is in the committed XLA:TPU reference (tools/tpu_programs.py on a TPU host)
+    assert set(names) <= set(
+        json.loads(aot.REFERENCE_DIR.joinpath("programs.json").read_text())["programs"]
+    )
     for prefix in ("lab08.", "lesson10.", "lab12."):
         assert any(n.startswith(prefix) for n in names), prefix
     for prog in aot_programs.PROGRAMS.values():
