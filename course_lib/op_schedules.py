@@ -27,7 +27,8 @@ runs the next one as soon as what it needs has arrived. The schedules differ onl
   ``(p-1)/(3m+p-1)`` of the step.
 
 :func:`predicted_bubble` and :func:`predicted_in_flight` are the closed forms; :func:`measured_bubble` and
-:func:`measured_in_flight` read a table (or a run's trace). Taught in ``notebooks/11_pipeline_experts.ipynb``.
+:func:`measured_in_flight` read a table (or a run's trace); :func:`timed` replays one with
+operations of unequal length (the bubble as time). Taught in ``notebooks/11_pipeline_experts.ipynb``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import numpy as np
 
 __all__ = ["NAMES", "IDLE", "F", "B", "W", "OpSchedule", "gpipe", "pipedream_flush", "interleaved", "zb_h1",
            "breadth_first", "OP_SCHEDULES", "make", "predicted_bubble", "predicted_in_flight", "measured_bubble",
-           "measured_in_flight", "validate"]  # fmt: skip
+           "measured_in_flight", "timed", "validate"]  # fmt: skip
 
 IDLE, F, B, W = 0, 1, 2, 3
 """Operation codes of a cell: nothing, a forward, a backward (input gradient; the whole backward when the
@@ -305,6 +306,48 @@ def measured_in_flight(sched: OpSchedule) -> np.ndarray:
     for (i, c, s), t in f.items():
         held[t : last[(i, c, s)] + 1, s] += 1
     return held.max(0)
+
+
+def timed(sched: OpSchedule, durations: dict[int, float]) -> dict:
+    """Replay a table with operations of unequal length: each stage runs its operations in the table's
+    order, each as soon as the stage is free and what it needs (:func:`validate`'s rules) has finished.
+
+    Args:
+      sched: a table (:func:`make`).
+      durations: seconds (or any unit) of each operation kind, e.g. ``{F: 1, B: 2}`` for a fused backward
+        of twice a forward, ``{F: 1, B: 1, W: 1}`` for ZB-H1 at ``T_F = T_B = T_W``.
+
+    Returns:
+      ``{"step": the step's length, "busy": [p] each stage's summed operations, "idle": [p] step - busy}``
+      in the unit of ``durations``: the bubble as time, where a table counts ticks.
+
+    Raises:
+      ValueError: a kind the table uses has no duration.
+    """
+    p, v = sched.n_stages, sched.n_chunks
+    missing = {NAMES[k] for k in np.unique(sched.op) if k != IDLE and k not in durations}
+    if missing:
+        raise ValueError(f"durations {durations} give no length for {sorted(missing)}: add them")
+    order = [[(int(o), int(i), int(c)) for o, i, c in zip(sched.op[:, s], sched.mb[:, s], sched.chunk[:, s])
+              if o != IDLE] for s in range(p)]  # fmt: skip
+    end: dict[tuple, float] = {}
+    free, busy, nxt = [0.0] * p, [0.0] * p, [0] * p
+    while any(nxt[s] < len(order[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while nxt[s] < len(order[s]):
+                o, i, c = order[s][nxt[s]]
+                needs = _needs(o, i, c, s, p, v)
+                if any(d not in end for d in needs):
+                    break
+                start = max([free[s], *(end[d] for d in needs)])
+                free[s] = end[(o, i, c, s)] = start + durations[o]
+                busy[s] += durations[o]
+                nxt[s], moved = nxt[s] + 1, True
+        if not moved:  # a table validate() accepts never gets here
+            raise ValueError(f"{sched.name}: the table's orders wait on each other")
+    step = max(free)
+    return {"step": step, "busy": busy, "idle": [step - b for b in busy]}
 
 
 def validate(sched: OpSchedule) -> None:

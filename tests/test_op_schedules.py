@@ -113,3 +113,23 @@ def test_make_and_bad_input():
             O.pipedream_flush(bad, 4)
     with pytest.raises(ValueError, match="not one of"):
         O.predicted_bubble("circular", 2, 4)
+
+
+@pytest.mark.parametrize("p,m", [(1, 3), (2, 4), (3, 5), (4, 8)])
+def test_timed_gives_the_bubble_in_time(p, m):
+    """1F1B with a fused backward of 2 T_F idles (p-1)(T_F+T_B) = 3(p-1) per stage; ZB-H1 at
+    T_F = T_B = T_W idles p-1 (Qi et al. 2023); GPipe idles as 1F1B; each stage busy 3m."""
+    F, B, W = O.F, O.B, O.W
+    flush = O.timed(O.pipedream_flush(p, m), {F: 1, B: 2})
+    gpipe = O.timed(O.gpipe(p, m), {F: 1, B: 2})
+    zb = O.timed(O.zb_h1(p, m), {F: 1, B: 1, W: 1})
+    assert flush["idle"] == gpipe["idle"] == [3 * (p - 1)] * p
+    assert zb["idle"] == [p - 1] * p and zb["busy"] == [3 * m] * p
+    assert zb["step"] == O.zb_h1(p, m).ticks  # unit lengths: the table's ticks
+    # a longer backward lengthens 1F1B's bubble: (p-1)(T_F + T_B)
+    assert O.timed(O.pipedream_flush(p, m), {F: 1, B: 3})["idle"] == [4 * (p - 1)] * p
+
+
+def test_timed_names_a_missing_duration():
+    with pytest.raises(ValueError, match=r"no length for \['W'\]"):
+        O.timed(O.zb_h1(2, 4), {O.F: 1, O.B: 1})
