@@ -8,12 +8,14 @@ import sys
 from functools import partial
 
 import answers_lesson12 as a
+import answers_lesson12_experts as x
 import answers_lesson12_nodes as n
 import numpy as np
 import pytest
 from checking import not_written, rejects, stub, tpu_rules
 
-from course_lib import costs, lm_costs, transformer
+from course_lib import costs, lm_costs, lm_experts, lm_layouts, transformer
+from course_tools.checks import _lesson12_experts as experts
 from course_tools.checks import _lesson12_nodes as nodes
 from course_tools.checks import _lesson12_time as timing
 from course_tools.checks import lesson12
@@ -111,6 +113,7 @@ def test_node_placement_refuses_the_bypasses(answer, match):
         (lesson12.check_largest_model, "largest_model"),
         (lesson12.check_pipeline_bytes, "pipeline_bytes"),
         (lesson12.check_step_time, "predict_step"),
+        (lesson12.check_expert_a2a_seconds, "expert_a2a_seconds"),
     ],
 )
 def test_an_answer_that_raises_is_told_its_case_as_code_it_can_rerun(check, name):
@@ -331,4 +334,71 @@ def test_step_time_case_as_code_is_the_case():
     for code, cfg in timing._CONFIGS.items():
         assert eval(code, scope) == cfg
     for code, fabric in timing._FABRICS.items():
+        assert eval(code, scope) == fabric
+
+
+# ---- exercise 5: ep_dp's all-to-alls over the expert axis, in seconds -----------------------------------------
+
+N_A2A_CASES = len(experts._FAMILIES)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_expert_a2a_accepts_correct_forms(seed):
+    assert lesson12.check_expert_a2a_seconds(x.reference, seed=seed)
+    assert lesson12.check_expert_a2a_seconds(x.by_collective_time, seed=seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    "answer, hint",
+    [
+        (x.float32, "too slow: .*2 bytes \\(bfloat16\\), not 4"),
+        (x.whole_buffer, "too slow: .*sends \\(n_e - 1\\)/n_e"),
+        (x.two_per_layer, "too fast: .*4 all-to-alls per layer"),
+        (x.whole_batch_capacity, "too slow: .*tokens ONE device routes"),
+    ],
+)
+def test_expert_a2a_rejects(answer, hint, seed):
+    rejects(
+        partial(lesson12.check_expert_a2a_seconds, seed=seed),
+        answer,
+        match=rf"\d of {N_A2A_CASES} cases are wrong.*hint: .*{hint}",
+    )
+
+
+def test_expert_a2a_refuses_the_library_and_odd_answers(monkeypatch, capsys):
+    not_written(lesson12.check_expert_a2a_seconds, stub, monkeypatch=monkeypatch, capsys=capsys)
+    for answer in (x.by_the_library, x.by_the_step_time):
+        rejects(
+            lesson12.check_expert_a2a_seconds,
+            answer,
+            match="calls lm_experts\\.(predict_bytes|step_time).*moe.capacity",
+        )
+    assert lm_experts.predict_bytes.__code__.co_name == "predict_bytes"  # the real one is back
+    rejects(lesson12.check_expert_a2a_seconds, lambda *args: "slow", match="in seconds, a float")
+    rejects(lesson12.check_expert_a2a_seconds, x.in_milliseconds, match="1000 x.*not milliseconds")
+
+
+def test_expert_a2a_model_is_the_step_times_all_to_alls():
+    """The checker's truth is lm_experts.step_time's critical_s (its all-to-alls) wherever the layout's own
+    mesh is drawn, on every fabric; and the cases cover both expert axes, every factor and every fabric."""
+    for n_devices in (8, 16):
+        sizes = lm_layouts.mesh_axes("ep_dp", n_devices)
+        for fabric in experts._FABRICS.values():
+            for factor in (1.0, 1.25, 2.0):
+                row = lm_experts.step_time(
+                    transformer.GPU, 64, fabric, n_devices, capacity_factor=factor
+                )
+                truth = experts.model_seconds(transformer.GPU, 64, sizes, fabric, factor)
+                assert truth == pytest.approx(row["critical_s"], rel=1e-12)
+    for seed in range(4):
+        cases = experts._cases(np.random.default_rng(seed))
+        assert {c[2]["expert"] for c in cases} == {2, 4}
+        assert {c[4] for c in cases} == {1.0, 1.25, 2.0}
+        assert {c[3] for c in cases} == set(experts._FABRICS)
+    assert experts._cases(np.random.default_rng(0)) != experts._cases(np.random.default_rng(1))
+    scope = {"dataclasses": dataclasses, "transformer": transformer, "costs": costs}
+    for code, cfg in experts._CONFIGS.items():
+        assert eval(code, scope) == cfg
+    for code, fabric in experts._FABRICS.items():
         assert eval(code, scope) == fabric

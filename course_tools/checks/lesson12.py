@@ -1,6 +1,7 @@
 """Checkers for ``12_transformer_lab.ipynb``: which axis crosses the nodes of a two-tier network (the lab's
 main exercise, :mod:`._lesson12_nodes`), the largest model that fits a memory limit under each layout, the
-pipeline's bytes per mesh axis, and a layout's step time predicted by hand (:mod:`._lesson12_time`).
+pipeline's bytes per mesh axis, a layout's step time predicted by hand (:mod:`._lesson12_time`), and the
+time ``ep_dp``'s all-to-alls take over the expert axis (:mod:`._lesson12_experts`).
 
 None of them holds an answer: each compares the learner's function, on cases drawn afresh at every call
 (``seed``: for tests), with :mod:`course_lib.lm_costs` — the step-time model
@@ -24,11 +25,18 @@ import numpy as np
 from course_lib import comms, lm_costs, lm_layouts, transformer
 
 from ._common import checker, fail, passed, plain
+from ._lesson12_experts import check_expert_a2a_seconds
 from ._lesson12_nodes import check_node_placement
 from ._lesson12_time import check_step_time
 from ._unaided import call_unaided as _call_unaided
 
-__all__ = ["check_node_placement", "check_largest_model", "check_pipeline_bytes", "check_step_time"]
+__all__ = [
+    "check_node_placement",
+    "check_largest_model",
+    "check_pipeline_bytes",
+    "check_step_time",
+    "check_expert_a2a_seconds",
+]
 
 _G = transformer.GPU
 
