@@ -11,7 +11,8 @@ a backward takes). A value made at tick ``t`` can be used from tick ``t + 1``; i
 executor keeps it in a slot until then).
 
 Each table is built the same way (:func:`_simulate`): every stage has an **order** of operations and
-runs the next one as soon as what it needs has arrived. The schedules differ only in their orders:
+runs the next one as soon as what it needs has arrived (:func:`from_orders`: orders written by hand). The
+schedules differ only in their orders:
 
 - :func:`gpipe` — all forwards, then all backwards: bubble ``(p-1)/(m+p-1)`` of the step; ``m`` inputs held.
 - :func:`pipedream_flush` — 1F1B (Narayanan et al. 2021, "PipeDream-Flush"): stage ``s`` runs ``p-1-s``
@@ -38,8 +39,8 @@ import dataclasses
 import numpy as np
 
 __all__ = ["NAMES", "IDLE", "F", "B", "W", "OpSchedule", "gpipe", "pipedream_flush", "interleaved", "zb_h1",
-           "breadth_first", "OP_SCHEDULES", "make", "predicted_bubble", "predicted_in_flight", "measured_bubble",
-           "measured_in_flight", "timed", "validate"]  # fmt: skip
+           "breadth_first", "from_orders", "OP_SCHEDULES", "make", "predicted_bubble", "predicted_in_flight",
+           "measured_bubble", "measured_in_flight", "timed", "validate"]  # fmt: skip
 
 IDLE, F, B, W = 0, 1, 2, 3
 """Operation codes of a cell: nothing, a forward, a backward (input gradient; the whole backward when the
@@ -95,7 +96,8 @@ def _needs(op, i, c, s, p, v) -> list[tuple]:
 
 def _simulate(name, p, m, v, orders, split=False) -> OpSchedule:
     """Run every stage's ``orders[s]`` (a list of ``(op, mb, chunk)``) in order, each operation at the first
-    tick when everything it needs was done at an earlier tick. Raises ``RuntimeError`` on a deadlock."""
+    tick when everything it needs was done at an earlier tick. Raises ``RuntimeError`` on a deadlock (a tick
+    where no stage can run its next operation: none ever will), naming what each waiting stage waits for."""
     pending = [list(o) for o in orders]
     done: dict[tuple, int] = {}
     rows = []
@@ -106,14 +108,29 @@ def _simulate(name, p, m, v, orders, split=False) -> OpSchedule:
             nxt = pending[s][0] if pending[s] else None
             ok = nxt and all(done.get(d, t) < t for d in _needs(*nxt, s, p, v))
             row.append(pending[s].pop(0) if ok else (IDLE, -1, -1))
+        if all(o == IDLE for o, _, _ in row):
+            raise RuntimeError(_deadlock(name, t, pending, done, p, v))
         for s, (o, i, c) in enumerate(row):
             if o != IDLE:
                 done[(o, i, c, s)] = t
         rows.append(row)
-        if len(rows) > 8 * (3 * v * m + p):
-            raise RuntimeError(f"{name}: the orders deadlock (p={p}, m={m}, v={v})")
     arr = np.asarray(rows, np.int32)  # [T, p, 3]
     return OpSchedule(name, p, m, v, arr[..., 0], arr[..., 1], arr[..., 2], split)
+
+
+def _said(o, i, c, v, s=None) -> str:
+    chunk = f", chunk {c}" if v > 1 else ""
+    return f"the {NAMES[o]} of micro-batch {i}{chunk}" + ("" if s is None else f" on stage {s}")
+
+
+def _deadlock(name, t, pending, done, p, v) -> str:
+    """Why no stage can run at tick ``t``: what each stage with operations left waits for."""
+    out = []
+    for s, order in enumerate(pending):
+        if order:
+            o, i, c, r = next(d for d in _needs(*order[0], s, p, v) if d not in done)
+            out.append(f"stage {s} waits to run {_said(*order[0], v)}, which needs {_said(o, i, c, v, r)}")  # fmt: skip
+    return f"{name}: the orders deadlock at tick {t}: " + "; ".join(out)
 
 
 def gpipe(n_stages: int, n_micro: int) -> OpSchedule:
@@ -229,6 +246,59 @@ def zb_h1(n_stages: int, n_micro: int) -> OpSchedule:
                 order.append((W, op[1] - s, 0))
         orders.append(order + [(W, i, 0) for i in range(max(0, m - s), m)])
     return _simulate("zb_h1", p, m, 1, orders, split=True)
+
+
+def _entry(where: str, entry, m: int, kinds: tuple) -> tuple[int, int]:
+    """``(op, mb)`` of an entry ``(op, mb)`` or ``(op, mb, 0)`` of an order; ``ValueError`` naming it."""
+    whole = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, bool)  # noqa: E731
+    op, i, *chunk = entry if isinstance(entry, (tuple, list)) and len(entry) in (2, 3) else (0, 0, 1)  # fmt: skip
+    if chunk not in ([], [0]) or not whole(op) or op not in kinds or not whole(i) or not 0 <= i < m:
+        codes = ", ".join(f"{NAMES[k]} = {k}" for k in kinds)
+        raise ValueError(f"{where} is not an (op, micro_batch) with op one of {codes} and 0 <= "
+                         f"micro_batch < {m}" + ("" if W in kinds else " (W needs split=True)"))  # fmt: skip
+    return int(op), int(i)
+
+
+def _stage(name: str, s: int, order, m: int, kinds: tuple) -> list[tuple]:
+    """Stage ``s``'s ``order`` as ``(op, mb, 0)``; each operation of each micro-batch once, F, B, W."""
+    at: dict[tuple, int] = {}
+    for k, entry in enumerate(order):
+        cell = _entry(f"{name}: orders[{s}][{k}] = {entry!r}", entry, m, kinds)
+        if cell in at:
+            raise ValueError(f"{name}: stage {s} runs {_said(*cell, 0, 1)} twice ([{at[cell]}], [{k}])")  # fmt: skip
+        at[cell] = k
+    for i in range(m):
+        for a, b in zip(kinds, kinds[1:] + (None,), strict=True):
+            if (a, i) not in at:
+                raise ValueError(f"{name}: stage {s}'s order has no {NAMES[a]} of micro-batch {i}: each stage runs "
+                                 f"the {'/'.join(NAMES[k] for k in kinds)} of each micro-batch once")  # fmt: skip
+            if (b, i) in at and at[(b, i)] < at[(a, i)]:
+                raise ValueError(f"{name}: stage {s} runs {_said(b, i, 0, 1)} (orders[{s}][{at[(b, i)]}]) "
+                                 f"before its {NAMES[a]} ([{at[(a, i)]}]), whose result it needs")  # fmt: skip
+    return [(o, i, 0) for o, i in at]
+
+
+def from_orders(name: str, n_stages: int, n_micro: int, orders, split: bool = True) -> OpSchedule:
+    """The table of hand-written orders (one chunk): ``orders[s]`` lists stage ``s``'s operations in the
+    order it runs them, each ``(op, micro_batch)``, ``op`` one of :data:`F`, :data:`B`, :data:`W` (no W
+    unless ``split``: then B is the whole backward), each run at the first tick when what it needs has
+    arrived (:func:`_simulate`, as every table here). Lesson 11's exercise 3 builds ZB-H1 with it.
+
+    Raises:
+      ValueError: not ``n_stages`` orders; an entry not ``(op, micro_batch)`` with a code and ``0 <=
+        micro_batch < n_micro`` (named ``orders[s][k]``); a stage that runs an operation of a micro-batch
+        twice or never, or a B before its F, a W before its B.
+      RuntimeError: the stages wait on each other (each waiting stage's next operation and its need).
+    """
+    _check_sizes(n_stages, n_micro)
+    p, kinds = n_stages, (F, B, W) if split else (F, B)
+    listed = lambda x: isinstance(x, (list, tuple))  # noqa: E731
+    if not listed(orders) or len(orders) != p or not all(map(listed, orders)):
+        raise ValueError(
+            f"{name}: orders must be a list of one list per stage ({p}), not {orders!r:.80}"
+        )
+    full = [_stage(name, s, order, n_micro, kinds) for s, order in enumerate(orders)]
+    return _simulate(name, p, n_micro, 1, full, split)
 
 
 OP_SCHEDULES = {"gpipe": gpipe, "1f1b": pipedream_flush, "interleaved": interleaved, "zb_h1": zb_h1,

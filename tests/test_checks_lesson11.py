@@ -6,19 +6,22 @@ from functools import partial
 
 import answers_lesson11 as a
 import answers_lesson11_experts as ax
+import answers_lesson11_zb as az
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from checking import not_written, rejects, stub, tpu_rules
 
-from course_lib import moe
+from course_lib import moe, op_schedules
 from course_tools.checks import ExerciseError, lesson11
+from course_tools.checks._lesson11_zb import _cases
 
 
 def test_stubs_print_not_written(report, monkeypatch, capsys):
     not_written(lesson11.check_gpipe, stub, report.devices, monkeypatch=monkeypatch, capsys=capsys)
     not_written(lesson11.check_predict_pipeline, stub, monkeypatch=monkeypatch, capsys=capsys)
+    not_written(lesson11.check_zb_h1_orders, stub, monkeypatch=monkeypatch, capsys=capsys)
     not_written(lesson11.check_router, stub, monkeypatch=monkeypatch, capsys=capsys)
 
 
@@ -132,6 +135,91 @@ def test_predict_pipeline_cannot_be_fitted_case_by_case():
     rejects(lesson11.check_predict_pipeline, lambda *c: table.get(c, (0.0, 0)), match="of 12")
 
 
+# ---- exercise 3: ZB-H1's orders ----------------------------------------------------------------------------
+
+
+def test_zb_h1_cases_are_drawn_with_one_two_four_stages_and_m_at_and_above_p():
+    for seed in range(20):
+        cases = _cases(np.random.default_rng(seed))
+        assert {1, 2, 4} <= {p for p, _ in cases} and all(m >= p for p, m in cases)
+        assert (2, 2) in cases and (4, 4) in cases
+        assert any(p == 1 and m >= 3 for p, m in cases) and any(p == 4 and m >= 6 for p, m in cases)
+    assert _cases(np.random.default_rng(0)) != _cases(np.random.default_rng(1))
+
+
+@pytest.mark.parametrize("answer", [az.zb_h1_orders, az.zb_h1_tail_reversed, az.zb_h1_mirrored])
+def test_zb_h1_orders_accepts_any_order_with_its_bubble_and_memory(answer):
+    for seed in (0, 1, 2, None):  # cases drawn anew
+        assert lesson11.check_zb_h1_orders(answer, seed=seed)
+    # the three are different orders
+    assert (
+        len({str(f(4, 6)) for f in (az.zb_h1_orders, az.zb_h1_tail_reversed, az.zb_h1_mirrored)})
+        == 3
+    )
+
+
+ZB_WRONG = [
+    (az.fused_1f1b, r"zb_h1_orders\(1, \d\) has no W.*1F1B's fused backward.*backward is split"),
+    (
+        az.w_at_end,
+        r"stage 0 holds (\d) micro-batches at tick \d+, \[0, 1, 2.*\(every W after the last F\): more than "
+        r"p = 1.*zb_h1_orders\(2, 2\): the table takes 8 ticks with \[2, 2\] idle.*"
+        r"before the F of micro-batch i \+ p; keep 1F1B's order",
+    ),
+    (
+        az.w_before_b,
+        r"stage 0 runs the W of micro-batch 0 \(orders\[0\]\[1\]\) before its B \(\[2\]\).*"
+        "its B before its W",
+    ),
+    (
+        az.gpipe_like,
+        r"zb_h1_orders\(2, 2\): the table takes 8 ticks.*bubble of 0.250 of the step.*= 0.143",
+    ),
+    (
+        az.warm_up_reversed,
+        "deadlock at tick 2: stage 0 waits to run the B of micro-batch 0, which needs the B of micro-batch 0 "
+        "on stage 1; stage 1 waits to run the F of micro-batch 1.*orders must fit together",
+    ),
+    (
+        az.named_ops,
+        r"orders\[0\]\[0\] = \('F', 0\) is not an \(op, micro_batch\) with op one of F = 1, B = 2, W = 3",
+    ),
+    (lambda p, m: None, r"orders must be a list of one list per stage \(1\), not None"),
+    (
+        az.from_the_table,
+        r"calls op_schedules\.zb_h1.*instead of reading them from op_schedules\.zb_h1",
+    ),
+    (az.from_make, r"calls op_schedules\.zb_h1.*build each stage's list"),
+]
+
+
+@pytest.mark.parametrize(
+    "answer, match", ZB_WRONG, ids=[getattr(w[0], "__name__", "none") for w in ZB_WRONG]
+)
+def test_zb_h1_orders_rejects(answer, match):
+    rejects(lesson11.check_zb_h1_orders, answer, match=match)
+    # the library's ZB-H1 works again after a refused call
+    op_schedules.validate(op_schedules.zb_h1(4, 8))
+
+
+def test_zb_h1_orders_names_only_the_rule_broken():
+    # a W one F too late: ZB-H1's bubble everywhere, p + 1 held once m >= p + 2 (memory alone)
+    for seed in (0, 1, None):
+        with pytest.raises(ExerciseError) as e:
+            lesson11.check_zb_h1_orders(az.w_late_by_one, seed=seed)
+        text = str(e.value)
+        assert "stage 0 holds 2 micro-batches" in text and "more than p = 1" in text
+        assert "bubble" not in text and "(every W after the last F)" not in text
+    # each W right after its B: 1F1B's memory or less, but the B's the previous stage waits for come late
+    with pytest.raises(ExerciseError) as e:
+        lesson11.check_zb_h1_orders(az.eager_w, seed=0)
+    text = str(e.value)
+    assert (
+        "zb_h1_orders(2, 2): the table takes 8 ticks with [2, 2] idle" in text
+        and "holds" not in text
+    )
+
+
 def test_router():
     assert lesson11.check_router(a.route)
     assert lesson11.check_router(a.route_tuple)
@@ -236,7 +324,7 @@ def test_tpu_rules_still_refuse_wrong_routers(monkeypatch, answer, match):
     rejects(lesson11.check_router, answer, match=match)
 
 
-# ---- exercise 4: the all_to_all exchange of experts beside data ------------------------------------------
+# ---- exercise 5: the all_to_all exchange of experts beside data ------------------------------------------
 
 
 def test_expert_exchange_stub_prints_not_written(report, monkeypatch, capsys):

@@ -133,3 +133,70 @@ def test_timed_gives_the_bubble_in_time(p, m):
 def test_timed_names_a_missing_duration():
     with pytest.raises(ValueError, match=r"no length for \['W'\]"):
         O.timed(O.zb_h1(2, 4), {O.F: 1, O.B: 1})
+
+
+def _orders(sched):
+    """Each stage's operations in the table's order, ``(op, mb)``."""
+    cols = zip(sched.op.T, sched.mb.T, strict=True)
+    return [[(int(o), int(i)) for o, i in zip(ops, mbs, strict=True) if o] for ops, mbs in cols]
+
+
+@pytest.mark.parametrize("p, m", [(1, 3), (2, 2), (3, 7), (4, 8)])
+def test_from_orders_rebuilds_the_tables_from_their_orders(p, m):
+    for sched, split in (
+        (O.zb_h1(p, m), True),
+        (O.pipedream_flush(p, m), False),
+        (O.gpipe(p, m), False),
+    ):
+        again = O.from_orders("again", p, m, _orders(sched), split=split)
+        assert np.array_equal(again.op, sched.op) and np.array_equal(again.mb, sched.mb)
+        assert again.split == split and again.n_chunks == 1
+        O.validate(again)
+    # entries may be lists, numpy integers, or carry chunk 0
+    loose = [[[np.int64(o), i, 0] for o, i in order] for order in _orders(O.zb_h1(p, m))]
+    assert np.array_equal(O.from_orders("loose", p, m, loose).op, O.zb_h1(p, m).op)
+
+
+def test_from_orders_names_the_bad_entry():
+    F, B, W = O.F, O.B, O.W
+    good = _orders(O.zb_h1(2, 2))  # stage 0: F0 F1 B0 W0 B1 W1
+    bad = {
+        "must be a list of one list per stage \\(2\\), not \\[\\[": good[:1],
+        "not None": None,
+        r"orders\[0\]\[6\] = \(4, 0\) is not an \(op, micro_batch\) with op one of F = 1, B = 2, W = 3 and "
+        "0 <= micro_batch < 2": [good[0] + [(4, 0)], good[1]],
+        r"orders\[1\]\[6\] = \(1, 2\) is not": [good[0], good[1] + [(F, 2)]],
+        r"orders\[0\]\[6\] = \(1, 0, 1\) is not": [good[0] + [(F, 0, 1)], good[1]],
+        r"orders\[0\]\[6\] = \(True, 0\) is not": [good[0] + [(True, 0)], good[1]],
+        r"orders\[0\]\[6\] = 1 is not": [good[0] + [1], good[1]],
+        r"stage 0 runs the F of micro-batch 1 twice \(\[1\], \[6\]\)": [
+            good[0] + [(F, 1)],
+            good[1],
+        ],
+        "stage 1's order has no W of micro-batch 1: each stage runs the F/B/W of each micro-batch once": [
+            good[0],
+            [x for x in good[1] if x != (W, 1)],
+        ],
+        r"stage 0 runs the W of micro-batch 0 \(orders\[0\]\[2\]\) before its B \(\[3\]\), whose result": [
+            [(F, 0), (F, 1), (W, 0), (B, 0), (B, 1), (W, 1)],
+            good[1],
+        ],
+    }
+    for match, orders in bad.items():
+        with pytest.raises(ValueError, match=match):
+            O.from_orders("mine", 2, 2, orders)
+    with pytest.raises(ValueError, match=r"op one of F = 1, B = 2 and .* \(W needs split=True\)"):
+        O.from_orders("fused", 2, 2, good, split=False)
+
+
+def test_from_orders_names_what_each_stage_waits_for_in_a_deadlock():
+    F, B, W = O.F, O.B, O.W
+    stage0 = [(F, 0), (B, 0), (W, 0), (F, 1), (B, 1), (W, 1)]  # no warm-up forward
+    stage1 = [(F, 0), (F, 1), (B, 0), (W, 0), (B, 1), (W, 1)]  # waits for F1, sent after B0
+    with pytest.raises(
+        RuntimeError,
+        match="mine: the orders deadlock at tick 2: stage 0 waits to run the B of micro-batch 0, which "
+        "needs the B of micro-batch 0 on stage 1; stage 1 waits to run the F of micro-batch 1, which needs "
+        "the F of micro-batch 1 on stage 0$",
+    ):
+        O.from_orders("mine", 2, 2, [stage0, stage1])

@@ -1,4 +1,4 @@
-"""Lesson 11's exercise 4: the all_to_all dispatch and return of a MoE layer in the expert × data layout.
+"""Lesson 11's exercise 5: the all_to_all dispatch and return of a MoE layer in the expert × data layout.
 
 The answer ``moe_layer(x, p, axis_name, k, capacity_factor)`` runs inside ``shard_map`` over a 2-D mesh
 (tokens split over both axes, experts over ``axis_name``). It is judged by what it computes and sends,

@@ -1,7 +1,7 @@
 """Checkers for ``11_pipeline_experts.ipynb``: a GPipe forward pipeline built from ``ppermute`` (a project),
-the bubble and stash of schedules predicted before they are read from the tables, and a router whose
-silent bug only shows when experts fill up, and the ``all_to_all`` exchange of a MoE layer whose experts sit
-beside data (:mod:`._lesson11_experts`).
+the bubble and stash of schedules predicted before they are read from the tables, ZB-H1's orders built by
+hand (:mod:`._lesson11_zb`), a router whose silent bug only shows when experts fill up, and the
+``all_to_all`` exchange of a MoE layer whose experts sit beside data (:mod:`._lesson11_experts`).
 
 None of them holds an answer: the pipeline is compared with applying the stages in order on one device
 (values and gradients, under ``shard_map`` on the devices present) and its ticks and sends are read from its
@@ -28,9 +28,16 @@ from course_lib import moe, pipeline, pipeline_measure, schedules
 from ._common import call_answer, checker, fail, judged_on, passed
 from ._lesson11_experts import check_expert_exchange
 from ._lesson11_gpipe import ROWS, SHAPE_CASE, WIDTH, check_pairs, gpipe_structure, gpipe_values
+from ._lesson11_zb import check_zb_h1_orders
 from ._unaided import call_unaided, unaided
 
-__all__ = ["check_gpipe", "check_predict_pipeline", "check_router", "check_expert_exchange"]
+__all__ = [
+    "check_gpipe",
+    "check_predict_pipeline",
+    "check_zb_h1_orders",
+    "check_router",
+    "check_expert_exchange",
+]
 
 # ---- exercise 1 (project): GPipe ------------------------------------------------------------------------
 
@@ -208,7 +215,7 @@ def check_predict_pipeline(predict: Callable, *, seed: int | None = None) -> boo
     return passed(f"bubble and stash right in all {len(cases)} cases drawn (GPipe, 1F1B, circular)")
 
 
-# ---- exercise 3: the router --------------------------------------------------------------------------------
+# ---- exercise 4: the router --------------------------------------------------------------------------------
 
 _ROUTER_CASES = (
     (64, 8, 2, 0.5),
