@@ -21,7 +21,7 @@ from course_tools.checks import _lesson12_time as timing
 from course_tools.checks import lesson12
 
 SEEDS = (0, 1)
-N_NODE_CASES = len(nodes._FAMILIES)
+N_NODE_CASES = 2 * len(nodes._LAYOUTS)
 
 
 def test_stubs_print_not_written(monkeypatch, capsys):
@@ -207,7 +207,7 @@ def test_largest_model(seed):
         rejects(
             partial(lesson12.check_largest_model, seed=seed),
             wrong,
-            match=rf"\d+ of 13 cases are wrong.*hint: {side}",
+            match=rf"\d+ of 14 cases are wrong.*hint: {side}",
         )
 
 
@@ -257,7 +257,7 @@ def test_tpu_rules_change_nothing(monkeypatch):
     rejects(
         partial(lesson12.check_largest_model, seed=0),
         a.largest_off_by_one,
-        match=r"\d+ of 13 cases are wrong.*hint: too many",
+        match=r"\d+ of 14 cases are wrong.*hint: too many",
     )
     rejects(
         partial(lesson12.check_pipeline_bytes, seed=0),

@@ -8,8 +8,10 @@ data-centre network). The answer is compared with :func:`course_lib.lm_costs.ste
 :meth:`course_lib.chips.Fabric.with_axis`, which it must not call (nor :func:`~course_lib.lm_costs.rank_layouts`).
 Judged: the axis (any axis within :data:`TIE` of the fastest placement is right: the model cannot tell
 closer ones apart) and the communication time of that placement, within :data:`REL` plus whatever the
-latency terms add (per predicted line, per collective the program runs, or none: bookkeeping, not the
-lesson). Says how many cases are wrong in each part, never which.
+latency terms add (per predicted line, per gather or reduce-scatter the program runs, or none: bookkeeping,
+not the lesson; :func:`_latency_bounds`). Each call poses every layout at a batch on each side of its
+crossover, every fabric and inter link, and two-axis groups (:func:`_cases`). Says how many cases are wrong
+in each part, never which.
 """
 
 from __future__ import annotations
@@ -49,16 +51,10 @@ _TWO_TIER = {
     'costs.FABRICS["A100"], costs.LINKS["InfiniBand NDR"]': ("A100", "InfiniBand NDR"),
     'costs.FABRICS["TPU v5e"], costs.LINKS["DCN"]': ("TPU v5e", "DCN"),
 }
-# (layouts, global batches): small batches, where TP's activations are small beside the gradients; large
-# ones, where they are not; the pipeline; context parallelism
-_FAMILIES = (
-    (("tp_sp", "fsdp_tp", "3d"), (8,)),
-    (("tp_sp", "fsdp_tp", "3d"), (128, 256)),
-    (("pp_dp",), (64, 128, 256)),
-    (("dp_cp",), (16, 64)),
-    (("tp_sp", "fsdp_tp", "3d", "dp_cp"), (16, 32, 64)),
-    (("tp_sp", "fsdp_tp", "pp_dp", "dp_cp", "3d"), (64, 128)),
-)
+_LAYOUTS = ("tp_sp", "fsdp_tp", "3d", "pp_dp", "dp_cp")
+"""Every layout in every call, twice: a batch on each side of its crossover. ``tp_sp``, ``3d`` and ``dp_cp``
+run collectives over two-axis groups (``"data,model"``, ``"data,fsdp"``, ``"data,context"``)."""
+_BATCHES = (8, 16, 32, 64, 128, 256)
 
 
 def placement_times(key: str, cfg, global_batch: int, fabric, inter_link) -> dict[str, float]:
@@ -74,34 +70,73 @@ def placement_times(key: str, cfg, global_batch: int, fabric, inter_link) -> dic
     return out
 
 
-def _latency_allowance(key: str, cfg, global_batch: int, fabric, inter_link, axis: str) -> float:
-    """The most the latency terms of ``axis``'s placement can differ by, however they are counted: every
-    predicted line's ``steps × α``, times the parameter count for FSDP's lines (one collective per
-    parameter in the program, one line in the prediction)."""
+def _latency_bounds(
+    key: str, cfg, global_batch: int, fabric, inter_link, axis: str
+) -> tuple[float, float]:
+    """How far below and above :func:`placement_times` the latency terms of ``axis``'s placement may take an
+    answer, however they are counted: none at all (below: the model's every ``steps × α``), or a gather's or
+    a reduce-scatter's once per collective the program runs (above: up to one per parameter leaf for each
+    such predicted line, FSDP's parameters and SP's or CP's activations). Seconds, ``(below, above)``."""
     sizes = lm_layouts.mesh_axes(key, N_DEVICES)
     m = 4 * sizes.get("stage", 1)
     two_tier = fabric.with_axis(axis, inter_link)
     n_leaves = (
         16 + 6
     )  # the blocks' leaves and the rest's (embeddings, positions, final LayerNorm, head)
-    total = 0.0
+    below = above = 0.0
     for t in lm_costs.predict_bytes(key, cfg, global_batch, sizes, itemsize=2, n_micro=m):
         alpha = costs.collective_time(t.kind, t.group_size, 0.0, two_tier.link_of(t.axis))
-        total += alpha * (n_leaves if "gathered" in t.what or "reduce-scattered" in t.what else 2)
-    return total
+        below += alpha
+        if "gathered" in t.what or "reduce-scattered" in t.what:
+            above += alpha * (n_leaves - 1)
+    return below, above
+
+
+def _best(key: str, cfg, batch: int, fabric, inter_link) -> tuple[str, bool]:
+    """The fastest axis across the nodes, and whether it beats every other by more than :data:`TIE`."""
+    times = placement_times(key, cfg, batch, fabric, inter_link)
+    best = min(times, key=times.get)
+    return best, all(t > (1 + TIE) * times[best] for a, t in times.items() if a != best)
+
+
+def _sides(key: str, cfg, fabric, inter_link) -> tuple[int, int]:
+    """A batch on each side of ``key``'s crossover (the batch from which another axis belongs across the
+    nodes), the nearest to it with a clear winner; the smallest and the largest batch where no axis takes
+    over (the pipeline's stage, ``dp_cp``'s data)."""
+    sizes = lm_layouts.mesh_axes(key, N_DEVICES)
+    options = [b for b in _BATCHES if lm_costs.splits(key, cfg, b, sizes)]
+    best = {b: _best(key, cfg, b, fabric, inter_link) for b in options}
+    clear = [b for b in options if best[b][1]]
+    first = best[clear[0]][0]
+    after = [b for b in clear if best[b][0] != first]
+    if not after:
+        return clear[0], clear[-1]
+    return max(b for b in clear if b < after[0]), after[0]
 
 
 def _cases(rng) -> list[tuple]:
-    cases = []
-    for keys, batches in _FAMILIES:
-        key = keys[int(rng.integers(len(keys)))]
-        sizes = lm_layouts.mesh_axes(key, N_DEVICES)
-        names = list(_CONFIGS)
-        rng.shuffle(names)
-        cfg_name = next(n for n in names if lm_costs.splits(key, _CONFIGS[n], max(batches), sizes))
-        options = [b for b in batches if lm_costs.splits(key, _CONFIGS[cfg_name], b, sizes)]
-        tier = list(_TWO_TIER)[int(rng.integers(len(_TWO_TIER)))]
-        cases.append((key, cfg_name, int(options[int(rng.integers(len(options)))]), tier))
+    """Every layout at a batch on each side of its crossover, every fabric and inter link (the four tiers
+    over the five layouts), configurations drawn until no one batch threshold tells the tensor-parallel
+    layouts' two sides apart (a rule "model across up to batch B" fails somewhere, whatever B)."""
+    while True:
+        tiers = list(_TWO_TIER)
+        rng.shuffle(tiers)
+        cases, pairs = [], set()
+        for i, key in enumerate(_LAYOUTS):
+            tier = tiers[i % len(tiers)]
+            fabric, link = (costs.FABRICS[_TWO_TIER[tier][0]], costs.LINKS[_TWO_TIER[tier][1]])
+            names = list(_CONFIGS)
+            rng.shuffle(names)
+            sizes = lm_layouts.mesh_axes(key, N_DEVICES)
+            cfg_name = next(
+                n for n in names if lm_costs.splits(key, _CONFIGS[n], max(_BATCHES), sizes)
+            )
+            small, large = _sides(key, _CONFIGS[cfg_name], fabric, link)
+            if key not in ("pp_dp", "dp_cp"):
+                pairs.add((small, large))
+            cases += [(key, cfg_name, small, tier), (key, cfg_name, large, tier)]
+        if max(p[0] for p in pairs) >= min(p[1] for p in pairs):
+            break
     rng.shuffle(cases)
     return cases
 
@@ -142,8 +177,9 @@ def check_node_placement(across_nodes: Callable, *, seed: int | None = None) -> 
             )
         bad_axis = times[axis] > (1 + TIE) * min(times.values())
         # the time of the placement the answer chose (right or wrong), so that each count says one thing
-        slack = REL * times[axis] + _latency_allowance(key, cfg, batch, fabric, link, axis)
-        bad_time = not abs(seconds - times[axis]) <= slack
+        below, above = _latency_bounds(key, cfg, batch, fabric, link, axis)
+        low, high = times[axis] * (1 - REL) - below, times[axis] * (1 + REL) + above
+        bad_time = not low <= seconds <= high
         wrong_axis, wrong_time = wrong_axis + bad_axis, wrong_time + bad_time
         n_wrong += bad_axis or bad_time
     if wrong_axis or wrong_time:

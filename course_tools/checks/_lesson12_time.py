@@ -5,11 +5,14 @@ collectives and the fabric's bandwidth and latency (``notebooks/12_transformer_l
 The answer is compared with :func:`course_lib.lm_costs.step_time` (``overlap="data"``, ``roofline=False``,
 bfloat16, 8 devices), which it must not call (nor :func:`~course_lib.lm_costs.rank_layouts` or
 :func:`~course_lib.lm_costs.flops_per_device`, which holds the 3 × forward). The cases are drawn afresh at
-each call (``seed``: for tests): layouts, configurations, batches and fabrics (NVLink 4 and 3, one axis on
-InfiniBand), so that no constant and no single term passes: each case's step has a compute part, exposed
-collectives (TP, SP, CP) whose latency is more than the tolerance, and hidden ones. Judged within
-:data:`REL`; says how many cases are too slow and too fast, never which (an answer that raises is shown the
-call, to rerun it); an answer off by 1000 in every case is told its unit, one the same in every case that.
+each call (``seed``: for tests): layouts, configurations, batches and fabrics (NVLink 4 and 3, the data or the
+FSDP axis on InfiniBand), so that no constant passes and every call sees each part of the step: a compute part
+at two chips' peaks (H100, A100), exposed collectives (TP, SP, CP) whose latency is more than the tolerance,
+hidden ones larger than the compute (the gradients' all-reduce on InfiniBand beside the loss's: the max is
+over their sum), FSDP's gathers over InfiniBand more than half the compute, and attention scores more than the
+tolerance of the FLOPs (see :data:`_FAMILIES`). Judged within :data:`REL`; says how many cases are too slow
+and too fast, never which (an answer that raises is shown the call, to rerun it); an answer off by 1000 in
+every case is told its unit, one the same in every case that.
 """
 
 from __future__ import annotations
@@ -44,19 +47,35 @@ _FABRICS = {
     'costs.FABRICS["H100"].with_axis("data", costs.LINKS["InfiniBand NDR"])': costs.FABRICS[
         "H100"
     ].with_axis("data", costs.LINKS["InfiniBand NDR"]),
+    'costs.FABRICS["H100"].with_axis("fsdp", costs.LINKS["InfiniBand NDR"])': costs.FABRICS[
+        "H100"
+    ].with_axis("fsdp", costs.LINKS["InfiniBand NDR"]),
 }
-_NVLINK4 = tuple(name for name in _FABRICS if "H100" in name)
-# (layouts, global batches, fabrics): TP and CP at small batches, where their exposed collectives are a large
-# share; every layout at a larger one. The last family's TP all-reduces at batch 8 on NVLink 4: their α is
-# more than twice the tolerance there (an all-reduce's n-1 steps of α instead of 2(n-1) are seen every call)
+_NVLINK4 = tuple(name for name in _FABRICS if "H100" in name and "fsdp" not in name)
+_IB = 'costs.FABRICS["H100"].with_axis("data", costs.LINKS["InfiniBand NDR"])'
+_IB_FSDP = 'costs.FABRICS["H100"].with_axis("fsdp", costs.LINKS["InfiniBand NDR"])'
+_ALL = tuple(_CONFIGS)
+# (layouts, global batches, fabrics, configurations), one case each per call. TP and CP at small batches,
+# where their exposed collectives are a large share; every layout at a larger one. The sixth: TP all-reduces
+# at batch 8 on NVLink 4, whose α is more than twice the tolerance (an all-reduce's n-1 steps of α instead
+# of 2(n-1) are seen every call). The seventh: the gradients' all-reduce on InfiniBand, more than the
+# compute, beside the loss's (hidden traffic larger than the compute, as a sum; the data axis on a link that
+# is not fabric.link). The eighth: FSDP's gathers over InfiniBand, more than half the compute. The ninth: the A100's
+# peak (the others run on the H100's). The tenth: compute-bound steps whose attention scores are more than
+# the tolerance (a 6N rule of FLOPs is seen)
 _FAMILIES = (
-    (("tp_sp", "3d"), (8, 16), tuple(_FABRICS)),
-    (("dp_cp", "fsdp_tp"), (8, 16), tuple(_FABRICS)),
-    (("tp_sp", "dp_cp", "3d", "fsdp_tp"), (32, 64), tuple(_FABRICS)),
-    (("dp", "tp_sp"), (64, 128), tuple(_FABRICS)),
-    (("tp_sp", "dp_cp"), (16, 32), tuple(_FABRICS)),
-    (("3d", "fsdp_tp"), (8,), _NVLINK4),
-)
+    (("tp_sp", "3d"), (8, 16), tuple(_FABRICS), _ALL),
+    (("dp_cp", "fsdp_tp"), (8, 16), tuple(_FABRICS), _ALL),
+    (("tp_sp", "dp_cp", "3d", "fsdp_tp"), (32, 64), tuple(_FABRICS), _ALL),
+    (("dp", "tp_sp"), (64, 128), tuple(_FABRICS), _ALL),
+    (("tp_sp", "dp_cp"), (16, 32), tuple(_FABRICS), _ALL),
+    (("3d", "fsdp_tp"), (8,), _NVLINK4, _ALL),
+    (("tp_sp",), (8, 16), (_IB,), _ALL),
+    (("fsdp_tp", "3d"), (8, 16), (_IB_FSDP,), _ALL),
+    (("dp", "tp_sp", "dp_cp", "3d", "fsdp_tp"), (32, 64), ('costs.FABRICS["A100"]',), _ALL),
+    (("dp", "tp_sp"), (32, 64), ('costs.FABRICS["H100"]', 'costs.FABRICS["A100"]'),
+     ("transformer.GPU", "dataclasses.replace(transformer.GPU, n_layers=32)")),
+)  # fmt: skip
 
 
 def model_step(key: str, cfg, global_batch: int, fabric) -> float:
@@ -69,9 +88,9 @@ def model_step(key: str, cfg, global_batch: int, fabric) -> float:
 
 def _cases(rng) -> list[tuple[str, str, int, str]]:
     cases = []
-    for keys, batches, fabrics in _FAMILIES:
+    for keys, batches, fabrics, configs in _FAMILIES:
         key = keys[int(rng.integers(len(keys)))]
-        cfg_name = list(_CONFIGS)[int(rng.integers(len(_CONFIGS)))]
+        cfg_name = configs[int(rng.integers(len(configs)))]
         batch = int(batches[int(rng.integers(len(batches)))])
         fabric_name = fabrics[int(rng.integers(len(fabrics)))]
         cases.append((key, cfg_name, batch, fabric_name))
@@ -116,14 +135,17 @@ def check_step_time(predict_step: Callable, *, seed: int | None = None) -> bool:
                 "too fast: something that takes time is missing — the backward pass (twice the forward's "
                 "FLOPs: 3 x transformer.flops_per_token per token), each collective's latency (α per step: "
                 "2(n-1) steps for an all-reduce, n-1 for an all-gather or a reduce-scatter), the "
-                "all-reduce's two halves (2(n-1)/n of the array), or the TP/SP/CP collectives, which are "
-                "not hidden: the next matmul waits for them"
+                "all-reduce's two halves (2(n-1)/n of the array), the TP/SP/CP collectives, which are "
+                "not hidden: the next matmul waits for them, or the hidden ones where together they outlast "
+                "the compute (max(compute, their sum)); each collective on its own axis's link "
+                "(fabric.link_of(t.axis)), the FLOPs at this fabric's chip's peak"
             )
         if slow:
             hints.append(
                 "too slow: something is counted that the model hides or does not have — the gradients', "
-                "the gathered parameters' and the loss's collectives hide behind the compute (max, not "
-                "sum); the FLOPs are split over the 8 devices, at the chip's bfloat16 peak; an all-gather "
+                "the gathered parameters' and the loss's collectives hide behind the compute "
+                "(max(compute, their sum), not compute + their sum); the FLOPs are split over the 8 "
+                "devices, at the chip's bfloat16 peak; an all-gather "
                 "or a reduce-scatter sends (n-1)/n of its size_bytes, not all of it; size_bytes are bytes "
                 "and bytes_per_s bytes per second (no factor 8 for bits)"
             )

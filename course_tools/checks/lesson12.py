@@ -80,7 +80,8 @@ def _memory_at(key, cfg, batch, n_layers) -> int:
 def _fit_cases(rng) -> list[tuple]:
     """(layout, config, global batch, memory limit): every layout twice, limits drawn between a few and
     dozens of layers; one at a count's memory exactly (``<=``), the pipeline between two counts of layers,
-    and one where not a single layer (stage) fits."""
+    one where not a single layer (stage) fits, and one whose count is above 100 layers (a search capped at
+    64 or 100 layers is seen)."""
     configs = _fit_configs(rng)
     # the dense transformer's layouts (ep_dp trains another model)
     keys = list(lm_layouts.DENSE_KEYS)
@@ -105,6 +106,13 @@ def _fit_cases(rng) -> list[tuple]:
     p = lm_layouts.mesh_axes(key, 8).get("stage", 1)
     one, two = _memory_at(key, cfg, 32, p), _memory_at(key, cfg, 32, 2 * p)
     cases.append((key, cfg, 32, float((2 * one - two) * rng.uniform(0.3, 0.95))))  # below no layers
+    key = keys[int(rng.integers(len(keys)))]
+    cfg = configs[int(rng.integers(len(configs)))]
+    p = lm_layouts.mesh_axes(key, 8).get("stage", 1)
+    one, two = _memory_at(key, cfg, 32, p), _memory_at(key, cfg, 32, 2 * p)
+    n = int(rng.integers(104, 200)) // p  # stages: above 100 layers
+    low = 0.55 if p > 1 else 0.05
+    cases.append((key, cfg, 32, float(one + (n - 1 + rng.uniform(low, 0.95)) * (two - one))))
     rng.shuffle(cases)
     return cases
 
@@ -114,7 +122,8 @@ def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
     """``largest(layout, cfg, global_batch, memory_limit) -> n_layers``: the most layers of ``cfg``'s width
     whose predicted memory per device is at most the limit (a multiple of the stages for the pipeline; 0 when
     none fits), compared with :func:`course_lib.lm_costs.largest_layers` on cases drawn afresh (``seed``:
-    for tests): every layout, several widths, a limit at a count's memory exactly, one where nothing fits.
+    for tests): every layout, several widths, a limit at a count's memory exactly, one where nothing fits,
+    one above 100 layers; an answer that is not an int (``numpy`` integers are) is refused.
     Says how many counts are too large and too small, not which. An answer that calls ``largest_layers``,
     ``step_time`` or ``rank_layouts`` is refused."""
     cases = _fit_cases(np.random.default_rng(seed))
@@ -127,10 +136,13 @@ def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
             "largest_layers is what the checker compares with",
             key, cfg, batch, limit,
         )  # fmt: skip
-        try:
-            got = int(got)
-        except (TypeError, ValueError):
-            fail(f"{what} returned {plain(got)!r}", "return the number of layers, an int")
+        if not isinstance(got, int | np.integer) or isinstance(got, bool):
+            fail(
+                f"{what} returned {plain(got)!r} ({type(got).__name__})",
+                "return the number of layers as an int (a whole count, not a float, a string or a bool: "
+                "int(...) of a count you computed as a float, after checking it is whole)",
+            )
+        got = int(got)
         truth = lm_costs.largest_layers(key, cfg, batch, limit)
         over += got > truth
         under += got < truth
