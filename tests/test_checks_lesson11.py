@@ -76,6 +76,11 @@ def test_gpipe_accepts_correct_forms(report, n):
             "applies its layers 12 times; GPipe needs.*a later tick's work fills no output",
         ),
         (a.gpipe_bf16_send, "values are rounded somewhere.*narrower dtype"),
+        (
+            a.gpipe_axis_written_in,
+            "uses the axis name 'stage' instead of its axis_name argument.*axes 'other' and 'stage'.*"
+            "pass axis_name to every collective",
+        ),
     ],
 )
 def test_gpipe_rejects(report, answer, match):

@@ -18,6 +18,7 @@ from course_lib.meshes import STAGE, mesh_of
 from course_lib.pipeline_measure import residual_stage
 from course_lib.programs import jaxpr_equations
 
+from ._axis_names import OTHER, judge_other_axis
 from ._common import fail
 from ._spmd import abstract, run_mapped
 
@@ -51,11 +52,33 @@ def _ref(stage, w_all, xs):
     return jax.vmap(lambda x: stage(x, {"w": w_all}))(xs)
 
 
-def _mapped(fn, mesh, stage):
+def _mapped(fn, mesh, stage, axis: str = STAGE, check_vma: bool = True):
     def body(w, xs):
-        return fn(stage, {"w": w}, xs, STAGE)[None]  # [1, m, rows, D] per stage
+        return fn(stage, {"w": w}, xs, axis)[None]  # [1, m, rows, D] per stage
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(STAGE), P()), out_specs=P(STAGE))
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(axis), check_vma=check_vma
+    )
+
+
+def _other_axis(fn, devices, stage, w, xs, got) -> None:
+    """Refuse a pipeline that names the mesh axis itself: the case ``w``, ``xs`` whose last stage's ``got``
+    on ``p`` devices of a ``"stage"`` axis was right, again on ``p`` devices of an axis called
+    :data:`OTHER` (:func:`._axis_names.judge_other_axis`)."""
+    p = w.shape[0] // _K
+    mesh = mesh_of({OTHER: p}, devices[:p], axis_type="auto")
+    judge_other_axis(
+        "gpipe_forward",
+        STAGE,
+        lambda abstract: jax.make_jaxpr(_mapped(fn, abstract, stage, OTHER, False))(w, xs),
+        lambda: np.asarray(_jit(_mapped(fn, mesh, stage, OTHER))(w, xs))[-1],
+        lambda new: (
+            None
+            if np.allclose(new, got, rtol=_rtol(), atol=_rtol() / 10)
+            else f"by {np.abs(new - got).max():.2e}"
+        ),
+        f"{p} stages, m = {xs.shape[0]}",
+    )
 
 
 def _row_map(got, want) -> list[int | None]:
@@ -149,6 +172,10 @@ def gpipe_values(fn, devices, rng):
             )
         want = _jit(partial(_ref, stage))(w, xs)
         _diagnose_values(np.asarray(got[-1]), np.asarray(want), xs, stage, w[-_K:], p, m)
+        if p == min(
+            c[0] for c in _VALUE_CASES if c[0] > 1
+        ):  # the fewest stages, on another axis name
+            _other_axis(fn, devices, stage, w, xs, np.asarray(got[-1]))
         ran.append((p, m))
         if len(ran) > 1:
             continue  # gradients: on the first case
