@@ -304,6 +304,11 @@ def predict_circular_like_gpipe(name, p, m, v):
     return predict("gpipe", p, m, 1)
 
 
+def predict_circular_stash_vp(name, p, m, v):
+    """Circular's stash v·p: right only where m = p (red team, once accepted on 2 % of the draws)."""
+    return predict(name, p, m, v) if name != "circular" else (predict(name, p, m, v)[0], v * p)
+
+
 def predict_bubble_over_m(name, p, m, v):
     """Wrong: (p-1)/m, the bubble against the useful time."""
     _, stash = predict(name, p, m, v)

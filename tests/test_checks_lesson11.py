@@ -103,6 +103,21 @@ def test_predict_pipeline():
     )
 
 
+def test_predict_pipeline_draws_more_micro_batches_than_stages():
+    """Every call draws a GPipe and a circular case with m > p: a circular stash v·p (right where m = p)
+    is refused at every seed (seed 138 once drew every circular case with m = p)."""
+    for seed in range(200):
+        cases = lesson11._predict_cases(np.random.default_rng(seed))
+        assert all(
+            any(k == kind and m > p for k, p, m, _ in cases) for kind in ("gpipe", "circular")
+        )
+        rejects(
+            partial(lesson11.check_predict_pipeline, seed=seed),
+            a.predict_circular_stash_vp,
+            match=r"[1-4] of 12 cases are wrong \(0 bubbles",
+        )
+
+
 def test_predict_pipeline_refuses_answers_that_read_or_fit_the_tables():
     check = lesson11.check_predict_pipeline
     rejects(check, a.predict_reads_tables, match="calls course_lib's schedules .*reads the tables")

@@ -133,7 +133,9 @@ _LIBRARY = (schedules.__file__, pipeline_measure.__file__)
 def _predict_cases(rng: np.random.Generator) -> list[tuple[str, int, int, int]]:
     """Cases drawn afresh: each schedule at a few stage counts, with fewer and with more micro-batches than
     the stages (1F1B: ``m <= p``, ``p < m < 2p - 1`` and ``m >= 2p``), so that each typical formula is wrong
-    somewhere; circular with ``m`` a multiple of ``p`` and ``v`` of 2 to 4."""
+    somewhere; circular with ``m`` a multiple of ``p`` and ``v`` of 2 to 4. GPipe and circular have
+    ``m > p`` in one case at least (drawn again where none has), where a formula that puts ``p`` for ``m``
+    (a circular stash ``v·p``) is wrong."""
     out = []
     for _ in range(4):
         p = int(rng.integers(1, 9))
@@ -148,6 +150,19 @@ def _predict_cases(rng: np.random.Generator) -> list[tuple[str, int, int, int]]:
     for _ in range(4):
         p = int(rng.integers(1, 7))
         out.append(("circular", p, p * int(rng.integers(1, 4)), int(rng.integers(2, 5))))
+    for kind in (
+        "gpipe",
+        "circular",
+    ):  # each with m > p at least once (where m = p, p stands for m)
+        if not any(c[0] == kind and c[2] > c[1] for c in out):
+            last = max(i for i, c in enumerate(out) if c[0] == kind)
+            _, p, _, v = out[last]
+            m = (
+                int(rng.integers(p + 1, 3 * p + 5))
+                if kind == "gpipe"
+                else p * int(rng.integers(2, 4))
+            )
+            out[last] = (kind, p, m, v)
     return out
 
 
