@@ -34,6 +34,11 @@ def test_gpipe_accepts_correct_forms(report, n):
     assert lesson11.check_gpipe(a.gpipe_tagged, report.devices[:n])
 
 
+def test_gpipe_accepts_lax_cond_without_collectives(report):
+    """A cond that skips the bubble ticks holds no collective (nor does its gradient): accepted."""
+    assert lesson11.check_gpipe(a.gpipe_cond_skip, report.devices)
+
+
 @pytest.mark.parametrize(
     "answer, match",
     [
@@ -76,6 +81,11 @@ def test_gpipe_accepts_correct_forms(report, n):
             "applies its layers 12 times; GPipe needs.*a later tick's work fills no output",
         ),
         (a.gpipe_bf16_send, "values are rounded somewhere.*narrower dtype"),
+        (
+            a.gpipe_cond_input,
+            r"with p=4, m=8 jax.grad of the pipeline holds psum_invariant inside a lax.cond branch.*"
+            "transpose of a value that is the same on every device.*wait for it forever.*jnp.where",
+        ),
         (
             a.gpipe_axis_written_in,
             "uses the axis name 'stage' instead of its axis_name argument.*axes 'other' and 'stage'.*"

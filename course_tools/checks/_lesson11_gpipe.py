@@ -20,7 +20,7 @@ from course_lib.programs import jaxpr_equations
 
 from ._axis_names import OTHER, judge_other_axis
 from ._common import fail
-from ._spmd import abstract, run_mapped
+from ._spmd import abstract, communicates, run_mapped
 
 __all__ = ["ROWS", "SHAPE_CASE", "WIDTH", "check_pairs", "gpipe_structure", "gpipe_values"]
 
@@ -180,9 +180,11 @@ def gpipe_values(fn, devices, rng):
         if len(ran) > 1:
             continue  # gradients: on the first case
         r = jnp.asarray(rng.standard_normal(xs.shape), jnp.float32)
-        grads = _jit(jax.grad(lambda w, x, f=body, r=r: (f(w, x)[-1] * r).sum(), argnums=(0, 1)))(
-            w, xs
-        )
+        traced = _jit(
+            jax.grad(lambda w, x, f=body, r=r: (f(w, x)[-1] * r).sum(), argnums=(0, 1))
+        ).trace(w, xs)
+        cond_collectives(traced.jaxpr, f"with p={p}, m={m} jax.grad of the pipeline")
+        grads = traced.lower().compile()(w, xs)
         ref = _jit(jax.grad(lambda w, x, r=r: (_ref(stage, w, x) * r).sum(), argnums=(0, 1)))(w, xs)
         if not all(
             np.allclose(a, b, rtol=_rtol(), atol=_rtol()) for a, b in zip(grads, ref, strict=True)
@@ -192,6 +194,45 @@ def gpipe_values(fn, devices, rng):
                 "keep every step differentiable: no lax.stop_gradient, no integer casts of activations",
             )
     return ran
+
+
+def cond_collectives(jaxpr, what: str) -> None:
+    """Refuse a collective inside a ``lax.cond``/``lax.switch`` branch chosen differently on different
+    devices (the branch index varies over a mesh axis; where its variance is not in the program, any
+    index): the devices that take the other branch never join it, and XLA:CPU waits for them, then aborts
+    the process (on a gradient: ``psum_invariant``, the transpose of a replicated value read in a branch).
+    Read from the jaxpr before the program runs; a cond whose index is the same on every device (a loop
+    counter) may hold collectives."""
+    for eqn, _ in jaxpr_equations(jaxpr):
+        if eqn.primitive.name != "cond":
+            continue
+        vma = getattr(eqn.invars[0].aval, "vma", None)
+        if vma is not None and not vma:
+            continue  # the same branch on every device
+        inside = sorted(
+            {
+                e.primitive.name
+                for b in eqn.params["branches"]
+                for e, _ in jaxpr_equations(b)
+                if communicates(e)
+            }
+        )
+        if inside:
+            gradient = "jax.grad" in what
+            fail(
+                f"{what} holds {', '.join(inside)} inside a lax.cond branch that some devices take and "
+                "others do not"
+                + (
+                    " (in the gradient, psum_invariant is the transpose of a value that is the same on "
+                    "every device, such as xs, read inside the branch)"
+                    if gradient and "psum_invariant" in inside
+                    else ""
+                )
+                + ": a collective inside lax.cond's branch runs on some devices only, and the others "
+                "would wait for it forever (XLA:CPU gives up after a while and aborts the process)",
+                "choose values with jnp.where (each stage computes both, or reads both, and keeps one) "
+                "and keep every collective (lax.ppermute, psum …) outside lax.cond",
+            )
 
 
 _OTHER_COLLECTIVES = {
@@ -219,6 +260,7 @@ def gpipe_structure(fn) -> tuple[float, float, float, set[tuple[int, int]]]:
     jaxpr = run_mapped(
         "gpipe_forward on a 4-stage mesh", jax.make_jaxpr(mapped), w, xs, varies_hint=hint
     )
+    cond_collectives(jaxpr, "on 4 stages the pipeline")
     dots = sent = sends = 0.0
     pairs: set[tuple[int, int]] = set()
     for eqn, times in jaxpr_equations(jaxpr):
