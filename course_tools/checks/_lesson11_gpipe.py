@@ -22,7 +22,15 @@ from ._axis_names import OTHER, judge_other_axis
 from ._common import fail
 from ._spmd import abstract, communicates, run_mapped
 
-__all__ = ["ROWS", "SHAPE_CASE", "WIDTH", "check_pairs", "gpipe_structure", "gpipe_values"]
+__all__ = [
+    "ROWS",
+    "SHAPE_CASE",
+    "WIDTH",
+    "check_pairs",
+    "cond_collectives",
+    "gpipe_structure",
+    "gpipe_values",
+]
 
 WIDTH, ROWS = 8, 3  # an activation's width and rows per micro-batch
 _K = 2  # layers per stage

@@ -13,7 +13,9 @@ float64, and the MLP likewise), with B, S, H and Dh all different; its sends (lo
 iteration) and largest intermediate are read from its jaxpr on rings of 2, 4 and 8 traced without devices,
 the bytes one device holds at once from its jaxpr on a ring of 32, and its compiled temporaries on two rings
 (they must not grow with the ring). ZeRO-3 is compiled and its gradients, collectives (trip-weighted bytes)
-and ``memory_analysis()`` compared with data parallelism's with each block under ``jax.checkpoint``."""
+and ``memory_analysis()`` compared with data parallelism's with each block under ``jax.checkpoint``. The MLP,
+ring attention and ZeRO-3 are also traced and run on an axis called "other" (:mod:`._axis_names`): an answer
+that writes the notebook's axis name instead of its ``axis_name`` is refused."""
 
 from __future__ import annotations
 

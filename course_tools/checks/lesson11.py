@@ -66,7 +66,10 @@ def check_gpipe(gpipe_forward: Callable, devices: Sequence[Any]) -> bool:
     ticks of one stage application each, sending one activation per tick from each stage to the next
     (the ``ppermute`` pairs ``(i, i + 1)``: no pair back, no wrap-around from the last stage to stage 0),
     plus at most :data:`_METADATA_BYTES` per tick. It is run with ``course_lib.pipeline``'s executors
-    (``forward``, ``train``) replaced by functions that raise: an answer that calls them is refused."""
+    (``forward``, ``train``) replaced by functions that raise: an answer that calls them is refused; so is
+    one that names the axis itself (run again on an axis called "other", :mod:`._axis_names`) or whose
+    forward or gradient holds a collective in a ``lax.cond`` branch that only some stages take (read from
+    the jaxpr before it runs: :func:`._lesson11_gpipe.cond_collectives`)."""
     # run with the library's executors off; the pairs are read from the 4-stage program, so a wrong pair
     # is caught however few devices are present
     with unaided("gpipe_forward", _EXECUTORS, _EXECUTOR_HINT):
