@@ -701,3 +701,35 @@ def tp_mlp_two_psums(x, p, axis):
 def tp_mlp_no_b1(x, p, axis):
     h = jax.nn.gelu(x @ p["w1"]["kernel"])
     return lax.psum(h @ p["w2"]["kernel"], axis) + p["w2"]["bias"]
+
+
+# ---- the notebook's axis name written in instead of the axis argument -------------------------------------
+
+
+def tp_mlp_axis_written_in(x, p, axis):
+    """Sums over "model", the notebook's axis, whatever ``axis`` is: right on the notebook's mesh only."""
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    return lax.psum(h @ p["w2"]["kernel"], "model") + p["w2"]["bias"]
+
+
+def tp_mlp_size_written_in(x, p, axis):
+    """Reads the device count from "model" (``lax.axis_size`` is a Python int, no equation in the
+    program): on a mesh without that axis it raises an unbound-axis NameError."""
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    return lax.psum(h @ p["w2"]["kernel"] + p["w2"]["bias"] / lax.axis_size("model"), axis)
+
+
+def tp_mlp_name_dependent(x, p, axis):
+    """Right only where the axis is called "model": elsewhere it adds w2's bias n times."""
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    if axis == "model":
+        return lax.psum(h @ p["w2"]["kernel"], axis) + p["w2"]["bias"]
+    return lax.psum(h @ p["w2"]["kernel"] + p["w2"]["bias"], axis)
+
+
+def ring_axis_written_in(q, k, v, axis):
+    return ring_reference(q, k, v, "context")
+
+
+def zero3_axis_written_in(x, blocks, axis):
+    return zero3_reference(x, blocks, "data")

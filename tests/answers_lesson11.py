@@ -304,6 +304,11 @@ def predict_circular_like_gpipe(name, p, m, v):
     return predict("gpipe", p, m, 1)
 
 
+def predict_circular_stash_vp(name, p, m, v):
+    """Circular's stash v·p: right only where m = p (red team, once accepted on 2 % of the draws)."""
+    return predict(name, p, m, v) if name != "circular" else (predict(name, p, m, v)[0], v * p)
+
+
 def predict_bubble_over_m(name, p, m, v):
     """Wrong: (p-1)/m, the bubble against the useful time."""
     _, stash = predict(name, p, m, v)
@@ -583,3 +588,46 @@ def moe_layer_gather(x, p, axis_name, k, capacity_factor):
     full = lax.dynamic_update_slice_in_dim(full, out, me * (e // n), axis=0)
     back = lax.psum(full, axis_name)[:, lax.axis_index(axis_name)]
     return moe.combine(back, r)
+
+
+def gpipe_axis_written_in(stage_fn, stage_params, xs, axis_name):
+    """The reference over "stage", the notebook's axis, whatever ``axis_name`` is."""
+    return gpipe_forward(stage_fn, stage_params, xs, "stage")
+
+
+def gpipe_cond_skip(stage_fn, stage_params, xs, axis_name):
+    """Right: a stage skips its work on bubble ticks with lax.cond (no collective in the branches, in the
+    forward or in the gradient)."""
+    p, s, m = lax.axis_size(axis_name), lax.axis_index(axis_name), xs.shape[0]
+    to_next = [(i, i + 1) for i in range(p - 1)]
+    arrived, ys = jnp.zeros_like(xs[0]), jnp.zeros_like(xs)
+    for t in range(m + p - 1):
+        x = jnp.where(s == 0, xs[min(t, m - 1)], arrived)
+        busy = (t - s >= 0) & (t - s < m)
+        y = lax.cond(busy, lambda x: stage_fn(x, stage_params), lambda x: x, x)
+        if t >= p - 1:
+            ys = ys.at[t - (p - 1)].set(jnp.where(s == p - 1, y, ys[t - (p - 1)]))
+        arrived = lax.ppermute(y, axis_name, to_next)
+    return ys
+
+
+def gpipe_cond_input(stage_fn, stage_params, xs, axis_name):
+    """Stage 0 runs on xs, the others on what arrived, chosen by lax.cond on the stage: the forward is
+    right, but jax.grad puts the transpose of reading xs (replicated) in a branch, a psum_invariant that
+    only stage 0 runs (XLA:CPU waits 40 s for the others, then aborts the process)."""
+    p, s, m = lax.axis_size(axis_name), lax.axis_index(axis_name), xs.shape[0]
+    to_next = [(i, i + 1) for i in range(p - 1)]
+    arrived, ys = jnp.zeros_like(xs[0]), jnp.zeros_like(xs)
+    for t in range(m + p - 1):
+        x0 = xs[min(t, m - 1)]
+        y = lax.cond(
+            s == 0,
+            lambda a, b: stage_fn(a, stage_params),
+            lambda a, b: stage_fn(b, stage_params),
+            x0,
+            arrived,
+        )
+        if t >= p - 1:
+            ys = ys.at[t - (p - 1)].set(jnp.where(s == p - 1, y, ys[t - (p - 1)]))
+        arrived = lax.ppermute(y, axis_name, to_next)
+    return ys

@@ -196,6 +196,48 @@ def test_tp_mlp(report):
     rejects(check, a.tp_mlp_two_psums, devices, match="sums \\[T, D\\] arrays .* 2 times")
 
 
+# ---- an axis name written in instead of the axis argument ----------------------------------------------------
+
+_WRITTEN_IN = "uses the axis name '{}' instead of its axis_name argument.*{}.*pass axis_name to every collective"
+
+
+@pytest.mark.parametrize(
+    "check, answer, match",
+    [
+        (
+            lesson10.check_tp_mlp,
+            a.tp_mlp_axis_written_in,
+            _WRITTEN_IN.format("model", "axes 'other' and 'model'.*psum names 'model'"),
+        ),
+        (
+            lesson10.check_tp_mlp,
+            a.tp_mlp_size_written_in,
+            _WRITTEN_IN.format("model", "called 'other'.*unbound axis name: model"),
+        ),
+        (
+            lesson10.check_tp_mlp,
+            a.tp_mlp_name_dependent,
+            "right on a mesh whose axis is called 'model', but on a mesh whose axis is called 'other' "
+            r"\(axis_name='other', 3 devices\) its values differ by .*depends on the axis's name",
+        ),
+        (
+            lesson10.check_ring_attention,
+            a.ring_axis_written_in,
+            _WRITTEN_IN.format("context", "axes 'other' and 'context'"),
+        ),
+        (
+            lesson10.check_zero3,
+            a.zero3_axis_written_in,
+            _WRITTEN_IN.format("data", "axes 'other' and 'data'.*all_gather names 'data'"),
+        ),
+    ],
+)
+def test_an_axis_name_written_in_is_refused(report, check, answer, match):
+    """Right on the notebook's mesh ("model", "context", "data"), each is run once more on an axis called
+    "other"; the references (the accepted forms above) pass there."""
+    rejects(check, answer, report.devices, match=match)
+
+
 # ---- on a TPU: no float64, float32 within the TPU's tolerance ------------------------------------------------
 # There the values are float32 (float64 is emulated), so an answer that computes in float32 is right there
 # (a.ring_float32, a.tp_mlp_float32, a.zero3_bf16 are refused on CPU only: a TPU's float32 matmul multiplies

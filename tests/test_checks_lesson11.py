@@ -34,6 +34,11 @@ def test_gpipe_accepts_correct_forms(report, n):
     assert lesson11.check_gpipe(a.gpipe_tagged, report.devices[:n])
 
 
+def test_gpipe_accepts_lax_cond_without_collectives(report):
+    """A cond that skips the bubble ticks holds no collective (nor does its gradient): accepted."""
+    assert lesson11.check_gpipe(a.gpipe_cond_skip, report.devices)
+
+
 @pytest.mark.parametrize(
     "answer, match",
     [
@@ -76,6 +81,16 @@ def test_gpipe_accepts_correct_forms(report, n):
             "applies its layers 12 times; GPipe needs.*a later tick's work fills no output",
         ),
         (a.gpipe_bf16_send, "values are rounded somewhere.*narrower dtype"),
+        (
+            a.gpipe_cond_input,
+            r"with p=4, m=8 jax.grad of the pipeline holds psum_invariant inside a lax.cond branch.*"
+            "transpose of a value that is the same on every device.*wait for it forever.*jnp.where",
+        ),
+        (
+            a.gpipe_axis_written_in,
+            "uses the axis name 'stage' instead of its axis_name argument.*axes 'other' and 'stage'.*"
+            "pass axis_name to every collective",
+        ),
     ],
 )
 def test_gpipe_rejects(report, answer, match):
@@ -96,6 +111,21 @@ def test_predict_pipeline():
     rejects(
         lesson11.check_predict_pipeline, lambda *args: 0.25, match="returned 0.25.*return \\(bubble"
     )
+
+
+def test_predict_pipeline_draws_more_micro_batches_than_stages():
+    """Every call draws a GPipe and a circular case with m > p: a circular stash v·p (right where m = p)
+    is refused at every seed (seed 138 once drew every circular case with m = p)."""
+    for seed in range(200):
+        cases = lesson11._predict_cases(np.random.default_rng(seed))
+        assert all(
+            any(k == kind and m > p for k, p, m, _ in cases) for kind in ("gpipe", "circular")
+        )
+        rejects(
+            partial(lesson11.check_predict_pipeline, seed=seed),
+            a.predict_circular_stash_vp,
+            match=r"[1-4] of 12 cases are wrong \(0 bubbles",
+        )
 
 
 def test_predict_pipeline_refuses_answers_that_read_or_fit_the_tables():

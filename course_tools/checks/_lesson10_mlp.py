@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from course_lib import precision
+from course_lib.meshes import MODEL, mesh_of
 
+from ._axis_names import OTHER, judge_other_axis
 from ._common import fail
-from ._lesson10_ring import close, counted
+from ._lesson10_ring import close, counted, precise
 
 __all__ = ["MLP_D", "MLP_F", "MLP_T", "mlp_collectives", "mlp_counts", "mlp_hint", "mlp_shape"]
+__all__ += ["mlp_mapped", "mlp_other_axis"]
 
 
 def _rounded(got, want, rtol) -> bool:
@@ -123,3 +128,35 @@ def mlp_shape(got, n: int) -> None:
         f"[{MLP_T}, {MLP_D}] array, the same on every device",
         "return the devices' summed partial outputs (lax.psum over the axis) plus w2's bias",
     )
+
+
+def mlp_mapped(tp_mlp, mesh, axis: str = MODEL, check_vma: bool = True):
+    """``tp_mlp(x, p, axis)`` under ``shard_map`` on ``mesh``: x [T, D] replicated, w1's columns and bias
+    and w2's rows split over ``axis``, w2's bias whole; the output [T, D] replicated."""
+    spec = {
+        "w1": {"kernel": P(None, axis), "bias": P(axis)},
+        "w2": {"kernel": P(axis), "bias": P()},
+    }
+    return jax.shard_map(
+        lambda x, p: tp_mlp(x, p, axis),
+        mesh=mesh,
+        in_specs=(P(), spec),
+        out_specs=P(),
+        check_vma=check_vma,
+    )
+
+
+def mlp_other_axis(tp_mlp, devices, n: int, x, p, got, jit) -> None:
+    """Refuse a ``tp_mlp`` that names the mesh axis itself: the case ``x``, ``p``, whose output ``got`` on
+    ``n`` devices of a ``"model"`` axis was right, again on ``n`` devices of an axis called :data:`OTHER`
+    (:func:`._axis_names.judge_other_axis`); ``jit``: the checker's ``jax.jit``."""
+    with precise():
+        mesh = mesh_of({OTHER: n}, devices[:n], axis_type="auto")
+        judge_other_axis(
+            "tp_mlp",
+            MODEL,
+            lambda abstract: jax.make_jaxpr(mlp_mapped(tp_mlp, abstract, OTHER, False))(x, p),
+            lambda: np.asarray(jit(mlp_mapped(tp_mlp, mesh, OTHER))(x, p)),
+            lambda new: None if close(new, got, 1e-10) else f"by {np.abs(new - got).max():.2e}",
+            f"{n} devices",
+        )

@@ -18,9 +18,13 @@ from course_lib import precision, transformer
 from course_lib.meshes import CONTEXT, mesh_of
 from course_lib.programs import jaxpr_equations
 
+from ._axis_names import OTHER, judge_other_axis
 from ._common import fail
 
 __all__ = [
+    "attention_mapped",
+    "ring_large_scores",
+    "ring_other_axis",
     "RINGS",
     "RING_B",
     "RING_DH",
@@ -217,6 +221,53 @@ def ring_grads(mapped, what, rng, call):
             )
 
 
+def attention_mapped(fn, mesh, axis: str = CONTEXT, check_vma: bool = True):
+    """``fn(q, k, v, axis)`` under ``shard_map`` on ``mesh``: q/k/v [B, S, H, Dh] split over ``axis`` along
+    the sequence, the output likewise."""
+    spec = P(None, axis)
+    return jax.shard_map(
+        lambda q, k, v: fn(q, k, v, axis),
+        mesh=mesh,
+        in_specs=(spec, spec, spec),
+        out_specs=spec,
+        check_vma=check_vma,
+    )
+
+
+def ring_large_scores(mapped, what, q, k, v, call):
+    """The same ring on queries scaled so that scores reach about 1,000, where exp overflows in float64
+    (above ~709): an online softmax subtracts its running maximum and stays exact. ``call``: the checker's
+    ``call_answer`` that refuses the library."""
+    q = q * 400.0
+    with precise():
+        got = np.asarray(call(what, mapped, *map(jnp.asarray, (q, k, v)), name="ring_attention"))
+    want = masked_attention(q, k, v, np.tri(q.shape[1], dtype=bool))
+    if not close(got, want, 1e-8):
+        fail(
+            f"{what}: right on ordinary inputs, but with scores near 1,000 the result is "
+            f"{'not finite' if not np.isfinite(got).all() else 'off'}",
+            "exp of a score above ~709 overflows even in float64: keep the running maximum of the "
+            "scores and exponentiate the scores minus it (the online softmax), rescaling what is summed",
+        )
+
+
+def ring_other_axis(fn, devices, c: int, qkv, got, jit) -> None:
+    """Refuse a ring that names the mesh axis itself: the inputs ``qkv`` (float64 where it runs), whose
+    output ``got`` on a ``"context"`` ring of ``c`` devices was right, again on ``c`` devices of an axis
+    called :data:`OTHER` (:func:`._axis_names.judge_other_axis`); ``jit``: the checker's ``jax.jit``."""
+    with precise():
+        args = tuple(map(jnp.asarray, qkv))
+        mesh = mesh_of({OTHER: c}, list(devices)[:c], axis_type="auto")
+        judge_other_axis(
+            "ring_attention",
+            CONTEXT,
+            lambda abstract: jax.make_jaxpr(attention_mapped(fn, abstract, OTHER, False))(*args),
+            lambda: np.asarray(jit(attention_mapped(fn, mesh, OTHER))(*args)),
+            lambda new: None if close(new, got, 1e-10) else f"by {np.abs(new - got).max():.2e}",
+            f"a ring of {c} devices",
+        )
+
+
 def ring_low_scores_and_grads(mapped, what, rng, call):
     """:func:`ring_low_scores`, then :func:`ring_grads`, on the same ring."""
     ring_low_scores(mapped, what, rng, call)
@@ -391,12 +442,10 @@ def ring_temporaries(fn, devices, call) -> tuple[tuple[int, int], dict[int, int]
         return None
     rings, temps = (max(3, big // 2), big), {}
     kv = _TEMP_B * _TEMP_BLK * _TEMP_H * _TEMP_DH * 4
-    spec = P(None, CONTEXT)
     options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
     for c in rings:
         mesh = mesh_of({CONTEXT: c}, list(devices)[:c], axis_type="auto")
-        mapped = jax.jit(jax.shard_map(lambda q, k, v: fn(q, k, v, CONTEXT), mesh=mesh,
-                                       in_specs=(spec,) * 3, out_specs=spec), compiler_options=options)  # fmt: skip
+        mapped = jax.jit(attention_mapped(fn, mesh), compiler_options=options)
         arg = jax.ShapeDtypeStruct((_TEMP_B, c * _TEMP_BLK, _TEMP_H, _TEMP_DH), jnp.float32)
         compiled = call(f"ring_attention compiled for a ring of {c} devices",
                         lambda *a, f=mapped: f.lower(*a).compile(),

@@ -16,7 +16,8 @@ from course_lib import precision, transformer
 from course_lib.meshes import DATA, mesh_of
 from course_lib.programs import collective_ops, jaxpr_equations
 
-from ._common import call_answer, fail
+from ._axis_names import OTHER, judge_other_axis
+from ._common import call_answer, close, fail
 from ._lesson01_blocks import KEEP_BARRIERS, barriers_merged
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "dp_compiled",
     "policy_name",
     "z_held",
+    "z_other_axis",
     "z_setup",
     "z_step",
     "z_upfront",
@@ -197,3 +199,35 @@ def policy_name(policy) -> str:
         found = [n for n, p in vars(jax.checkpoint_policies).items() if p is policy]
         name = found[0] if found else None
     return name or "a custom policy"
+
+
+def _blocks_in_order(x, blocks):
+    return lax.scan(lambda h, p: (transformer.block(h, p), None), x, blocks)[0]
+
+
+def z_other_axis(zero3_blocks, devices, n: int, specs_of) -> None:
+    """Refuse a ZeRO-3 that names the mesh axis itself: its forward (the blocks on :func:`z_setup`'s batch)
+    on ``n`` devices of an axis called :data:`OTHER`, against the blocks run in order on one device
+    (:func:`._axis_names.judge_other_axis`; the step on ``n`` devices of a ``"data"`` axis was right).
+    ``specs_of(blocks, axis)``: the shards' specs (:func:`course_lib.splits.zero3_specs`)."""
+    blocks, x, _ = z_setup(n)
+
+    def mapped(mesh, check_vma=True):
+        return jax.shard_map(
+            lambda x, b: zero3_blocks(x, b, OTHER),
+            mesh=mesh,
+            in_specs=(P(OTHER), specs_of(blocks, OTHER)),
+            out_specs=P(OTHER),
+            check_vma=check_vma,
+        )
+
+    mesh = mesh_of({OTHER: n}, list(devices)[:n], axis_type="auto")
+    want = np.asarray(_jit(_blocks_in_order)(x, blocks))
+    judge_other_axis(
+        "zero3_blocks",
+        DATA,
+        lambda abstract: jax.make_jaxpr(mapped(abstract, False))(x, blocks),
+        lambda: np.asarray(_jit(mapped(mesh))(x, blocks)),
+        lambda got: None if close(got, want) else f"by {np.abs(got - want).max():.2e}",
+        f"{n} devices, the forward pass",
+    )

@@ -18,10 +18,19 @@ from course_lib.meshes import STAGE, mesh_of
 from course_lib.pipeline_measure import residual_stage
 from course_lib.programs import jaxpr_equations
 
+from ._axis_names import OTHER, judge_other_axis
 from ._common import fail
-from ._spmd import abstract, run_mapped
+from ._spmd import abstract, communicates, run_mapped
 
-__all__ = ["ROWS", "SHAPE_CASE", "WIDTH", "check_pairs", "gpipe_structure", "gpipe_values"]
+__all__ = [
+    "ROWS",
+    "SHAPE_CASE",
+    "WIDTH",
+    "check_pairs",
+    "cond_collectives",
+    "gpipe_structure",
+    "gpipe_values",
+]
 
 WIDTH, ROWS = 8, 3  # an activation's width and rows per micro-batch
 _K = 2  # layers per stage
@@ -51,11 +60,33 @@ def _ref(stage, w_all, xs):
     return jax.vmap(lambda x: stage(x, {"w": w_all}))(xs)
 
 
-def _mapped(fn, mesh, stage):
+def _mapped(fn, mesh, stage, axis: str = STAGE, check_vma: bool = True):
     def body(w, xs):
-        return fn(stage, {"w": w}, xs, STAGE)[None]  # [1, m, rows, D] per stage
+        return fn(stage, {"w": w}, xs, axis)[None]  # [1, m, rows, D] per stage
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(STAGE), P()), out_specs=P(STAGE))
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(axis), check_vma=check_vma
+    )
+
+
+def _other_axis(fn, devices, stage, w, xs, got) -> None:
+    """Refuse a pipeline that names the mesh axis itself: the case ``w``, ``xs`` whose last stage's ``got``
+    on ``p`` devices of a ``"stage"`` axis was right, again on ``p`` devices of an axis called
+    :data:`OTHER` (:func:`._axis_names.judge_other_axis`)."""
+    p = w.shape[0] // _K
+    mesh = mesh_of({OTHER: p}, devices[:p], axis_type="auto")
+    judge_other_axis(
+        "gpipe_forward",
+        STAGE,
+        lambda abstract: jax.make_jaxpr(_mapped(fn, abstract, stage, OTHER, False))(w, xs),
+        lambda: np.asarray(_jit(_mapped(fn, mesh, stage, OTHER))(w, xs))[-1],
+        lambda new: (
+            None
+            if np.allclose(new, got, rtol=_rtol(), atol=_rtol() / 10)
+            else f"by {np.abs(new - got).max():.2e}"
+        ),
+        f"{p} stages, m = {xs.shape[0]}",
+    )
 
 
 def _row_map(got, want) -> list[int | None]:
@@ -149,13 +180,19 @@ def gpipe_values(fn, devices, rng):
             )
         want = _jit(partial(_ref, stage))(w, xs)
         _diagnose_values(np.asarray(got[-1]), np.asarray(want), xs, stage, w[-_K:], p, m)
+        if p == min(
+            c[0] for c in _VALUE_CASES if c[0] > 1
+        ):  # the fewest stages, on another axis name
+            _other_axis(fn, devices, stage, w, xs, np.asarray(got[-1]))
         ran.append((p, m))
         if len(ran) > 1:
             continue  # gradients: on the first case
         r = jnp.asarray(rng.standard_normal(xs.shape), jnp.float32)
-        grads = _jit(jax.grad(lambda w, x, f=body, r=r: (f(w, x)[-1] * r).sum(), argnums=(0, 1)))(
-            w, xs
-        )
+        traced = _jit(
+            jax.grad(lambda w, x, f=body, r=r: (f(w, x)[-1] * r).sum(), argnums=(0, 1))
+        ).trace(w, xs)
+        cond_collectives(traced.jaxpr, f"with p={p}, m={m} jax.grad of the pipeline")
+        grads = traced.lower().compile()(w, xs)
         ref = _jit(jax.grad(lambda w, x, r=r: (_ref(stage, w, x) * r).sum(), argnums=(0, 1)))(w, xs)
         if not all(
             np.allclose(a, b, rtol=_rtol(), atol=_rtol()) for a, b in zip(grads, ref, strict=True)
@@ -165,6 +202,45 @@ def gpipe_values(fn, devices, rng):
                 "keep every step differentiable: no lax.stop_gradient, no integer casts of activations",
             )
     return ran
+
+
+def cond_collectives(jaxpr, what: str) -> None:
+    """Refuse a collective inside a ``lax.cond``/``lax.switch`` branch chosen differently on different
+    devices (the branch index varies over a mesh axis; where its variance is not in the program, any
+    index): the devices that take the other branch never join it, and XLA:CPU waits for them, then aborts
+    the process (on a gradient: ``psum_invariant``, the transpose of a replicated value read in a branch).
+    Read from the jaxpr before the program runs; a cond whose index is the same on every device (a loop
+    counter) may hold collectives."""
+    for eqn, _ in jaxpr_equations(jaxpr):
+        if eqn.primitive.name != "cond":
+            continue
+        vma = getattr(eqn.invars[0].aval, "vma", None)
+        if vma is not None and not vma:
+            continue  # the same branch on every device
+        inside = sorted(
+            {
+                e.primitive.name
+                for b in eqn.params["branches"]
+                for e, _ in jaxpr_equations(b)
+                if communicates(e)
+            }
+        )
+        if inside:
+            gradient = "jax.grad" in what
+            fail(
+                f"{what} holds {', '.join(inside)} inside a lax.cond branch that some devices take and "
+                "others do not"
+                + (
+                    " (in the gradient, psum_invariant is the transpose of a value that is the same on "
+                    "every device, such as xs, read inside the branch)"
+                    if gradient and "psum_invariant" in inside
+                    else ""
+                )
+                + ": a collective inside lax.cond's branch runs on some devices only, and the others "
+                "would wait for it forever (XLA:CPU gives up after a while and aborts the process)",
+                "choose values with jnp.where (each stage computes both, or reads both, and keeps one) "
+                "and keep every collective (lax.ppermute, psum …) outside lax.cond",
+            )
 
 
 _OTHER_COLLECTIVES = {
@@ -192,6 +268,7 @@ def gpipe_structure(fn) -> tuple[float, float, float, set[tuple[int, int]]]:
     jaxpr = run_mapped(
         "gpipe_forward on a 4-stage mesh", jax.make_jaxpr(mapped), w, xs, varies_hint=hint
     )
+    cond_collectives(jaxpr, "on 4 stages the pipeline")
     dots = sent = sends = 0.0
     pairs: set[tuple[int, int]] = set()
     for eqn, times in jaxpr_equations(jaxpr):

@@ -13,7 +13,9 @@ float64, and the MLP likewise), with B, S, H and Dh all different; its sends (lo
 iteration) and largest intermediate are read from its jaxpr on rings of 2, 4 and 8 traced without devices,
 the bytes one device holds at once from its jaxpr on a ring of 32, and its compiled temporaries on two rings
 (they must not grow with the ring). ZeRO-3 is compiled and its gradients, collectives (trip-weighted bytes)
-and ``memory_analysis()`` compared with data parallelism's with each block under ``jax.checkpoint``."""
+and ``memory_analysis()`` compared with data parallelism's with each block under ``jax.checkpoint``. The MLP,
+ring attention and ZeRO-3 are also traced and run on an axis called "other" (:mod:`._axis_names`): an answer
+that writes the notebook's axis name instead of its ``axis_name`` is refused."""
 
 from __future__ import annotations
 
@@ -25,12 +27,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from course_lib import splits, transformer
 from course_lib.meshes import CONTEXT, DATA, MODEL, mesh_of
 from course_lib.programs import jaxpr_equations
 
+from . import _lesson10_mlp as _mlp
 from ._common import call_answer, checker, fail, judged_on, passed, require
 from ._lesson10_mlp import MLP_D, MLP_F, MLP_T, mlp_collectives, mlp_counts, mlp_hint, mlp_shape
 from ._lesson10_ring import RING_B as _B
@@ -39,6 +41,7 @@ from ._lesson10_ring import RING_H as _H
 from ._lesson10_ring import RING_S as _S
 from ._lesson10_ring import RINGS as _RINGS
 from ._lesson10_ring import (
+    attention_mapped,
     close,
     counted,
     device_program,
@@ -47,12 +50,23 @@ from ._lesson10_ring import (
     nbytes,
     precise,
     ring_diagnose,
+    ring_large_scores,
     ring_low_scores_and_grads,
+    ring_other_axis,
     ring_temporaries,
     sends_in_cond,
 )
 from ._lesson10_time import check_tp_critical_degree
-from ._lesson10_zero3 import dp_compiled, z_held, z_setup, z_step, z_upfront, z_values, z_wire
+from ._lesson10_zero3 import (
+    dp_compiled,
+    z_held,
+    z_other_axis,
+    z_setup,
+    z_step,
+    z_upfront,
+    z_values,
+    z_wire,
+)
 from ._lesson10_zero3 import policy_name as _policy_name
 from ._spmd import abstract
 
@@ -105,14 +119,6 @@ def _call_unaided(what: str, fn: Callable, *args, name: str, explain=None):
 # ---- exercise 3 (project): ring attention ------------------------------------------------------------------
 
 
-def _attention_mapped(fn, mesh):
-    def body(q, k, v):
-        return fn(q, k, v, CONTEXT)
-
-    spec = P(None, CONTEXT)
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
-
-
 def _explain_ring(what, e):
     if "ppermute" in str(e) and isinstance(e, ValueError):
         return (
@@ -136,7 +142,7 @@ def _ring_values(fn, devices, rng) -> list[int]:
         mesh = mesh_of({CONTEXT: c}, list(devices)[:c], axis_type="auto")
         with precise():  # float64, or float32 where float64 does not run (XLA:TPU)
             q, k, v = (rng.standard_normal((_B, _S, _H, _DH)) for _ in range(3))
-            mapped = _jit(_attention_mapped(fn, mesh))
+            mapped = _jit(attention_mapped(fn, mesh))
             what = f"ring_attention on {c} device(s)"
             args = map(jnp.asarray, (q, k, v))
             got = _call_unaided(
@@ -154,33 +160,17 @@ def _ring_values(fn, devices, rng) -> list[int]:
             )
         if not close(got, masked_attention(q, k, v, np.tri(_S, dtype=bool)), 1e-10):
             ring_diagnose(got, q, k, v, c)
+        if not ran:  # the smallest ring again, on an axis of another name
+            ring_other_axis(fn, devices, c, (q, k, v), got, _jit)
         if c == present[-1]:
-            _ring_large_scores(mapped, what, q, k, v)
+            ring_large_scores(mapped, what, q, k, v, _call_unaided)
             ring_low_scores_and_grads(mapped, what, rng, _call_unaided)
         ran.append(c)
     return ran
 
 
-def _ring_large_scores(mapped, what, q, k, v):
-    """The same ring on queries scaled so that scores reach about 1,000, where exp overflows in float64
-    (above ~709): an online softmax subtracts its running maximum and stays exact."""
-    q = q * 400.0
-    with precise():
-        got = np.asarray(
-            _call_unaided(what, mapped, *map(jnp.asarray, (q, k, v)), name="ring_attention")
-        )
-    want = masked_attention(q, k, v, np.tri(_S, dtype=bool))
-    if not close(got, want, 1e-8):
-        fail(
-            f"{what}: right on ordinary inputs, but with scores near 1,000 the result is "
-            f"{'not finite' if not np.isfinite(got).all() else 'off'}",
-            "exp of a score above ~709 overflows even in float64: keep the running maximum of the "
-            "scores and exponentiate the scores minus it (the online softmax), rescaling what is summed",
-        )
-
-
 def _ring_jaxpr(fn, c, shape):
-    mapped = _attention_mapped(fn, abstract((c,), (CONTEXT,)))
+    mapped = attention_mapped(fn, abstract((c,), (CONTEXT,)))
     arg = jax.ShapeDtypeStruct(shape, jnp.float32)
     what = f"ring_attention on a {c}-device mesh"
     return _call_unaided(what, jax.make_jaxpr(mapped), arg, arg, arg, name="ring_attention",
@@ -343,6 +333,7 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
     dpc = dp_compiled(tuple(list(devices)[:n]))
     z_values(dpc, zc, blocks, x, n)
     z_upfront(traced.jaxpr, blocks, n)
+    z_other_axis(zero3_blocks, devices, n, splits.zero3_specs)
     p_bytes = splits.block_bytes(blocks)
     wire = z_wire(zc.as_text(), mesh, n, p_bytes)
     mz, md = zc.memory_analysis(), dpc.memory_analysis()
@@ -468,10 +459,6 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
     :mod:`course_lib.splits` is refused."""
     rng = np.random.default_rng(4)
     d, f = MLP_D, MLP_F
-    spec = {
-        "w1": {"kernel": P(None, MODEL), "bias": P(MODEL)},
-        "w2": {"kernel": P(MODEL), "bias": P()},
-    }
     counts = mlp_counts(len(devices))
     for n in counts:
         mesh = mesh_of({MODEL: n}, list(devices)[:n], axis_type="auto")
@@ -482,9 +469,7 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
             }
             p = jax.tree.map(jnp.asarray, p)
             x = jnp.asarray(rng.standard_normal((MLP_T, d)))
-            mapped = jax.shard_map(
-                lambda x, p: tp_mlp(x, p, MODEL), mesh=mesh, in_specs=(P(), spec), out_specs=P()
-            )
+            mapped = _mlp.mlp_mapped(tp_mlp, mesh)
             what = f"tp_mlp on {n} device(s)"
             got = _call_unaided(what, _jit(mapped), x, p, name="tp_mlp")
             mlp_shape(got, n)
@@ -494,6 +479,9 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
             mlp_hint(got, want, np.asarray(p["w2"]["bias"]), n)
         if jaxpr is not None:
             mlp_collectives(jaxpr, n)
+    _mlp.mlp_other_axis(
+        tp_mlp, list(devices), n, x, p, got, _jit
+    )  # the last (smallest) case, renamed
     return passed(
         f"the tensor-parallel MLP equals the MLP on {' and '.join(map(str, counts))} device(s) with "
         "random biases, and sends only the [T, D] partial output through one psum"

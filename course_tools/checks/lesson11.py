@@ -66,7 +66,10 @@ def check_gpipe(gpipe_forward: Callable, devices: Sequence[Any]) -> bool:
     ticks of one stage application each, sending one activation per tick from each stage to the next
     (the ``ppermute`` pairs ``(i, i + 1)``: no pair back, no wrap-around from the last stage to stage 0),
     plus at most :data:`_METADATA_BYTES` per tick. It is run with ``course_lib.pipeline``'s executors
-    (``forward``, ``train``) replaced by functions that raise: an answer that calls them is refused."""
+    (``forward``, ``train``) replaced by functions that raise: an answer that calls them is refused; so is
+    one that names the axis itself (run again on an axis called "other", :mod:`._axis_names`) or whose
+    forward or gradient holds a collective in a ``lax.cond`` branch that only some stages take (read from
+    the jaxpr before it runs: :func:`._lesson11_gpipe.cond_collectives`)."""
     # run with the library's executors off; the pairs are read from the 4-stage program, so a wrong pair
     # is caught however few devices are present
     with unaided("gpipe_forward", _EXECUTORS, _EXECUTOR_HINT):
@@ -133,7 +136,9 @@ _LIBRARY = (schedules.__file__, pipeline_measure.__file__)
 def _predict_cases(rng: np.random.Generator) -> list[tuple[str, int, int, int]]:
     """Cases drawn afresh: each schedule at a few stage counts, with fewer and with more micro-batches than
     the stages (1F1B: ``m <= p``, ``p < m < 2p - 1`` and ``m >= 2p``), so that each typical formula is wrong
-    somewhere; circular with ``m`` a multiple of ``p`` and ``v`` of 2 to 4."""
+    somewhere; circular with ``m`` a multiple of ``p`` and ``v`` of 2 to 4. GPipe and circular have
+    ``m > p`` in one case at least (drawn again where none has), where a formula that puts ``p`` for ``m``
+    (a circular stash ``v·p``) is wrong."""
     out = []
     for _ in range(4):
         p = int(rng.integers(1, 9))
@@ -148,6 +153,19 @@ def _predict_cases(rng: np.random.Generator) -> list[tuple[str, int, int, int]]:
     for _ in range(4):
         p = int(rng.integers(1, 7))
         out.append(("circular", p, p * int(rng.integers(1, 4)), int(rng.integers(2, 5))))
+    for kind in (
+        "gpipe",
+        "circular",
+    ):  # each with m > p at least once (where m = p, p stands for m)
+        if not any(c[0] == kind and c[2] > c[1] for c in out):
+            last = max(i for i, c in enumerate(out) if c[0] == kind)
+            _, p, _, v = out[last]
+            m = (
+                int(rng.integers(p + 1, 3 * p + 5))
+                if kind == "gpipe"
+                else p * int(rng.integers(2, 4))
+            )
+            out[last] = (kind, p, m, v)
     return out
 
 
