@@ -2,7 +2,8 @@
 kept apart from them, and a program compiled for XLA:CPU on any host.
 
 Taught in ``notebooks/02_jit.ipynb`` (a compiled program read line by line; also used in ``01_grad.ipynb``)
-and used for the memory comparisons of ``01_grad``, ``02_jit`` and ``03_vmap`` (:func:`cpu_compiled`).
+and used for the memory comparisons of ``01_grad``, ``02_jit`` and ``03_vmap`` (:func:`cpu_compiled`,
+:func:`compiled_on`).
 :mod:`course_lib.programs` re-exports :func:`hlo_kernels` and :func:`hlo_memory_moves`.
 """
 
@@ -79,6 +80,31 @@ def hlo_memory_moves(hlo_text: str) -> collections.Counter:
     return collections.Counter(op for shape, op in _entry_ops(hlo_text) if _moves_memory(shape, op))
 
 
+def compiled_on(
+    device: Any,
+    fn: Callable[..., Any],
+    *args: Any,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> Any:
+    """``jax.jit(fn)`` lowered for ``args`` placed on ``device`` (a ``jax.Device``) and compiled for its
+    backend: that backend's program, whatever JAX's default backend is.
+
+    Args:
+      device: where the arguments go, e.g. ``jax.devices("cpu")[0]`` or ``jax.devices()[0]``.
+      fn: a function of ``args`` (jitted or not).
+      *args: its arguments (arrays or pytrees of arrays; copied to ``device``, not changed).
+      compiler_options: passed to ``compile`` (e.g. ``{"xla_disable_hlo_passes": "..."}``).
+
+    Returns:
+      The ``jax.stages.Compiled`` program: ``memory_analysis()``, ``cost_analysis()``, ``as_text()``, and
+      callable on arrays on ``device``.
+    """
+    import jax
+
+    placed = jax.device_put(args, device)
+    return jax.jit(fn).lower(*placed).compile(compiler_options=compiler_options)
+
+
 def cpu_compiled(
     fn: Callable[..., Any], *args: Any, compiler_options: Mapping[str, Any] | None = None
 ) -> Any:
@@ -86,9 +112,10 @@ def cpu_compiled(
     program on every host, also where the default backend is a TPU or a GPU.
 
     The lessons' memory comparisons (``temp_size_in_bytes`` of two programs) read XLA:CPU's numbers with it:
-    XLA:TPU reports no temporaries for those small programs (``temp_size_in_bytes`` 0 for each, TPU v5e,
-    JAX 0.10.2), so there they would show no difference. Used in ``notebooks/01_grad.ipynb`` (section 7),
-    ``02_jit.ipynb`` (section 5) and ``03_vmap.ipynb`` (section 4).
+    XLA:TPU reports no or next to no temporaries for those small programs (TPU v5e, JAX 0.10.2), so there
+    they would show no difference. Used in ``notebooks/01_grad.ipynb`` (section 7), ``02_jit.ipynb``
+    (section 5) and ``03_vmap.ipynb`` (section 4); on a TPU v5e those lessons also compile the programs for
+    the chip (:func:`compiled_on`) and assert how small its temporaries are.
 
     Args:
       fn: a function of ``args`` (jitted or not).
@@ -101,6 +128,4 @@ def cpu_compiled(
     """
     import jax
 
-    cpu = jax.devices("cpu")[0]
-    placed = jax.device_put(args, cpu)
-    return jax.jit(fn).lower(*placed).compile(compiler_options=compiler_options)
+    return compiled_on(jax.devices("cpu")[0], fn, *args, compiler_options=compiler_options)

@@ -265,12 +265,15 @@ def test_memory_moves_are_not_kernels():
 
 
 def test_cpu_compiled_is_xla_cpu_on_any_host():
-    from course_lib.kernels import cpu_compiled
+    from course_lib.kernels import compiled_on, cpu_compiled
 
     compiled = cpu_compiled(lambda x: jnp.sum(x**2), jnp.arange(4.0))
     assert "cpu" in {d.platform for d in compiled.input_shardings[0][0].device_set}
     assert compiled.memory_analysis().temp_size_in_bytes >= 0
     assert not programs.hlo_memory_moves(compiled.as_text())  # XLA:CPU: one memory space
+    device = jax.devices()[-1]
+    on_device = compiled_on(device, lambda x: 2 * x, jnp.arange(4.0))
+    assert on_device.input_shardings[0][0].device_set == {device}
 
 
 def test_compile_log_counts_eager_operations_too():
