@@ -20,6 +20,7 @@ Modules (import them explicitly; importing ``course_lib`` starts no JAX backend 
 - ``xla_dump``    — XLA's own records of a compile: the HLO after SPMD partitioning, what the temporaries hold
 - ``measure``     — timing, memory, FLOPs, collectives of compiled programs, scaling efficiency
 - ``programs``    — reading a program: jaxpr equations, collectives with their mesh axes and sizes, compiles
+- ``kernels``     — the kernels a compiled program launches, its copies between memory spaces, XLA:CPU on any host
 - ``plots``       — loss curves, comparison bars, scaling plots
 - ``diagrams``    — pictures of parallel programs drawn from the run's own devices, meshes and shapes
 - ``lab``         — one measured run per strategy, the scaling sweep

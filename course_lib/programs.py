@@ -19,7 +19,6 @@ order; the functions here turn each group back into the axes of *your* mesh alon
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import re
@@ -27,6 +26,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
+from .kernels import hlo_kernels, hlo_memory_moves  # noqa: F401  (re-exported: lesson 02)
 
 HLO_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 """Collective instructions of compiled HLO (an async ``-start``/``-done`` pair counts once)."""
@@ -383,34 +384,6 @@ def collectives(hlo_text: str, mesh_shape: Any) -> list[tuple[str, tuple[str, ..
       mesh_shape: that mesh's ``dict(mesh.shape)`` (or the mesh), e.g. ``{"data": 4, "model": 2}``.
     """
     return [(c.op, c.axes) for c in collective_ops(hlo_text, mesh_shape)]
-
-
-_NOT_KERNELS = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast"})
-_ENTRY_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\([^=]*?\)|\S+)\s+([\w\-]+)\(")
-
-
-def hlo_kernels(hlo_text: str) -> collections.Counter:
-    """Count the operations of a compiled program's entry computation, by kind.
-
-    Args:
-      hlo_text: ``jax.jit(f).lower(...).compile().as_text()`` (the optimised HLO).
-
-    Returns:
-      A ``Counter`` such as ``{"fusion": 6, "dot": 3}``: what the program launches, one entry per operation
-      of its ``ENTRY`` computation (parameters, constants, tuples and bitcasts, which launch nothing, are
-      left out). Taught in ``notebooks/02_jit.ipynb`` (and used in ``01_grad.ipynb``).
-
-    Raises:
-      ValueError: the text has no ``ENTRY`` computation (it is not HLO text).
-    """
-    start = hlo_text.find("\nENTRY ")
-    if start < 0:
-        raise ValueError(
-            "no ENTRY computation in this text; pass compiled.as_text() of a jitted function"
-        )
-    body = hlo_text[start:].split("\n}", 1)[0].splitlines()[1:]
-    ops = (m.group(1) for m in map(_ENTRY_INSTR.match, body) if m)
-    return collections.Counter(op for op in ops if op not in _NOT_KERNELS)
 
 
 class CompileLog(logging.Handler):

@@ -223,6 +223,7 @@ def test_hlo_kernels_counts_what_the_entry_computation_launches():
 
     hlo = jax.jit(scaled_norm).lower(jnp.arange(4.0), 1.0).compile().as_text()
     assert programs.hlo_kernels(hlo) == {"fusion": 1}  # five operations, one fused kernel (XLA:CPU)
+    assert not programs.hlo_memory_moves(hlo)  # XLA:CPU has one memory space
 
     def two_matmuls(a, b):
         return (a @ b) @ b.T
@@ -233,6 +234,46 @@ def test_hlo_kernels_counts_what_the_entry_computation_launches():
     assert sum(ops.values()) >= 2 and "parameter" not in ops
     with pytest.raises(ValueError, match="no ENTRY computation"):
         programs.hlo_kernels("not HLO")
+
+
+# XLA:TPU's entry computation of lesson 02's scaled_norm (TPU v5e, JAX 0.10.2; reference run's log, trimmed)
+_TPU_SCALED_NORM = """
+ENTRY %main.2 (x.1: f32[4], scale.1: f32[]) -> f32[] {
+  %scale.1 = f32[]{:T(128)} parameter(1), metadata={op_name="scale"}
+  %x.1 = f32[4]{0:T(128)} parameter(0), metadata={op_name="x"}
+  %copy-start = (f32[4]{0:T(128)S(1)}, f32[4]{0:T(128)}, u32[]{:S(2)}) copy-start(%x.1)
+  %copy = f32[]{:T(128)S(6)} copy(%scale.1), backend_config={"aliasing_operands":{"lists":[]}}
+  %copy-done = f32[4]{0:T(128)S(1)} copy-done(%copy-start)
+  %multiply_reduce_fusion = f32[]{:T(128)} fusion(%copy-done), kind=kLoop, calls=%fused_computation
+  %sqrt.1 = f32[]{:T(128)S(6)} sqrt(%multiply_reduce_fusion), metadata={op_name="jit(scaled_norm)/sqrt"}
+  ROOT %mul.1 = f32[]{:T(128)} multiply(%copy, %sqrt.1), metadata={op_name="jit(scaled_norm)/mul"}
+}
+"""
+
+
+def test_memory_moves_are_not_kernels():
+    assert programs.hlo_kernels(_TPU_SCALED_NORM) == {"fusion": 1, "sqrt": 1, "multiply": 1}
+    moves = programs.hlo_memory_moves(_TPU_SCALED_NORM)
+    assert moves == {"copy-start": 1, "copy-done": 1, "copy": 1}
+    layout_copy = (
+        "\nENTRY %m (a: f32[2,3]) -> f32[3,2] {\n  ROOT %copy = f32[2,3]{0,1} copy(%a)\n}\n"
+    )
+    assert programs.hlo_kernels(layout_copy) == {"copy": 1}  # one memory space: a kernel
+    assert not programs.hlo_memory_moves(layout_copy)
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        programs.hlo_memory_moves("not HLO")
+
+
+def test_cpu_compiled_is_xla_cpu_on_any_host():
+    from course_lib.kernels import compiled_on, cpu_compiled
+
+    compiled = cpu_compiled(lambda x: jnp.sum(x**2), jnp.arange(4.0))
+    assert "cpu" in {d.platform for d in compiled.input_shardings[0][0].device_set}
+    assert compiled.memory_analysis().temp_size_in_bytes >= 0
+    assert not programs.hlo_memory_moves(compiled.as_text())  # XLA:CPU: one memory space
+    device = jax.devices()[-1]
+    on_device = compiled_on(device, lambda x: 2 * x, jnp.arange(4.0))
+    assert on_device.input_shardings[0][0].device_set == {device}
 
 
 def test_compile_log_counts_eager_operations_too():

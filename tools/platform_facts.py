@@ -25,7 +25,7 @@ import numpy as np
 from jax.test_util import check_grads
 
 from course_lib.precision import float32_rtol, float64_runs, matmul_precision
-from course_lib.programs import hlo_kernels
+from course_lib.programs import hlo_kernels, hlo_memory_moves
 
 
 def _line(name: str, value) -> None:
@@ -66,6 +66,7 @@ def lesson01() -> None:
 def lesson02() -> None:
     hlo = jax.jit(lambda x, s: jnp.sqrt(jnp.sum(x**2)) * s).lower(jnp.arange(4.0), 1.0).compile()
     _line("entry kernels of a scaled norm", dict(hlo_kernels(hlo.as_text())))
+    _line("its copies between memory spaces", dict(hlo_memory_moves(hlo.as_text())))
     for shape in ((840, 256), (840, 840), (1024, 1024)):
         big = jnp.ones(shape)
         memory = (
