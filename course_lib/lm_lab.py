@@ -18,12 +18,16 @@ import jax
 import numpy as np
 import pandas as pd
 
-from . import lm_layouts, moe
+from . import comms, lm_layouts, moe
 
 __all__ = [
     "model_of",
     "worst_diff",
     "run_parity",
+    "nonzero_by_axis",
+    "bytes_by_axis",
+    "memory_row",
+    "gathered_weights",
     "xla_cpu_summaries",
     "collectives_of",
     "dtypes_of",
@@ -161,6 +165,67 @@ def run_parity(
         results[k] = dict(built=built, compiled=compiled, worst=worst, rel=rel, compile_s=compile_s,
                           run_s=run_s, losses=[la for la, _ in got])  # fmt: skip
     return refs, results
+
+
+def nonzero_by_axis(items: Sequence) -> dict[str, float]:
+    """Bytes each device sends per mesh axis (:func:`course_lib.comms.sent_by_axis` of predicted transfers
+    or read collectives), the axes that send nothing (an axis of size 1) left out."""
+    return {a: b for a, b in comms.sent_by_axis(items).items() if b}
+
+
+def bytes_by_axis(key: str, predicted: Sequence, measured: Sequence) -> pd.DataFrame:
+    """One row per mesh axis that sends anything: ``layout`` (``key``), ``axis``, ``predicted`` and
+    ``measured`` (bytes per device per step, float; 0 where one side has nothing on that axis) and ``match``
+    (:func:`course_lib.comms.same_bytes`: equal whole bytes, or within 1e-12 relative for ring fractions)."""
+    pred, meas = nonzero_by_axis(predicted), nonzero_by_axis(measured)
+    rows = [
+        {
+            "layout": key,
+            "axis": a,
+            "predicted": float(pred.get(a, 0.0)),
+            "measured": float(meas.get(a, 0.0)),
+        }
+        for a in sorted(set(pred) | set(meas))
+    ]
+    table = pd.DataFrame(rows, columns=["layout", "axis", "predicted", "measured"])
+    table["match"] = [comms.same_bytes(p, m) for p, m in zip(table["predicted"], table["measured"])]
+    return table
+
+
+def memory_row(key: str, predicted: dict, analysis: Any, n_devices: int) -> dict:
+    """One row of lab 12's memory table (bytes per device): ``predicted`` is
+    :func:`course_lib.lm_costs.predict_memory`'s dict, ``analysis`` the compiled program's
+    ``memory_analysis()``. ``temp / est.`` is the temporaries over the activation estimate (2 decimals).
+
+    Raises:
+      ZeroDivisionError: an activation estimate of 0 bytes.
+    """
+    return {
+        "layout": key,
+        "n_devices": n_devices,
+        **{k: predicted[k] for k in ("params", "optimizer", "gradients", "batch")},
+        "activations_est": predicted["activations"],
+        "arguments_predicted": predicted["arguments"],
+        "argument_size": analysis.argument_size_in_bytes,
+        "outputs_predicted": predicted["outputs"],
+        "output_size": analysis.output_size_in_bytes,
+        "temp_size": analysis.temp_size_in_bytes,
+        "temp / est.": round(analysis.temp_size_in_bytes / predicted["activations"], 2),
+    }
+
+
+def gathered_weights(collectives: Sequence, params: dict) -> list:
+    """The all-gathers among ``collectives`` (:class:`course_lib.comms.Collective`, read from a compiled
+    program) whose result has a parameter's shape: a leaf of ``params``, or a leaf of ``params["blocks"]``
+    without its leading layer axis. Lab 12 shows with it that the partitioner gathers weights as well as
+    activations."""
+    shapes = {a.shape for a in jax.tree.leaves(params)}
+    shapes |= {a.shape[1:] for a in jax.tree.leaves(params.get("blocks", {}))}
+    return [
+        c
+        for c in collectives
+        if c.kind == "all-gather" and any(tuple(d) in shapes for _, d in c.shapes)
+    ]
 
 
 def xla_cpu_summaries(runs: dict[str, tuple[Any, Any]], prefix: str = "lab12.") -> dict[str, dict]:

@@ -149,3 +149,46 @@ def test_step_table_in_ms_and_gb():
     assert table.loc[0, "step_ms"] == pytest.approx(row["step_s"] * 1e3, abs=0.01)
     assert table.loc[0, "comm_ms"] == pytest.approx(sum(row["comm_s"].values()) * 1e3, abs=0.01)
     assert {"compute_ms", "sent_GB", "memory_GB"} <= set(table.columns)
+
+
+def test_gathered_weights_are_the_all_gathers_of_a_parameters_shape():
+    from course_lib.comms import Collective
+
+    params = {"embed": np.zeros((16, 32)), "blocks": {"w": np.zeros((2, 32, 64))}}
+
+    def gather(kind, *dims):
+        return Collective(kind, ("model",), 2, tuple(("f32", d) for d in dims), 0, 0.0, "c")
+
+    weight, block, act = (
+        gather("all-gather", (16, 32)),
+        gather("all-gather", (32, 64)),
+        gather("all-gather", (4, 32)),
+    )
+    reduce = gather("all-reduce", (16, 32))
+    assert lm_lab.gathered_weights([weight, block, act, reduce], params) == [weight, block]
+
+
+def test_bytes_by_axis_sets_prediction_beside_program():
+    sizes = {"data": 8}
+    predicted = lm_costs.predict_bytes("dp", CFG, 16, sizes, itemsize=4)
+    same = lm_lab.bytes_by_axis("dp", predicted, predicted)
+    assert list(same["axis"]) == ["data"] and same["match"].all()
+    assert same.loc[0, "predicted"] == comms.sent_by_axis(predicted)["data"] > 0
+    none = lm_lab.bytes_by_axis("dp", predicted, [])
+    assert none.loc[0, "measured"] == 0.0 and not none["match"].any()
+    one = lm_costs.predict_bytes("dp", CFG, 16, {"data": 1}, itemsize=4)
+    assert lm_lab.nonzero_by_axis(one) == {}  # an axis of size 1 sends nothing
+
+
+def test_memory_row_sets_prediction_beside_memory_analysis():
+    from types import SimpleNamespace
+
+    pm = lm_costs.predict_memory("dp", CFG, 16, {"data": 8}, 4)
+    ma = SimpleNamespace(
+        argument_size_in_bytes=pm["arguments"],
+        output_size_in_bytes=pm["outputs"],
+        temp_size_in_bytes=2 * pm["activations"],
+    )
+    row = lm_lab.memory_row("dp", pm, ma, 8)
+    assert row["arguments_predicted"] == row["argument_size"] and row["temp / est."] == 2.0
+    assert row["layout"] == "dp" and row["n_devices"] == 8
