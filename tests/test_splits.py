@@ -182,6 +182,7 @@ def test_loop_sent_reads_xla_tpus_program_with_the_layer_count():
     import re
 
     from course_lib import aot
+    from course_lib.aot_programs import LESSON10_BATCH
     from course_lib.aot_programs import LESSON10_CONFIG as C10
 
     text = aot.hlo_text("lesson10.tp_forward")
@@ -189,9 +190,10 @@ def test_loop_sent_reads_xla_tpus_program_with_the_layer_count():
         SP.loop_sent(text, {MODEL: 8})
     # the loop was not unrolled: its condition compares the counter with L
     cond = re.search(r"condition=%?([\w.\-]+)", text).group(1)
-    assert re.search(rf"%{re.escape(cond)} .*?constant\((\d+)\)", text, re.S).group(1) == "2"
-    assert C10.n_layers == 2
-    act = 4 * C10.seq_len * C10.d_model * 4  # batch 4, float32
+    assert re.search(rf"%{re.escape(cond)} .*?constant\((\d+)\)", text, re.S).group(1) == str(
+        C10.n_layers
+    )
+    act = LESSON10_BATCH * C10.seq_len * C10.d_model * 4  # float32
     got = SP.loop_sent(text, {MODEL: 8}, trips=C10.n_layers)
     assert got == {
         "all-reduce": {"count": 2 * C10.n_layers, "sent": 2 * C10.n_layers * 2 * 7 / 8 * act}
