@@ -311,7 +311,7 @@ def _computations(hlo_text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-def computation_runs(hlo_text: str) -> dict[str, int | None]:
+def computation_runs(hlo_text: str, unknown: int | None = None) -> dict[str, int | None]:
     """How many times each computation of a compiled program runs when the program runs once.
 
     The ``ENTRY`` computation runs once. A ``while`` loop's body runs its loop's ``known_trip_count``
@@ -323,8 +323,8 @@ def computation_runs(hlo_text: str) -> dict[str, int | None]:
     and reports half the trips. A ``conditional``'s branch counts as if taken.
 
     Returns:
-      ``{computation: runs}``; None for a body whose loop (or an enclosing one) has no known trip count.
-      Computations not reached from ``ENTRY`` (or text without one) are absent.
+      ``{computation: runs}`` (absent: not reached from ``ENTRY``); a loop that states no trip count
+      (XLA:TPU's) runs ``unknown`` times (e.g. a scan's layers), or, with None, its computations map to None.
     """
     comps = _computations(hlo_text)
     names = {name for name, _ in comps}
@@ -348,7 +348,7 @@ def computation_runs(hlo_text: str) -> dict[str, int | None]:
                         continue
                     factor = 1
                     if " while(" in line and line[m.start() : m.start() + 5] == "body=":
-                        factor = int(trips.group(1)) if trips else None
+                        factor = int(trips.group(1)) if trips else unknown
                     here = None if runs[name] is None or factor is None else runs[name] * factor
                     before = runs.get(callee, 0)
                     runs[callee] = None if before is None or here is None else before + here

@@ -352,22 +352,34 @@ def predict_tp_sp(kind: str, b: int, s: int, d: int, n: int, itemsize: int = 4) 
     return {"sent": sent, "ln_elements": full if kind == "tp" else full // n}
 
 
-def loop_sent(hlo_text: str, mesh) -> dict[str, dict[str, float]]:
+def loop_sent(hlo_text: str, mesh, trips: int | None = None) -> dict[str, dict[str, float]]:
     """Collectives of a compiled program, each counted as often as it runs:
     ``{kind: {"count": …, "sent": bytes per device}}``. An instruction inside a ``while`` body counts
     once per iteration, by the ``known_trip_count`` XLA wrote on the loop (the HLO lists a body once,
     and ``cost_analysis()`` counts it once); a body XLA unrolled holds each copy and runs fewer trips.
 
-    Raises:
-      ValueError: a collective inside a loop whose trip count the program does not state.
-    """
-    from .programs import collective_ops
+    Args:
+      hlo_text: ``compiled.as_text()``.
+      mesh: the mesh it runs on (or ``dict(mesh.shape)``).
+      trips: the trip count of every loop that states none (XLA:TPU writes no ``known_trip_count``):
+        the caller's own knowledge, e.g. the layer count ``L`` of a ``scan`` over layers (the length of
+        the jaxpr's ``scan``). None: such a loop raises. Taught in ``notebooks/10_transformers.ipynb``.
 
+    Raises:
+      ValueError: a collective inside a loop whose trip count the program does not state, and no ``trips``.
+    """
+    from .programs import collective_ops, computation_runs
+
+    runs = computation_runs(hlo_text, trips)
     out: dict[str, dict[str, float]] = {}
     for op in collective_ops(hlo_text, mesh):
-        if op.runs is None:
-            raise ValueError(f"{op.op} {op.name} is in a while loop of unknown trip count")
+        n_runs = runs.get(op.computation, 1) if op.runs is None else op.runs
+        if n_runs is None:
+            raise ValueError(
+                f"{op.op} {op.name} is in a while loop of unknown trip count (XLA:TPU writes none): "
+                "pass trips=, e.g. the number of layers the loop runs"
+            )
         row = out.setdefault(op.op, {"count": 0, "sent": 0.0})
-        row["count"] += op.runs
-        row["sent"] += op.runs * op.bytes_sent
+        row["count"] += n_runs
+        row["sent"] += n_runs * op.bytes_sent
     return out

@@ -174,3 +174,27 @@ def test_pictures():
         matplotlib.pyplot.close(fig)
     with pytest.raises(ValueError, match="do not split"):
         SD.heads_over_devices(6, 4)
+
+
+def test_loop_sent_reads_xla_tpus_program_with_the_layer_count():
+    """XLA:TPU writes no known_trip_count: loop_sent raises, and with trips=L (the scan's length) reads the
+    committed 8-chip tensor-parallel forward (v5e:2x4): two all-reduces of B·S·D float32 per layer."""
+    import re
+
+    from course_lib import aot
+    from course_lib.aot_programs import LESSON10_BATCH
+    from course_lib.aot_programs import LESSON10_CONFIG as C10
+
+    text = aot.hlo_text("lesson10.tp_forward")
+    with pytest.raises(ValueError, match="trips="):
+        SP.loop_sent(text, {MODEL: 8})
+    # the loop was not unrolled: its condition compares the counter with L
+    cond = re.search(r"condition=%?([\w.\-]+)", text).group(1)
+    assert re.search(rf"%{re.escape(cond)} .*?constant\((\d+)\)", text, re.S).group(1) == str(
+        C10.n_layers
+    )
+    act = LESSON10_BATCH * C10.seq_len * C10.d_model * 4  # float32
+    got = SP.loop_sent(text, {MODEL: 8}, trips=C10.n_layers)
+    assert got == {
+        "all-reduce": {"count": 2 * C10.n_layers, "sent": 2 * C10.n_layers * 2 * 7 / 8 * act}
+    }
