@@ -175,7 +175,7 @@ ifeq ($(IN_PACKAGE),)
 	$(UNDER_LOAD) $(PY) -m pytest $(PYTEST_ARGS)
 ifneq ($(SECOND311),)
 	@echo "make test: the second environment, JAX 0.10.2 on $(PY311_PATH) in $(VENV311)"
-	$(UNDER_LOAD) $(VENV311)/bin/python -m pytest tests notebooks $(addprefix --ignore=tests/,$(SLOW311) $(NOT_YET311))
+	COURSE_NBMAKE_SHELL_FLAGS=1 $(UNDER_LOAD) $(VENV311)/bin/python -m pytest tests notebooks $(addprefix --ignore=tests/,$(SLOW311) $(NOT_YET311))
 else ifeq ($(abspath $(VENV)),$(abspath $(VENV311)))
 	@echo "make test: this run was in the second environment ($(VENV311)) itself"
 else ifeq ($(PY311),0)

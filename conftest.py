@@ -53,8 +53,9 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 # The session compiles with LLVM's optimisations off (the HLO passes, and so every partitioning, collective,
 # FLOP and buffer the lessons read, are unchanged; the code runs a little slower): measured on the papermill
 # runs of notebooks 06, 08, 10 and 11 at 4 devices, 9-25% less CPU time. nbmake's runs of the notebooks as
-# committed keep the shell's flags (tests/conftest.py), so that one column of the matrix runs exactly what
-# a learner runs. The kernels do not probe these flags again (course_lib.devices.FLAGS_CHECKED).
+# committed compile so too, and load the programs the matrix compiled; make test's second environment runs
+# them with the shell's flags (COURSE_NBMAKE_SHELL_FLAGS=1, tests/matrix.py), so that every notebook still
+# runs once exactly as a learner runs it. The kernels do not probe these flags again (course_lib.devices.FLAGS_CHECKED).
 FAST_COMPILE_FLAGS = (
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",

@@ -55,8 +55,9 @@ def pytest_collection_modifyitems(config, items):
     import matrix
 
     for item in items:
-        # nbmake: each notebook as committed, with the shell's XLA flags
-        if item.path.suffix == ".ipynb":
+        # nbmake: each notebook as committed; with the shell's XLA flags only where the session is asked
+        # to (the second environment's run, matrix.NBMAKE_SHELL_FLAGS); otherwise with the session's
+        if item.path.suffix == ".ipynb" and matrix.nbmake_keeps_shell_flags():
             item.runtest = matrix.with_shell_flags(item.runtest)
         if item.path.suffix == ".ipynb" and item.path.stem == matrix.MULTIHOST:
             item.add_marker(pytest.mark.xdist_group(f"matrix-n{matrix.DEFAULTS_COUNT}"))

@@ -241,6 +241,25 @@ def multihost_outputs(n: int) -> list[dict]:
     return [o for o in outputs if o.get("strategies")]
 
 
+NBMAKE_SHELL_FLAGS = "COURSE_NBMAKE_SHELL_FLAGS"
+"""``COURSE_NBMAKE_SHELL_FLAGS=1``: nbmake runs the notebooks with the shell's ``XLA_FLAGS`` (LLVM's
+optimisations on, as a learner runs them) instead of the session's fast-compile flags. make test sets it for
+the second environment's run, so that every notebook is still run once per ``make test`` exactly as a learner
+runs it (on JAX 0.10.2); in the course's environment nbmake compiles as the matrix does, and loads every
+program the matrix's runs at 1, 2 and 4 devices compiled (e.g. notebook 11 at 8 devices after its run at 4:
+40 of 267 programs compiled, 60 CPU-s, against 259 and 117 CPU-s with the shell's flags)."""
+
+
+def nbmake_keeps_shell_flags() -> bool:
+    """True when nbmake's runs keep the shell's ``XLA_FLAGS`` (:data:`NBMAKE_SHELL_FLAGS` is ``1``)."""
+    value = os.environ.get(NBMAKE_SHELL_FLAGS, "0")
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{NBMAKE_SHELL_FLAGS}={value!r} is not 0 or 1 (1: nbmake keeps the shell's flags)"
+        )
+    return value == "1"
+
+
 def with_shell_flags(runtest: Callable[[], object]) -> Callable[[], None]:
     """``runtest`` (nbmake's run of a notebook as committed) with the shell's ``XLA_FLAGS``: the kernel it
     starts from this process's environment runs what a learner runs, not the session's fast-compile flags

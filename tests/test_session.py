@@ -56,7 +56,18 @@ def test_one_device_programs_compile_once_for_every_device_count(tmp_path):
     assert again["cache_misses"] == 0, again
 
 
-def test_the_session_compiles_fast_and_nbmake_runs_what_a_learner_runs(monkeypatch):
+def test_nbmake_keeps_the_shell_flags_only_when_asked(monkeypatch):
+    for value, keeps in (("0", False), ("1", True)):
+        monkeypatch.setenv(matrix.NBMAKE_SHELL_FLAGS, value)
+        assert matrix.nbmake_keeps_shell_flags() is keeps
+    monkeypatch.delenv(matrix.NBMAKE_SHELL_FLAGS)
+    assert not matrix.nbmake_keeps_shell_flags()
+    monkeypatch.setenv(matrix.NBMAKE_SHELL_FLAGS, "yes")
+    with pytest.raises(ValueError, match="COURSE_NBMAKE_SHELL_FLAGS='yes' is not 0 or 1"):
+        matrix.nbmake_keeps_shell_flags()
+
+
+def test_the_session_compiles_fast_and_nbmake_can_run_what_a_learner_runs(monkeypatch):
     session = os.environ["XLA_FLAGS"]
     assert "--xla_backend_optimization_level=0" in session.split()
     assert os.environ["COURSE_XLA_FLAGS_CHECKED"] == session  # the kernels do not probe them again
