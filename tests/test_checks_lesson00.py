@@ -349,7 +349,7 @@ def _sums_by_list_put(parts, device):
 
 
 def test_split_and_sum_accepts_correct_forms(report):
-    for devices in (report.devices, report.devices[:3], report.devices[:1]):
+    for devices in (report.devices, report.devices[:3]):
         assert lesson00.check_split_and_sum(answer(_split, _sums), devices)
     for split, sums in (
         (_split_with_jnp_split, _sums_stacked),
@@ -363,6 +363,25 @@ def test_split_and_sum_accepts_correct_forms(report):
         assert lesson00.check_split_and_sum(answer(split, sums), report.devices), split
     as_list = lambda x, ds, d: list(answer(_split, _sums)(x, ds, d))
     assert lesson00.check_split_and_sum(as_list, report.devices)
+
+
+def _split_and_sum(x, devices, device):  # a top-level def, as a notebook cell has it
+    parts = _split(x, devices)
+    return (parts, *_sums(parts, device))
+
+
+def test_split_and_sum_on_one_device_is_judged_on_eight(report, capsys):
+    """One device shows no transfer: the answer is judged in a fresh process with 8 simulated devices,
+    where a total summed from x and moved is refused (the red team's D1 got a ✓ at 1 device)."""
+    one = report.devices[:1]
+    assert lesson00.check_split_and_sum(_split_and_sum, one)
+    assert "judged in a fresh process on 8 simulated CPU devices" in capsys.readouterr().out
+    rejects(
+        lesson00.check_split_and_sum,
+        _total_from_x,
+        one,
+        match="(?s)sum of all the rows was moved.*judged in a fresh process on 8",
+    )
 
 
 def test_split_and_sum_stub(report, monkeypatch, capsys):
@@ -522,7 +541,7 @@ def test_split_and_sum_wrong_answers(report):
     devices = report.devices
     check = lesson00.check_split_and_sum
     rejects(check, answer(_uncommitted, _sums), devices, match="commit each block")
-    rejects(check, answer(_uncommitted, _sums), devices[:1], match="commit each block")
+    rejects(check, answer(_uncommitted, _sums), devices[:2], match="commit each block")
     rejects(check, answer(_split_asarray, _sums), devices, match="part 0 .*committed: False")
     rejects(check, answer(_interleaved, _sums), devices, match="not every n-th row")
     rejects(check, answer(_drops_rows, _sums), devices, match="no error")

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._common import call_answer, checker, fail, not_written, passed
+from ._common import call_answer, checker, fail, judged_on, not_written, passed
 from ._lesson00_env import judge_cpu_env
 from ._lesson00_env import run_python as _run_python
 from ._lesson00_moves import RecordMoves, judge_moves
@@ -275,6 +275,9 @@ def _indivisible(split_and_sum, devices) -> None:
 
 
 @checker
+@judged_on(
+    2, "on one device every part, partial sum and total is on that device, so no transfer shows"
+)
 def check_split_and_sum(split_and_sum: Callable, devices: Sequence[Any]) -> bool:
     """Exercise 3 (project): ``split_and_sum(x, devices, device) -> (parts, partials, total)``, by hand.
 
