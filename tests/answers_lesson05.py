@@ -180,3 +180,16 @@ def fsdp_tp_step_shard_map(params, velocity, x, y, lr):
         out_specs=(specs, specs, P()),
     )
     return mapped(params, velocity, x, y)
+
+
+def fsdp_tp_step_regathers(
+    params, velocity, x, y, lr
+):  # the red team's D4: the backward gathers again
+    @jax.checkpoint
+    def loss_fn(p):
+        w1 = jax.reshard(p["w1"], P(None, MODEL))
+        w2 = jax.reshard(p["w2"], P(MODEL, None))
+        return _mlp(p, x, y, w1, w2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return (*_momentum(params, velocity, grads, lr), loss)

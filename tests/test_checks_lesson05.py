@@ -429,7 +429,7 @@ def test_an_axis_of_size_1_is_judged_on_a_full_mesh_too(report):
             lesson05.check_fsdp_tp_step,
             a.fsdp_tp_step_whole_auto,
             devs,
-            match="no sharding.*auto_axes",
+            match="(?s)(no sharding|no jax.reshard gathers w1 or w2).*auto_axes",
         )
         rejects(
             lesson05.check_fsdp_tp_step,
@@ -440,8 +440,21 @@ def test_an_axis_of_size_1_is_judged_on_a_full_mesh_too(report):
     rejects(
         lesson05.check_fsdp_tp_step,
         a.fsdp_tp_step_gather_all,
+        two,
+        match="gathered over model|moves blocks between model shards",
+    )
+    rejects(
+        lesson05.check_fsdp_tp_step,
+        a.fsdp_tp_step_gather_all,
+        three,
+        match="x @ w1 is float32\\[6@data,12\\]",
+    )
+    # D4: one device shows no gather, so the step is judged on 8 simulated devices in a fresh process
+    rejects(
+        lesson05.check_fsdp_tp_step,
+        a.fsdp_tp_step_regathers,
         one,
-        match="x @ w1 is float32\\[2@data,4\\]",
+        match="(?s)gather.*fresh process",
     )
 
 

@@ -367,6 +367,7 @@ def check_data_parallel_loop(fn: Callable, devices: Sequence[Any], n_steps: int 
 
 
 @checker
+@judged_on(2, "on a 1 x 1 mesh nothing is gathered, so a weight gathered twice cannot show")
 def check_fsdp_tp_step(fn: Callable, devices: Sequence[Any]) -> bool:
     """Exercise 3; the spec is :func:`course_tools.checks._lesson05_fsdp.check_fsdp_tp_step`'s."""
     _fsdp.check_fsdp_tp_step(fn, devices)
