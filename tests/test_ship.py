@@ -61,6 +61,13 @@ lam = lambda x: x  # noqa: E731
 
 def uses_missing(x):
     return x + NOT_DEFINED  # noqa: F821
+
+
+def loops_with_lambdas(x, kernel):  # the red team's D5: a lambda reading a local, in a loop
+    total = 0
+    for k in (1, 2):
+        total = total + jax.vmap(lambda c: jnp.convolve(c, kernel * k), in_axes=1)(x)
+    return total
 '''
 
 
@@ -91,6 +98,25 @@ def test_ships_a_def_with_what_it_reads(cells):
     ns: dict = {}
     exec(compile(source, "<shipped>", "exec"), ns)
     assert ns["answer"].__code__.co_varnames == module.answer.__code__.co_varnames
+
+
+def test_ships_a_lambda_that_reads_a_local_inside_a_loop(cells):
+    """A call whose argument is a closure compiles with a separate PUSH_NULL beside its cell's imports and
+    without it alone, which moves every jump target after it: the same code, sent (the red team's D5 was
+    refused as "not the code that ran")."""
+    module, path = cells
+    assert "def loops_with_lambdas(x, kernel):" in ship(module.loops_with_lambdas)
+    text = path.read_text()
+    path.write_text(text.replace("kernel * k)", "kernel * k + 1)"))
+    import linecache
+
+    linecache.checkcache(str(path))
+    try:
+        with pytest.raises(CannotShip, match="not the code that ran"):
+            ship(module.loops_with_lambdas)
+    finally:
+        path.write_text(text)
+        linecache.checkcache(str(path))
 
 
 def test_an_importable_function_goes_by_name():

@@ -84,16 +84,20 @@ def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
     here does not). CPython 3.12 changes only an instruction's argument there (``LOAD_ATTR``'s method
     bit, ``LOAD_GLOBAL``'s push-NULL bit), not its ``argval``; CPython 3.11 emits ``LOAD_ATTR`` for an
     imported module and ``LOAD_METHOD`` otherwise, so ``LOAD_METHOD`` is compared as ``LOAD_ATTR``: both
-    read the same attribute of the same object, and the call that follows is the same."""
+    read the same attribute of the same object, and the call that follows is the same. ``PUSH_NULL`` is
+    left out: a call such as ``jax.vmap(lambda c: ...)`` whose argument is a closure gets it as a separate
+    instruction in one compilation and as ``LOAD_GLOBAL``'s push-NULL bit in the other (CPython 3.12)."""
 
     def steps(code):
-        return [
-            (
-                _SAME_OP.get(i.opname, i.opname),
-                None if isinstance(i.argval, types.CodeType) else i.argval,
-            )
-            for i in dis.get_instructions(code)
-        ]
+        kept = [i for i in dis.get_instructions(code) if i.opname != "PUSH_NULL"]
+        jumps = set(dis.hasjrel) | set(dis.hasjabs)
+
+        def arg(i):  # a jump's target as an index among the kept instructions, not a byte offset
+            if i.opcode in jumps:
+                return ("to", sum(k.offset < i.argval for k in kept))
+            return None if isinstance(i.argval, types.CodeType) else i.argval
+
+        return [(_SAME_OP.get(i.opname, i.opname), arg(i)) for i in kept]
 
     ca = [c for c in a.co_consts if isinstance(c, types.CodeType)]
     cb = [c for c in b.co_consts if isinstance(c, types.CodeType)]
