@@ -384,6 +384,23 @@ def test_split_and_sum_on_one_device_is_judged_on_eight(report, capsys):
     )
 
 
+def _sums_in_bfloat16(parts, device):  # the red team's D2: partial sums cast, then moved and added
+    partials = [p.sum(axis=0) for p in parts]
+    return partials, sum(jax.device_put(s.astype(jnp.bfloat16), device) for s in partials)
+
+
+def test_split_and_sum_names_the_dtype_of_a_cast_sum(report):
+    """A partial sum cast to bfloat16 before it moves is still a sum of partial sums: the hint names the
+    dtype, not "no sum of partial sums"."""
+    for devices in (report.devices, report.devices[:2]):
+        rejects(
+            lesson00.check_split_and_sum,
+            answer(_split, _sums_in_bfloat16),
+            devices,
+            match="row-sized bfloat16 array .* float32 x are float32",
+        )
+
+
 def test_split_and_sum_stub(report, monkeypatch, capsys):
     not_written(
         lesson00.check_split_and_sum, _stub, report.devices, monkeypatch=monkeypatch, capsys=capsys

@@ -310,6 +310,7 @@ class _Partials:
 
     def __init__(self, partials, devices):
         self.values = [np.asarray(p, np.float64) for p in partials]
+        self.dtype = np.asarray(partials[0]).dtype if len(partials) else None
         self.atoms = {d: [frozenset([i])] for i, d in enumerate(devices)}
 
     def decompose(self, value, where):
@@ -338,6 +339,14 @@ def _judge_row(move: Move, partials: _Partials, devices, name) -> None:
     if found is not None:
         partials.arrive(found, move.dst)
         return
+    got = getattr(move.value, "dtype", None)
+    if got is not None and partials.dtype is not None and got != partials.dtype:
+        want = partials.dtype
+        fail(
+            f"a row-sized {got} array was moved from {name(move.src)} to {name(move.dst)}; the partial "
+            f"sums of this {want} x are {want}",
+            f"add the partial sums as they are: the column sum of {want} rows is {want}",
+        )
     whole = sum(partials.values)
     if np.allclose(np.asarray(move.value, np.float64), whole, rtol=1e-5, atol=1e-5):
         how = (
