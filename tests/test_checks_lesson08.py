@@ -78,7 +78,8 @@ def make_zero1(reduce="scatter", vary=True, divide=True, gather=True, update_par
         mine = jax.tree.map(
             lambda p, s: _slice(p, s, axis_name), state.params, specs, is_leaf=_is_spec
         )
-        given = {"slices": mine, "whole": state.params, "none": None}[update_params]
+        zeros = jax.tree.map(lambda p: p * 0, mine)
+        given = {"slices": mine, "whole": state.params, "none": None, "zeros": zeros}[update_params]
         updates, opt_state = optimizer.update(g, state.opt_state, given)
         new = optax.apply_updates(mine, updates)
         if gather:
@@ -167,6 +168,13 @@ def test_zero1_refuses_the_whole_parameters_handed_to_the_optimizer(report):
         make_zero1(update_params="none"),
         report.devices[:4],
         match="needs the parameters.*third argument",
+    )
+    # D6: zeros for the parameters leave out weight decay: the hint names the parameters, not the state
+    rejects(
+        lesson08.check_zero1,
+        make_zero1(update_params="zeros"),
+        report.devices[:4],
+        match="(?s)momentum.*lacks the weight decay.*parameter slices as optimizer.update's third",
     )
 
 

@@ -240,12 +240,33 @@ def _judge_step(k, n, new, metrics, ref_states, ref_losses, tol, specs) -> None:
     d, leaf = parity.update_diff(new_opt, ref_states[k + 1].opt_state, ref_states[k].opt_state)
     leaf = leaf.split("trace/")[-1]  # the parameter's path in the optimizer state's tree
     if d > tol.one_step_update:
+        hint = (
+            "the step must return the optimizer state that optimizer.update gave back, for this device's "
+            "slices"
+        )
+        undecayed = _without_decay(ref_states[k + 1].opt_state, ref_states[k].params)
+        if (
+            parity.update_diff(new_opt, undecayed, ref_states[k].opt_state)[0]
+            <= tol.one_step_update
+        ):
+            hint = (
+                "your momentum lacks the weight decay term wd · p: optimizer.update was handed zeros (or "
+                "other values) for the parameters, and weight decay reads them: pass this device's "
+                "parameter slices as optimizer.update's third argument"
+            )
         fail(
             f"step {k}: the parameters are right, but the new momentum of {leaf} differs from "
             f"single-device jit's by {d:.2g} (relative)",
-            "the step must return the optimizer state that optimizer.update gave back, for this device's "
-            "slices",
+            hint,
         )
+
+
+def _without_decay(opt_state, params):
+    """The state of :func:`make_check_optimizer` had its ``update`` been handed zeros for the parameters:
+    the momentum less ``WEIGHT_DECAY · p`` (``p`` the parameters before the step)."""
+    decay, (trace, rest) = opt_state
+    momentum = jax.tree.map(lambda m, p: m - WEIGHT_DECAY * p, trace.trace, params)
+    return decay, (trace._replace(trace=momentum), rest)
 
 
 def _update_hint(new_params, after, before, leaf, n, specs) -> str:
