@@ -277,6 +277,19 @@ def load_whole(source, sharding, global_shape):
     return jax.device_put(np.asarray(source), sharding)
 
 
+def load_whole_by_ellipsis(source, sharding, global_shape):  # the red team's D7: valid on np.memmap
+    return jax.device_put(np.asarray(source[...]), sharding)
+
+
+def test_the_recording_source_takes_an_ellipsis_as_numpy_does():
+    from course_tools.checks._lesson09_loader import RecordingSource
+
+    source = RecordingSource(np.arange(24.0).reshape(4, 6))
+    assert (source[...] == source._data).all() and (source[1:3, ...] == source._data[1:3]).all()
+    assert (source[..., 2] == source._data[:, 2]).all()
+    assert source.reads == [((0, 4), (0, 6)), ((1, 3), (0, 6)), ((0, 4), (2, 3))]
+
+
 def load_local_rows(source, sharding, global_shape):  # the contiguous-rows approach
     idx = sharding.addressable_devices_indices_map(global_shape).values()
     start = min(i[0].start or 0 for i in idx)
@@ -331,6 +344,12 @@ def test_block_loader(report):
     rejects(lesson09.check_block_loader, load_whole, devs, match="only process 1's devices hold")
     rejects(
         lesson09.check_block_loader,
+        load_whole_by_ellipsis,
+        devs,
+        match="only process 1's devices hold",
+    )
+    rejects(
+        lesson09.check_block_loader,
         load_local_rows,
         devs,
         match="only process 1's devices hold.*blocks are contiguous and its devices hold whole rows",
@@ -359,6 +378,12 @@ def test_references_at_an_odd_device_count(report):
     assert lesson09.check_process_rows(rows, devs, 1, 6)
     assert lesson09.check_block_loader(load_ref, devs)
     rejects(lesson09.check_block_loader, load_whole, devs, match="only process 1's devices hold")
+    rejects(
+        lesson09.check_block_loader,
+        load_whole_by_ellipsis,
+        devs,
+        match="only process 1's devices hold",
+    )
 
 
 def test_a_one_process_plan_is_set_on_a_simulated_group(report):

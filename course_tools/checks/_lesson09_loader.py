@@ -46,6 +46,12 @@ class RecordingSource:
     def __getitem__(self, index):
         index = index if isinstance(index, tuple) else (index,)
         block = self._data[index]
+        if any(
+            i is Ellipsis for i in index
+        ):  # as NumPy: one ... stands for the dimensions not named
+            at = next(k for k, i in enumerate(index) if i is Ellipsis)
+            fill = (slice(None),) * (self.ndim - len(index) + 1)
+            index = index[:at] + fill + index[at + 1 :]
         spans = []
         for dim, size in enumerate(self.shape):
             s = index[dim] if dim < len(index) else slice(None)
