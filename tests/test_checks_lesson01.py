@@ -224,6 +224,10 @@ def test_safe_distance_wrong_answers():
     )
     rejects(check, single_where, match=r"0 x inf = NaN")
     rejects(check, lambda p, q: jnp.linalg.norm(p - q), match="NaN")  # the review's: refused
+    # D3: the hint describes the failure and claims no jnp.where the answer does not hold
+    with pytest.raises(ExerciseError) as e:
+        check(lambda p, q: jnp.linalg.norm(p - q))
+    assert "gradient at 0 is infinite" in str(e.value) and "picks the value" not in str(e.value)
     rejects(check, lambda p, q: jnp.nan_to_num(jnp.sqrt(jnp.sum((p - q) ** 2))), match="NaN")
     rejects(check, lambda p, q: jnp.sum((p - q) ** 2), match="different points is wrong")
     rejects(check, lambda p, q: jnp.abs(p - q), match="scalar")

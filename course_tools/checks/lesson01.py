@@ -290,9 +290,10 @@ def _judge_distance(values, grads, tangents, diff, norm, same, near, near_dist) 
     if not np.all(np.isfinite(grads)):
         fail(
             "the gradient at p == q is NaN",
-            "jnp.where(d2 > 0, jnp.sqrt(d2), 0.0) picks the value, but its gradient "
-            "is 0 x (the unselected branch's gradient), and sqrt's gradient at 0 is infinite: 0 x inf = NaN. Give "
-            "sqrt an input that is safe where its branch is not used (a second jnp.where on d2)",
+            "sqrt's gradient at 0 is infinite (as jnp.linalg.norm's, which takes one), so at p == q "
+            "the chain rule gives NaN (inf x 0); a jnp.where selecting 0 there does not help alone, since "
+            "its gradient is 0 x the unselected branch's: 0 x inf = NaN. Give sqrt an input that is safe "
+            "where p == q (a jnp.where on d2 before the sqrt), then select 0 there",
         )
     unit = diff / np.maximum(norm, 1e-38)[:, None]
     bent = [r for r in close if not np.allclose(grads[r], unit[r], rtol=1e-4, atol=1e-6)]
