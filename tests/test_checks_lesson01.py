@@ -108,6 +108,10 @@ def test_trace_counts_accept_correct_forms():
     assert lesson01.check_trace_counts(RIGHT)
     assert lesson01.check_trace_counts({k: float(v) for k, v in RIGHT.items()})  # 1.0 is whole
     assert lesson01.check_trace_counts({k: np.int64(v) for k, v in RIGHT.items()})
+    # the red team's: counts written as text ("1") are refused, with the reason
+    name = next(iter(RIGHT))
+    with pytest.raises(ExerciseError, match="a str, not a number"):
+        lesson01.check_trace_counts({**RIGHT, name: str(RIGHT[name])})
 
 
 def test_trace_counts_stub(monkeypatch, capsys):

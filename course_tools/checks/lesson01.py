@@ -8,6 +8,7 @@ one); none holds an answer.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -173,7 +174,12 @@ def check_trace_counts(predictions: Mapping[str, int] | None) -> bool:
         value = got.get(name)
         if value is None or value is Ellipsis:
             fail(f"no prediction for {name!r}", hint)
-        if isinstance(value, bool) or not float(value).is_integer():
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            fail(
+                f"the prediction for {name!r} is {value!r}, a {type(value).__name__}, not a number",
+                f"{hint} (a number such as 1, not the text '1')",
+            )
+        if not float(value).is_integer():
             fail(f"the prediction for {name!r} is {value!r}", hint)
     measured = measure_traces()
     wrong = sum(int(got[name]) != measured[name] for name in TRACE_CASES)
