@@ -2,6 +2,7 @@
 where the text defines exactly the function that ran (cells stand in as a module loaded from a file that
 is not importable by name, as a notebook's ``__main__`` is not)."""
 
+import contextlib
 import importlib.util
 import textwrap
 
@@ -100,23 +101,30 @@ def test_ships_a_def_with_what_it_reads(cells):
     assert ns["answer"].__code__.co_varnames == module.answer.__code__.co_varnames
 
 
+@contextlib.contextmanager
+def _edited(path, old, new):
+    """The cells' file with ``old`` replaced by ``new`` (as a cell edited after it ran), restored after."""
+    import linecache
+
+    text = path.read_text()
+    path.write_text(text.replace(old, new))
+    linecache.checkcache(str(path))
+    try:
+        yield
+    finally:
+        path.write_text(text)
+        linecache.checkcache(str(path))
+
+
 def test_ships_a_lambda_that_reads_a_local_inside_a_loop(cells):
     """A call whose argument is a closure compiles with a separate PUSH_NULL beside its cell's imports and
     without it alone, which moves every jump target after it: the same code, sent (the red team's D5 was
     refused as "not the code that ran")."""
     module, path = cells
     assert "def loops_with_lambdas(x, kernel):" in ship(module.loops_with_lambdas)
-    text = path.read_text()
-    path.write_text(text.replace("kernel * k)", "kernel * k + 1)"))
-    import linecache
-
-    linecache.checkcache(str(path))
-    try:
+    with _edited(path, "kernel * k)", "kernel * k + 1)"):
         with pytest.raises(CannotShip, match="not the code that ran"):
             ship(module.loops_with_lambdas)
-    finally:
-        path.write_text(text)
-        linecache.checkcache(str(path))
 
 
 def test_an_importable_function_goes_by_name():
@@ -149,26 +157,15 @@ def test_refuses_a_closure(cells):
 def test_refuses_a_cell_edited_after_it_ran(cells, tmp_path):
     """The source text read back is not the code that ran: refused, never judged in its stead."""
     module, path = cells
-    path.write_text(path.read_text().replace("return x * s", "return x * s + 1"))
-    import linecache
-
-    linecache.checkcache(str(path))
-    with pytest.raises(CannotShip, match="not the code that ran"):
-        ship(module.helper)
+    with _edited(path, "return x * s", "return x * s + 1"):
+        with pytest.raises(CannotShip, match="not the code that ran"):
+            ship(module.helper)
 
 
 def test_refuses_a_cell_whose_module_call_was_edited(cells):
     """A call ``lax.psum(...)`` compiles to other instructions beside its cell's imports than alone (CPython
     3.11: LOAD_ATTR there, LOAD_METHOD here), which are compared as one; the attribute called is not."""
     module, path = cells
-    text = path.read_text()
-    path.write_text(text.replace("lax.psum(jitted(x)", "lax.pmax(jitted(x)"))
-    import linecache
-
-    linecache.checkcache(str(path))
-    try:
+    with _edited(path, "lax.psum(jitted(x)", "lax.pmax(jitted(x)"):
         with pytest.raises(CannotShip, match="not the code that ran"):
             ship(module.answer)
-    finally:
-        path.write_text(text)
-        linecache.checkcache(str(path))
