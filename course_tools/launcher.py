@@ -32,6 +32,7 @@ from .processes import (
     Terminated,
     check_folder,
     claim_run_dir,
+    deferring_signals,
     describe_exit,
     free_port,
     ignoring_sigint,
@@ -293,17 +294,19 @@ def _spawn(opts: dict, procs: list[subprocess.Popen], logs: list) -> None:
     for i in range(opts["n_processes"]):
         logs.append(open(opts["out"] / f"process_{i}.log", "w"))
         cmd = _worker_command(opts, i, coordinator)
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                stdout=logs[-1],
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                cwd=str(REPO_ROOT),
-                start_new_session=True,
+        # Ctrl-C between the worker's exec and the append would leave it out of ``procs``, unstopped
+        with deferring_signals():
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=logs[-1],
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    cwd=str(REPO_ROOT),
+                    start_new_session=True,
+                )
             )
-        )
 
 
 def _wait(procs: list[subprocess.Popen], opts: dict, deadline: float) -> None:

@@ -102,6 +102,33 @@ def _redeliver_swallowed_interrupts(previous, timers: list):
 
 
 @contextlib.contextmanager
+def deferring_signals(signums: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Within the block Ctrl-C and SIGTERM are held and delivered when it ends: a process started in the
+    block is in the caller's list before the signal's handler runs, so the cleanup that handler starts
+    stops it too. Outside the main thread the block runs unprotected."""
+    got: list[tuple[int, object]] = []
+    old = {}
+    try:
+        for s in signums:
+            old[s] = signal.signal(s, lambda n, f: got.append((n, f)))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if got:
+            n, frame = got[0]
+            handler = old[n]
+            if callable(handler):
+                handler(n, frame)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(n)
+
+
+@contextlib.contextmanager
 def ignoring_sigint() -> Iterator[None]:
     """Within the block Ctrl-C is ignored: a second Ctrl-C must not cut short the few seconds of cleanup
     (stopping a kernel or the workers, writing the time table) that the first one started."""

@@ -205,6 +205,51 @@ def test_ctrl_c_stops_every_worker_with_one_message(tmp_path):
     assert faults.leftovers(job.tag) == []
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C raises KeyboardInterrupt in this test, whatever handler the test runner's process has."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_as_a_worker_starts_still_stops_that_worker(
+    inputs, tmp_path, monkeypatch, ctrl_c_raises
+):
+    # Ctrl-C landing between the last worker's exec and its entry in the launcher's list: the signal is
+    # held for those few lines, so the cleanup it starts stops that worker too
+    real_popen, started = launcher.subprocess.Popen, []
+
+    def popen_then_ctrl_c(cmd, *args, **kwargs):
+        proc = real_popen(cmd, *args, **kwargs)
+        if "--process-id" not in cmd:
+            return proc  # another command (git, for the run's record)
+        started.append(proc.pid)
+        if len(started) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return proc
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen_then_ctrl_c)
+    with pytest.raises(
+        launcher.LaunchInterrupted, match=r"interrupted: all 2 worker\(s\) stopped"
+    ) as e:
+        launcher.launch(2, 2, inputs=inputs, steps=STEPS, out_dir=tmp_path / "run")
+    assert sorted(e.value.pids) == sorted(started) and _no_survivors(started)
+
+
+def test_a_signal_held_by_deferring_signals_arrives_when_the_block_ends(ctrl_c_raises):
+    from course_tools.processes import deferring_signals
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferring_signals():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            reached.append("end of block")
+    assert reached == ["end of block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_worker_killed_by_the_system_is_named_with_its_signal(tmp_path):
     import faults
 
