@@ -13,6 +13,7 @@ hand, not in the suite::
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import subprocess
 import sys
@@ -23,12 +24,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def audit(lesson: str, n: int) -> list[tuple[str, str]]:
-    """``(test, verdict)`` for each failing test of ``tests/test_checks_lesson{lesson}.py`` at ``n``
+    """``(test, verdict)`` for each failing test of ``tests/test_checks_lesson{lesson}*.py`` at ``n``
     devices; verdict ``"ACCEPTED"`` (a wrong answer passed), ``"refused, another message"`` or
     ``"other: …"``."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = os.path.join(tmp, "junit.xml")
-        cmd = [sys.executable, "-m", "pytest", f"tests/test_checks_lesson{lesson}.py", "-q"]
+        # the lesson's file and its split-off ones (test_checks_lesson09_mesh.py, …)
+        files = sorted(glob.glob(f"tests/test_checks_lesson{lesson}*.py", root_dir=ROOT))
+        cmd = [sys.executable, "-m", "pytest", *files, "-q"]
         cmd += ["-p", "no:xdist", "-o", "addopts=", "-p", "no:warnings", f"--junitxml={xml}"]
         env = os.environ | {"COURSE_TEST_DEVICES": str(n)}
         subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -1,5 +1,6 @@
 """Checkers for ``09_multihost.ipynb``: which rows each process loads under three mesh layouts (predict, then
-run), a process-aware device order for a ``data × model`` mesh, and a loader that reads each block of a
+run), a process-aware device order for a ``data × model`` mesh (or a ``ValueError`` where no order keeps
+the model groups off the network between processes), and a loader that reads each block of a
 global batch once.
 
 They run in the notebook's one process. Exercise 1 measures a group of processes by splitting the kernel's
@@ -20,19 +21,11 @@ from jax.sharding import NamedSharding
 
 from course_lib.meshes import DATA, choose_mesh_shape, data_mesh, data_model_mesh
 
-from ._common import NotWritten, call_answer, checker, fail, judged_on, not_written, passed
+from . import _lesson09_mesh as _mesh
+from ._common import checker, fail, judged_on, not_written, passed
 from ._lesson09_group import FakeDevice, fake_devices
 from ._lesson09_loader import RecordingSource
 from ._lesson09_loader import check_block_loader as _check_block_loader
-
-
-def _call(what: str, fn: Callable, *args, hint: str):
-    """``call_answer`` with this exercise's own "not written yet" hint."""
-    try:
-        return call_answer(what, fn, *args)
-    except NotWritten:
-        not_written(what, hint)
-
 
 # ---- exercise 1: predict each process's rows ---------------------------------------------------------------
 
@@ -164,85 +157,47 @@ def check_process_rows(
     return passed(f"the rows of all {len(LAYOUTS)} layouts match JAX's index maps{note}")
 
 
-# ---- exercise 2: a device order that keeps every model group inside one process -------------------------
-
-
-_MESH_CASES = [
-    (2, 4, 4, 2, "grouped"),
-    (4, 2, 4, 2, "interleaved"),
-    (2, 4, 2, 4, "random"),
-    (2, 2, 4, 1, "interleaved"),
-    (3, 2, 3, 2, "random"),
-    (1, 4, 2, 2, "random"),
-]
-"""``(processes, devices per process, n_data, n_model, ids)``: ids grouped by process, interleaved across
-processes, or random (:func:`fake_devices`)."""
+# ---- exercise 2: a device order that keeps model groups off the network between processes ---------------
 
 
 @checker
 def check_mesh_devices(fn: Callable) -> bool:
     """Judge a process-aware device order for a ``data × model`` mesh (exercise 2).
 
-    Spec: ``fn(devices, n_data, n_model)`` returns a ``[n_data, n_model]`` array holding every device once,
-    in which every row (a model group) lies inside one process, the rows in process order (process 0's
-    first) and each process's devices in id order, for every case of :data:`_MESH_CASES`: the devices
-    arrive interleaved across processes and shuffled within each, the list starting with a device of the
-    last process, and their ids are grouped by process in
-    one case only (elsewhere interleaved or random, so sorting by id alone does not group the processes).
+    Spec: with ``L`` devices per process, ``fn(devices, n_data, n_model)`` returns a ``[n_data, n_model]``
+    array holding every device once in which every row (a model group) lies inside one process when
+    ``n_model ≤ L``, or is ``n_model / L`` whole, consecutive processes when ``n_model > L``; read row by
+    row, the devices are in process order (process 0's first) and each process's in id order. Where no
+    such layout exists (``n_model`` neither divides ``L`` nor is a multiple of it) it raises ``ValueError``
+    naming ``n_model`` and ``L``. Judged on the cases of
+    :data:`course_tools.checks._lesson09_mesh.MESH_CASES` (1 to 8 processes of 1 to 6 devices, three of
+    them without a layout): the devices arrive interleaved across processes and shuffled within each, the
+    list starting with a device of the last process, their ids grouped by process, interleaved or random.
+
+    Raises:
+      ExerciseError: the first case answered wrongly, with a hint; or the answer called
+        ``mesh_utils.create_hybrid_device_mesh``, ``mesh_utils.create_device_mesh`` or
+        ``group_checkpoint.hybrid_mesh`` (they build such meshes: the exercise is to write one).
     """
-    for P_, local, n_data, n_model, ids in _MESH_CASES:
-        devs = fake_devices(P_, local, seed=P_ * 10 + local, ids=ids)
-        if P_ > 1:  # the list starts with a device of the last process, not of process 0
-            first = next(k for k, d in enumerate(devs) if d.process_index == P_ - 1)
-            devs = [devs[first], *devs[:first], *devs[first + 1 :]]
-        case = f"{P_} processes x {local} devices ({ids} ids) as [{n_data}, {n_model}]"
-        got = _call(
-            f"mesh_devices(devices, {n_data}, {n_model})",
-            fn,
-            list(devs),
-            n_data,
-            n_model,
-            hint="order the devices so that each row of the [n_data, n_model] array is one process's",
-        )
-        got = np.asarray(got, dtype=object)
-        if got.shape != (n_data, n_model):
-            fail(
-                f"{case}: shape {got.shape}, expected {(n_data, n_model)}",
-                "reshape to (n_data, n_model)",
-            )
-        if sorted(d.id for d in got.ravel()) != sorted(d.id for d in devs):
-            fail(
-                f"{case}: not every device appears exactly once",
-                "reorder the devices, don't drop or repeat any",
-            )
-        procs = np.vectorize(lambda d: d.process_index)(got)
-        spans = [sorted(set(row)) for row in procs.tolist() if len(set(row)) > 1]
-        if spans:
-            fail(
-                f"{case}: a model group spans processes {spans[0]} (rows of the mesh: {got.tolist()})",
-                "the model axis communicates every layer: keep each row inside one process (host). Sort the "
-                "devices by (process_index, id) before reshaping; reshaping to (n_model, n_data) and transposing "
-                "puts neighbours on different rows",
-            )
-        firsts = procs[:, 0].tolist()
-        if firsts != sorted(firsts):
-            fail(
-                f"{case}: rows are not in process order ({firsts})",
-                "put process 0's devices first: each process then owns one contiguous block of the batch",
-            )
-        in_order = all(
-            (ids := [d.id for d in got.ravel() if d.process_index == q]) == sorted(ids)
-            for q in range(P_)
-        )
-        if not in_order:
-            fail(
-                f"{case}: inside a process the devices are not in id order",
-                "sort by (process_index, id): neighbouring ids are usually the best-connected devices",
-            )
+    from jax.experimental import mesh_utils
+
+    from course_lib import group_checkpoint
+
+    forbidden = (
+        mesh_utils.create_hybrid_device_mesh,
+        mesh_utils.create_device_mesh,
+        group_checkpoint.hybrid_mesh,
+    )
+    n_cases = _mesh.check_mesh_devices(fn, forbidden)
+    ici, dcn = _mesh.hybrid_arguments(4, 2, 2, 4)
     return passed(
-        f"all {len(_MESH_CASES)} layouts keep every model group inside one process, in process order "
-        "(JAX's mesh_utils.create_hybrid_device_mesh(..., process_is_granule=True), given the devices "
-        "sorted by id, builds such meshes)"
+        f"all {n_cases} cases: every model group inside one process or on whole consecutive processes, in "
+        "process order, and a ValueError where no layout exists. JAX's "
+        "mesh_utils.create_hybrid_device_mesh(mesh_shape, dcn_mesh_shape, devices sorted by id, "
+        "process_is_granule=True) builds the same meshes on these stand-in CPU devices once each axis is "
+        "split into a part inside a process and a part across processes (on TPUs it also arranges each "
+        f"process's devices by their physical coordinates): 4 processes x 2 devices as [2, 4] is "
+        f"mesh_shape={ici}, dcn_mesh_shape={dcn}"
     )
 
 
