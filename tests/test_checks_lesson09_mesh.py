@@ -155,6 +155,39 @@ def mesh_first_appearance(devices, n_data, n_model):
     return np.array(ordered, dtype=object).reshape(n_data, n_model)
 
 
+def _one_left_empty(devs, d, m):
+    out = np.empty((d, m), dtype=object)
+    for i, dev in enumerate(
+        mesh_ref(devs, d, m).ravel()[:-1]
+    ):  # off by one: the last cell stays None
+        out[i // m, i % m] = dev
+    return out
+
+
+def _rows_by_id(devs, d, m):
+    """Right groups of whole processes, but each row re-sorted by id: its processes alternate."""
+    return np.array([sorted(r, key=lambda x: x.id) for r in mesh_ref(devs, d, m)], dtype=object)
+
+
+def _through_make_mesh(devs, d, m):
+    import jax
+
+    ordered = np.asarray(mesh_ref(devs, d, m)).ravel().tolist()
+    return jax.make_mesh((d, m), ("data", "model"), devices=ordered).devices
+
+
+def test_mesh_devices_answers_that_are_not_a_mesh_of_the_devices_get_a_hint_not_a_crash():
+    check = lesson09.check_mesh_devices
+    ids = lambda devs, d, m: np.vectorize(lambda x: x.id)(mesh_ref(devs, d, m))
+    rejects(check, ids, match=r"holds 0 \(int\), not one of the devices given.*not their ids")
+    rejects(check, _one_left_empty, match=r"holds None \(NoneType\)")
+    rejects(check, lambda devs, d, m: None, match="returned None, not an array of devices")
+    rejects(check, _rows_by_id, match=r"along a row the devices' processes run \[0, 1, 0, 1\]")
+    rejects(
+        check, _through_make_mesh, match="calls sharding_impls.make_mesh.*may reorder the devices"
+    )
+
+
 def test_mesh_devices_success_message_names_the_hybrid_arguments(capsys):
     assert lesson09.check_mesh_devices(mesh_ref)
     out = capsys.readouterr().out

@@ -122,9 +122,23 @@ def _judge_raise(case: str, err: ValueError, exists: bool, local: int, n_model: 
 
 def _judge_grid(case: str, got, devs: list, shape: tuple, local: int, exists: bool) -> None:
     n_data, n_model = shape
+    if got is None or hasattr(got, "axis_names"):
+        what = "None" if got is None else "a Mesh"
+        fail(
+            f"{case}: mesh_devices returned {what}, not an array of devices",
+            "return the [n_data, n_model] array of the device objects (a numpy array or nested lists)",
+        )
     got = np.asarray(got, dtype=object)
     if got.shape != shape:
         fail(f"{case}: shape {got.shape}, expected {shape}", "reshape to (n_data, n_model)")
+    given = {id(d) for d in devs}
+    strays = [x for x in got.ravel() if id(x) not in given]
+    if strays:
+        stray = strays[0]
+        fail(
+            f"{case}: the mesh holds {stray!r} ({type(stray).__name__}), not one of the devices given",
+            "fill the array with the device objects themselves (not their ids), each once",
+        )
     if sorted(d.id for d in got.ravel()) != sorted(d.id for d in devs):
         fail(
             f"{case}: not every device appears exactly once",
@@ -142,6 +156,13 @@ def _judge_grid(case: str, got, devs: list, shape: tuple, local: int, exists: bo
         hint = _CONSECUTIVE_HINT if problem.endswith("not consecutive ones") else _GROUP_HINT
         fail(f"{case}: {problem} (rows of the mesh: {got.tolist()})", hint)
     flat = procs.ravel().tolist()
+    mixed = next((r for r in procs.tolist() if r != sorted(r)), None)
+    if mixed is not None:
+        fail(
+            f"{case}: along a row the devices' processes run {mixed}: a group's devices are not listed "
+            "process by process",
+            _CONSECUTIVE_HINT,
+        )
     if flat != sorted(flat):
         fail(
             f"{case}: rows are not in process order ({procs[:, 0].tolist()})",
@@ -185,8 +206,10 @@ def check_mesh_devices(fn: Callable, forbidden: tuple) -> int:
             with unaided(
                 what,
                 forbidden,
-                "build the order yourself from d.process_index and d.id; the check prints the "
-                "create_hybrid_device_mesh arguments once you pass",
+                "build the order yourself from d.process_index and d.id and reshape it with numpy "
+                "(jax.make_mesh and mesh_utils may reorder the devices they are given, by the chips' "
+                "physical layout on TPUs); the check prints the create_hybrid_device_mesh arguments once "
+                "you pass",
             ):
                 kind, got = call_answer(
                     what,

@@ -175,15 +175,17 @@ def check_mesh_devices(fn: Callable) -> bool:
     list starting with a device of the last process, their ids grouped by process, interleaved or random.
 
     Raises:
-      ExerciseError: the first case answered wrongly, with a hint; or the answer called
+      ExerciseError: the first case answered wrongly, with a hint; or the answer called ``jax.make_mesh``,
         ``mesh_utils.create_hybrid_device_mesh``, ``mesh_utils.create_device_mesh`` or
         ``group_checkpoint.hybrid_mesh`` (they build such meshes: the exercise is to write one).
     """
+    import jax
     from jax.experimental import mesh_utils
 
     from course_lib import group_checkpoint
 
     forbidden = (
+        jax.make_mesh,
         mesh_utils.create_hybrid_device_mesh,
         mesh_utils.create_device_mesh,
         group_checkpoint.hybrid_mesh,
