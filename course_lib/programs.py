@@ -180,6 +180,16 @@ def nbytes(shape: str) -> int:
     return total
 
 
+def traced_shapes(hlo_text: str, op: str, jax_name: str) -> list[tuple[int, ...]]:
+    """Dims of every ``op`` instruction (e.g. ``"multiply"``) whose metadata names the JAX operation
+    ``jax_name`` (its ``op_name`` ends ``/jax_name``), in program order: what a traced line of the model
+    became in a compiled program. ``transformer.layer_norm``'s ``jnp.square(x - mean)`` is a ``multiply``
+    named ``…/square``: its dims are the LayerNorm input's a device holds (``notebooks/10_transformers.ipynb``).
+    Empty if the compiler dropped the metadata or rewrote the operation."""
+    pattern = rf'= \w+\[([\d,]*)\]\S* {re.escape(op)}\([^)]*\),[^\n]*?op_name="[^"]*/{re.escape(jax_name)}"'
+    return [tuple(_ints(dims)) for dims in re.findall(pattern, hlo_text)]
+
+
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 

@@ -334,21 +334,39 @@ def block_bytes(blocks: dict) -> int:
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(blocks))
 
 
-def predict_tp_sp(kind: str, b: int, s: int, d: int, n: int, itemsize: int = 4) -> dict[str, float]:
-    """One block's forward on a model axis of ``n``: bytes each device sends, and the elements of one
-    LayerNorm's input it holds.
+def predict_tp_sp(
+    kind: str, b: int, s: int, d: int, n: int, itemsize: int = 4, compiler: str = "XLA:CPU"
+) -> dict[str, float]:
+    """One block's forward on a model axis of ``n``: bytes each device sends (ring model), and the
+    elements of one LayerNorm's input it holds. Exercise 2 of ``notebooks/10_transformers.ipynb``.
 
     ``"tp"``: two all-reduces of ``B·S·D`` (``2·2(n-1)/n·B·S·D`` elements sent), LayerNorm input ``B·S·D``.
-    ``"sp"``: two all-gathers and two reduce-scatters of ``B·S·D`` (the same bytes), LayerNorm input
-    ``B·S·D/n``.
+    ``"sp"`` on ``"XLA:CPU"``: two all-gathers and two reduce-scatters of ``B·S·D`` (the same bytes);
+    on ``"XLA:TPU"``, as its program for 8 chips is built (``lesson10.sp_forward`` in
+    ``data/tpu_reference/programs/``): two all-gathers of the bfloat16 copy its default-precision matmuls
+    multiply (2 bytes an element) and two float32 all-reduces in place of the reduce-scatters, 1.25× TP's
+    bytes (shown for that program's sizes; at other sizes and chip counts the same choices are assumed).
+    SP's LayerNorm input is ``B·S·D/n`` on both compilers (each device keeps its slice of the sum).
+
+    Args:
+      itemsize: bytes per activation element (4 for float32, 8 for float64 on XLA:CPU).
+      compiler: ``"XLA:CPU"`` or ``"XLA:TPU"`` (float32 only: ``itemsize`` 4).
 
     Raises:
-      ValueError: another ``kind``.
+      ValueError: another ``kind`` or ``compiler``, or XLA:TPU with an ``itemsize`` other than 4.
     """
     full = b * s * d
     if kind not in ("tp", "sp"):
         raise ValueError(f"kind={kind!r}: 'tp' or 'sp'")
-    sent = 4 * (n - 1) / n * full * itemsize
+    if compiler not in ("XLA:CPU", "XLA:TPU"):
+        raise ValueError(f"compiler={compiler!r}: 'XLA:CPU' or 'XLA:TPU'")
+    if compiler == "XLA:TPU" and itemsize != 4:
+        raise ValueError(f"itemsize={itemsize} on XLA:TPU: its programs are float32 (itemsize=4)")
+    sent = (
+        4 * (n - 1) / n * full * itemsize
+    )  # two all-reduces, or two (all-gather + reduce-scatter)
+    if kind == "sp" and compiler == "XLA:TPU":
+        sent += 2 * (n - 1) / n * full * 2  # the bfloat16 gathers, beside TP's all-reduces
     return {"sent": sent, "ln_elements": full if kind == "tp" else full // n}
 
 

@@ -143,20 +143,42 @@ def test_predict_tp_sp():
         assert lesson10.check_predict_tp_sp(a.predict, seed=seed)
         assert lesson10.check_predict_tp_sp(a.predict_dict, seed=seed)
     assert lesson10.check_predict_tp_sp(a.predict)  # cases drawn afresh
-    check = lesson10.check_predict_tp_sp
-    rejects(check, a.predict_library, match="calls course_lib.splits.predict_tp_sp")
-    rejects(check, a.predict_memorised, match=r"10 of 12 cases are wrong \(10 bytes")
-    msg = r"5 of 12 cases are wrong \(5 bytes, 0 LayerNorm counts.*bytes: list the collectives"
-    rejects(check, a.predict_sp_half_bytes, match=msg)
-    msg = r"5 of 12 cases are wrong \(0 bytes, 5 LayerNorm counts.*hint: LayerNorm: count"
-    rejects(check, a.predict_sp_full_ln, match=msg)
-    rejects(check, a.predict_one_allreduce, match=r"10 of 12 cases are wrong \(10 bytes, 0")
+
+
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (a.predict_library, "calls splits.predict_tp_sp"),
+        # XLA:CPU's program taken for XLA:TPU's: SP's bytes equal to TP's there too
+        (a.predict_cpu_only, r"2 of 16 cases are wrong \(0 TP bytes, 0 SP bytes on XLA:CPU, 2 SP "
+         r"bytes on XLA:TPU, 0 LayerNorm.*hint: SP's bytes on XLA:TPU: per sub-layer"),
+        (a.predict_tpu_scatter_kept, r"2 of 16 .*2 SP bytes on XLA:TPU.*took the reduce-scatter's"),
+        (a.predict_tpu_gathers_f32, r"2 of 16 .*2 SP bytes on XLA:TPU.*bfloat16 copy \(2 bytes"),
+        (a.predict_tpu_full_ln, r"2 of 16 .*, 2 LayerNorm counts.*hint: LayerNorm under SP on XLA:TPU"),
+        (a.predict_sp_half_bytes, r"7 of 16 .*\(0 TP bytes, 5 SP bytes on XLA:CPU, 2 SP bytes on "
+         r"XLA:TPU.*hint: SP's bytes on XLA:CPU: .*ring all-reduce"),
+        (a.predict_sp_full_ln, r"7 of 16 .*\(0 TP bytes, 0 .* 0 .* 7 LayerNorm counts.*hint: LayerNorm: "
+         r"the elements.*; LayerNorm under SP on XLA:TPU"),
+        (a.predict_one_allreduce, r"14 of 16 .*\(7 TP bytes, 5 SP bytes on XLA:CPU, 2 SP bytes.*"
+         r"hint: TP's bytes: one all-reduce"),
+    ],
+)  # fmt: skip
+def test_predict_rejects(answer, match):
+    """Each wrong answer fails on the cases that expose its part (n = 1 sends nothing: an XLA:CPU SP
+    mistake shows on the five other counts), with that part's hint."""
+    rejects(lesson10.check_predict_tp_sp, answer, match=match)
 
 
 def test_predict_hint_gives_no_formula():
-    with pytest.raises(AssertionError) as e:
-        lesson10.check_predict_tp_sp(a.predict_one_allreduce, seed=0)
-    assert "(n-1)" not in str(e.value) and "2(n" not in str(e.value)
+    for answer in (a.predict_one_allreduce, a.predict_sp_full_ln):
+        with pytest.raises(AssertionError) as e:
+            lesson10.check_predict_tp_sp(answer, seed=0)
+        assert (
+            "(n-1)" not in str(e.value)
+            and "(n - 1)" not in str(e.value)
+            and "2(n" not in str(e.value)
+        )
+        assert "1.25" not in str(e.value)
 
 
 def test_tp_mlp(report):

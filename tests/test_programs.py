@@ -353,3 +353,15 @@ def test_an_unrolled_body_counts_each_copy_at_its_trips():
     )
     assert [o.runs for o in programs.collective_ops(text, {DATA: 8})] == [2, 2, None]
     assert programs.computation_runs(text)["main"] == 1
+
+
+def test_traced_shapes_reads_layer_norm_inputs():
+    """XLA:TPU's committed 8-chip programs (cpu sizes: B 4, S 16, D 32): TP's LayerNorms see the whole
+    sequence, SP's a device's eighth of it; a name that is not there gives nothing."""
+    from course_lib import aot
+
+    sp, tp = (aot.hlo_text(f"lesson10.{k}_forward") for k in ("sp", "tp"))
+    assert programs.traced_shapes(sp, "multiply", "square") == [(4, 2, 32)] * 3
+    assert programs.traced_shapes(tp, "multiply", "square") == [(4, 16, 32)] * 3
+    assert programs.traced_shapes(sp, "multiply", "no_such_op") == []
+    assert programs.traced_shapes("", "add", "square") == []

@@ -163,6 +163,14 @@ def test_predict_tp_sp_and_its_errors():
     )
     with pytest.raises(ValueError, match="'tp' or 'sp'"):
         SP.predict_tp_sp("cp", 1, 1, 1, 1)
+    # XLA:TPU (its 8-chip program): bfloat16 gathers beside TP's all-reduces, the LayerNorm still split
+    tpu = {k: SP.predict_tp_sp(k, 2, 8, 4, 8, compiler="XLA:TPU") for k in ("tp", "sp")}
+    assert tpu["tp"] == SP.predict_tp_sp("tp", 2, 8, 4, 8)
+    assert tpu["sp"]["sent"] == 1.25 * tpu["tp"]["sent"] and tpu["sp"]["ln_elements"] == 8
+    with pytest.raises(ValueError, match="'XLA:CPU' or 'XLA:TPU'"):
+        SP.predict_tp_sp("sp", 1, 1, 1, 1, compiler="tpu")
+    with pytest.raises(ValueError, match="itemsize=8 on XLA:TPU"):
+        SP.predict_tp_sp("sp", 1, 1, 1, 1, 8, compiler="XLA:TPU")
 
 
 def test_pictures():

@@ -5,8 +5,9 @@ ZeRO-3 on the transformer's blocks, 5 the TP degree beyond which a block is comm
 
 None of them holds an answer, and each refuses an answer that calls into :mod:`course_lib.splits` (the
 library that computes it). The MLP is compared with :func:`course_lib.transformer.mlp` on two device counts
-and its jaxpr must hold one psum of the [T, D] output and no other collective. The predictions are compared
-with the formulas of :func:`course_lib.splits.predict_tp_sp` on cases drawn afresh at every call. Ring
+and its jaxpr must hold one psum of the [T, D] output and no other collective. The predictions
+(:mod:`._lesson10_predict`) are compared with :func:`course_lib.splits.predict_tp_sp`, for XLA:CPU and
+XLA:TPU, on cases drawn afresh. Ring
 attention is compared with single-device causal attention in float64 on random inputs on rings of 2 and 8
 devices (or as many as are present; in float32 within ``precision.float32_rtol`` on XLA:TPU, which emulates
 float64, and the MLP likewise), with B, S, H and Dh all different; its sends (loop bodies counted per
@@ -33,8 +34,9 @@ from course_lib.meshes import CONTEXT, DATA, MODEL, mesh_of
 from course_lib.programs import jaxpr_equations
 
 from . import _lesson10_mlp as _mlp
-from ._common import call_answer, checker, fail, judged_on, passed, require
+from ._common import call_answer, checker, fail, judged_on, passed
 from ._lesson10_mlp import MLP_D, MLP_F, MLP_T, mlp_collectives, mlp_counts, mlp_hint, mlp_shape
+from ._lesson10_predict import check_predict_tp_sp
 from ._lesson10_ring import RING_B as _B
 from ._lesson10_ring import RING_DH as _DH
 from ._lesson10_ring import RING_H as _H
@@ -86,7 +88,6 @@ _UNAIDED = {
     "block into the running softmax (jnp)",
     "zero3_blocks": "gather each layer's parameters yourself inside the scan (lax.all_gather) under "
     "jax.checkpoint; course_lib.transformer's layers may compute the block",
-    "predict": "count the bytes and LayerNorm elements from B, S, D and n with plain arithmetic",
     "tp_mlp": "compute the two matmuls on this device's shard (jnp) and add the partial sums yourself "
     "(lax.psum)",
 }
@@ -369,75 +370,6 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
         f"arguments + temporaries {held_z:,} vs {held_dp:,} for data parallelism with each "
         f"block under jax.checkpoint saving nothing{mine}"
     )
-
-
-# ---- exercise 2 (predict): TP vs SP -----------------------------------------------------------------------
-
-_PREDICT_CASES = 12
-"""How many cases :func:`check_predict_tp_sp` draws at every call (half TP, half SP)."""
-
-
-def _predict_cases(rng: np.random.Generator) -> list[tuple[str, int, int, int, int]]:
-    """Cases drawn afresh: B, S, D random, n from 1 to 16 (an odd one included), S divisible by n."""
-    out = []
-    for i in range(_PREDICT_CASES // 2):
-        n = (1, 3, 2, 4, 8, 16)[i % 6]
-        b, s, d = (int(v) for v in rng.choice(np.arange(1, 33), 3, replace=False))
-        s, d = s * n * 2, d * 8  # S divisible by n
-        kinds = ("tp", "sp") if rng.random() < 0.5 else ("sp", "tp")
-        out += [(kind, b, s, d, n) for kind in kinds]
-    return out
-
-
-def _pair(got, what):
-    got = require("predict", got, "return (bytes_sent, ln_elements)")
-    if isinstance(got, dict):
-        got = (got.get("sent"), got.get("ln_elements"))
-    try:
-        sent, ln = got
-        return float(sent), float(ln)
-    except (TypeError, ValueError):
-        fail(f"{what} returned {got!r}", "return a pair of numbers: (bytes_sent, ln_elements)")
-
-
-@checker
-def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
-    """Exercise 2 (predict): tensor vs sequence parallel.
-
-    ``predict(kind, B, S, D, n)`` → ``(bytes_sent, ln_elements)`` for one block's forward in float32 on
-    a model axis of ``n``: bytes each device sends, and the elements of one LayerNorm's input a device
-    holds. Compared on :data:`_PREDICT_CASES` cases drawn afresh at every call (``seed``: for tests);
-    reports how many bytes and how many LayerNorm counts are wrong, not which. A ``predict`` that calls
-    into :mod:`course_lib.splits` is refused."""
-    cases = _predict_cases(np.random.default_rng(seed))
-    bad_sent = bad_ln = wrong = 0
-    for kind, b, s, d, n in cases:
-        what = f"predict({kind!r}, {b}, {s}, {d}, {n})"
-        sent, ln = _pair(_call_unaided(what, predict, kind, b, s, d, n, name="predict"), what)
-        want = splits.predict_tp_sp(kind, b, s, d, n)
-        x, y = (
-            not np.isclose(sent, want["sent"], rtol=1e-6),
-            not np.isclose(ln, want["ln_elements"]),
-        )
-        bad_sent, bad_ln, wrong = bad_sent + x, bad_ln + y, wrong + (x or y)
-    if wrong:
-        hints = []
-        if bad_sent:
-            hints.append(
-                "bytes: list the collectives of one block's forward under each kind and add each one's "
-                "ring cost per device (course_lib.comms), 4 bytes an element"
-            )
-        if bad_ln:
-            hints.append(
-                "LayerNorm: count the part of the B·S·D activation a device holds where the LayerNorm "
-                "runs, under each kind"
-            )
-        fail(
-            f"{wrong} of {len(cases)} cases are wrong ({bad_sent} bytes, {bad_ln} LayerNorm counts; the "
-            "cases are drawn anew at every check)",
-            "; ".join(hints),
-        )
-    return passed(f"bytes and LayerNorm elements right in all {len(cases)} cases drawn (TP and SP)")
 
 
 # ---- exercise 1 (debug): the tensor-parallel MLP ------------------------------------------------------------
