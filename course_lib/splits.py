@@ -13,7 +13,7 @@ runs any of them over the layers.
   nothing): one all-reduce per sub-layer forward and one backward, as in Megatron.
 - **Sequence parallelism** (Megatron-SP): :func:`sp_block` keeps the residual stream and the LayerNorms
   split along the sequence; each sub-layer starts with an ``all_gather`` and ends with a ``psum_scatter``
-  (reduce-scatter) instead of the all-reduce: the same bytes, ``1/n`` of the LayerNorm activations.
+  (reduce-scatter) instead of the all-reduce (what that costs and saves: lesson 10's exercise 2).
 - **Context parallelism**: :func:`ring_attention` passes key/value blocks round a ring with ``ppermute``
   and combines them with an online softmax; :func:`ulysses_attention` swaps sequence for heads with two
   ``all_to_all``.
@@ -338,15 +338,15 @@ def predict_tp_sp(
     kind: str, b: int, s: int, d: int, n: int, itemsize: int = 4, compiler: str = "XLA:CPU"
 ) -> dict[str, float]:
     """One block's forward on a model axis of ``n``: bytes each device sends (ring model), and the
-    elements of one LayerNorm's input it holds. Exercise 2 of ``notebooks/10_transformers.ipynb``.
+    elements of one LayerNorm's input it holds. The answer of exercise 2 of
+    ``notebooks/10_transformers.ipynb``, so its arithmetic is the exercise's: the lesson measures it on
+    XLA:CPU's programs and reads it from XLA:TPU's 8-chip program (``lesson10.tp_forward`` and
+    ``lesson10.sp_forward`` in ``data/tpu_reference/programs/``; at other sizes and chip counts the same
+    compiler choices are assumed); ``tests/test_splits.py`` holds it against both.
 
-    ``"tp"``: two all-reduces of ``B·S·D`` (``2·2(n-1)/n·B·S·D`` elements sent), LayerNorm input ``B·S·D``.
-    ``"sp"`` on ``"XLA:CPU"``: two all-gathers and two reduce-scatters of ``B·S·D`` (the same bytes);
-    on ``"XLA:TPU"``, as its program for 8 chips is built (``lesson10.sp_forward`` in
-    ``data/tpu_reference/programs/``): two all-gathers of the bfloat16 copy its default-precision matmuls
-    multiply (2 bytes an element) and two float32 all-reduces in place of the reduce-scatters, 1.25× TP's
-    bytes (shown for that program's sizes; at other sizes and chip counts the same choices are assumed).
-    SP's LayerNorm input is ``B·S·D/n`` on both compilers (each device keeps its slice of the sum).
+    Returns:
+      ``{"sent": bytes per device, "ln_elements": elements}``; ``b``, ``s``, ``d``: the activation
+      ``[B, S, D]``; ``n``: devices on the model axis (``s`` divisible by ``n`` for ``"sp"``).
 
     Args:
       itemsize: bytes per activation element (4 for float32, 8 for float64 on XLA:CPU).

@@ -567,6 +567,26 @@ def predict_library(kind, compiler, b, s, d, n):
     return tuple(splits.predict_tp_sp(kind, b, s, d, n, compiler=compiler).values())
 
 
+def predict_strings(kind, compiler, b, s, d, n):
+    """Wrong form: the right values as text."""
+    sent, ln = predict(kind, compiler, b, s, d, n)
+    return str(sent), str(ln)
+
+
+def predict_wrong_at_one(kind, compiler, b, s, d, n):
+    """Wrong only at n = 1: the ring factor taken as 1 there instead of 0 (one device sends nothing)."""
+    sent, ln = predict(kind, compiler, b, s, d, n)
+    return (sent if n > 1 else 16 * b * s * d), ln
+
+
+def predict_tpu_only_eight(kind, compiler, b, s, d, n):
+    """XLA:TPU's gathers costed with 8 chips' (n-1)/n = 7/8 whatever n is."""
+    sent, ln = predict(kind, compiler, b, s, d, n)
+    if (kind, compiler) == ("sp", "XLA:TPU"):
+        sent += 2 * (7 / 8 - (n - 1) / n) * b * s * d * 2
+    return sent, ln
+
+
 def predict_cpu_only(kind, compiler, b, s, d, n):
     """XLA:CPU's program on both compilers: the same bytes for SP as for TP everywhere."""
     return predict(kind, "XLA:CPU", b, s, d, n)

@@ -150,17 +150,21 @@ def test_predict_tp_sp():
     [
         (a.predict_library, "calls splits.predict_tp_sp"),
         # XLA:CPU's program taken for XLA:TPU's: SP's bytes equal to TP's there too
-        (a.predict_cpu_only, r"2 of 16 cases are wrong \(0 TP bytes, 0 SP bytes on XLA:CPU, 2 SP "
+        (a.predict_cpu_only, r"4 of 20 cases are wrong \(0 TP bytes, 0 SP bytes on XLA:CPU, 4 SP "
          r"bytes on XLA:TPU, 0 LayerNorm.*hint: SP's bytes on XLA:TPU: per sub-layer"),
-        (a.predict_tpu_scatter_kept, r"2 of 16 .*2 SP bytes on XLA:TPU.*took the reduce-scatter's"),
-        (a.predict_tpu_gathers_f32, r"2 of 16 .*2 SP bytes on XLA:TPU.*bfloat16 copy \(2 bytes"),
-        (a.predict_tpu_full_ln, r"2 of 16 .*, 2 LayerNorm counts.*hint: LayerNorm under SP on XLA:TPU"),
-        (a.predict_sp_half_bytes, r"7 of 16 .*\(0 TP bytes, 5 SP bytes on XLA:CPU, 2 SP bytes on "
+        (a.predict_tpu_scatter_kept, r"4 of 20 .*4 SP bytes on XLA:TPU.*took the reduce-scatter's"),
+        (a.predict_tpu_gathers_f32, r"4 of 20 .*4 SP bytes on XLA:TPU.*bfloat16 copy \(2 bytes"),
+        (a.predict_tpu_full_ln, r"4 of 20 .*, 4 LayerNorm counts.*hint: LayerNorm under SP on XLA:TPU"),
+        (a.predict_sp_half_bytes, r"9 of 20 .*\(0 TP bytes, 5 SP bytes on XLA:CPU, 4 SP bytes on "
          r"XLA:TPU.*hint: SP's bytes on XLA:CPU: .*ring all-reduce"),
-        (a.predict_sp_full_ln, r"7 of 16 .*\(0 TP bytes, 0 .* 0 .* 7 LayerNorm counts.*hint: LayerNorm: "
+        (a.predict_sp_full_ln, r"9 of 20 .*\(0 TP bytes, 0 .* 0 .* 9 LayerNorm counts.*hint: LayerNorm: "
          r"the elements.*; LayerNorm under SP on XLA:TPU"),
-        (a.predict_one_allreduce, r"14 of 16 .*\(7 TP bytes, 5 SP bytes on XLA:CPU, 2 SP bytes.*"
+        (a.predict_one_allreduce, r"18 of 20 .*\(9 TP bytes, 5 SP bytes on XLA:CPU, 4 SP bytes.*"
          r"hint: TP's bytes: one all-reduce"),
+        (a.predict_strings, r"returned \('0.0', .*return a pair of numbers"),
+        (a.predict_wrong_at_one, r"2 of 20 cases are wrong, all at n = 1.*nothing is split"),
+        # XLA:TPU's rule costed for 8 chips only: the other chip counts expose it
+        (a.predict_tpu_only_eight, r"3 of 20 .*3 SP bytes on XLA:TPU"),
     ],
 )  # fmt: skip
 def test_predict_rejects(answer, match):

@@ -3,10 +3,10 @@ XLA:CPU and as XLA:TPU builds its program for 8 chips.
 
 The answer ``predict(kind, compiler, B, S, D, n)`` → ``(bytes_sent, ln_elements)`` is judged by its values on
 cases drawn afresh at every call, chosen to expose each part of the prediction: both kinds and both compilers,
-B, S and D drawn afresh (S divisible by ``n``), ``n`` from 1 to 16 with an odd one on XLA:CPU, and ``n = 8``
-on XLA:TPU (the chip count of its committed program, ``data/tpu_reference/programs/lesson10.sp_forward``,
-built at the lesson's ``cpu`` sizes: at other B, S and D the prediction assumes XLA:TPU makes the same
-choices, a model). The values are compared with :func:`course_lib.splits.predict_tp_sp`, which the answer may
+B, S and D drawn afresh (S divisible by ``n``), ``n`` from 1 to 16 with an odd one on XLA:CPU, and ``n`` of 2,
+4, 8 and 16 on XLA:TPU (its committed program, ``data/tpu_reference/programs/lesson10.sp_forward``, is for 8
+chips at the lesson's ``cpu`` sizes: at other sizes and chip counts the prediction assumes XLA:TPU makes the
+same choices, a model). The values are compared with :func:`course_lib.splits.predict_tp_sp`, which the answer may
 not call. The checker builds no program and uses no device: its device counts are its own, so it judges alike
 on any number of devices present. A failure says how many cases each part got wrong (TP's bytes, SP's on each
 compiler, the LayerNorm counts) and gives each wrong part's hint, without the formula.
@@ -25,8 +25,9 @@ from ._unaided import call_unaided
 
 CPU_COUNTS = (1, 2, 3, 4, 8, 16)
 """The device counts asked on XLA:CPU (both kinds at each): 12 cases."""
-TPU_DRAWS = 2
-"""Sizes drawn for XLA:TPU, both kinds at each, at ``n = 8``: 4 cases."""
+TPU_COUNTS = (2, 4, 8, 16)
+"""The chip counts asked on XLA:TPU (both kinds at each): 8 cases. Only 8 is a committed program; the others
+assume the same choices (the exercise says so)."""
 
 HINTS = {
     "tp": "TP's bytes: one all-reduce of the float32 [B, S, D] output per sub-layer (Megatron's g), two in "
@@ -40,17 +41,17 @@ HINTS = {
     "buffer, each at its own ring cost",
     "ln": "LayerNorm: the elements of the [B, S, D] activation one device holds where the LayerNorm runs: "
     "under TP the residual stream is replicated, under SP it is split along the sequence",
-    "ln XLA:TPU": "LayerNorm under SP on XLA:TPU: after the all-reduce each device keeps only its own slice "
-    "of the sequence, as the reduce-scatter would have left it",
+    "ln XLA:TPU": "LayerNorm under SP on XLA:TPU: the compiler changed how the partial sums travel; did it "
+    "change what each device computes with them afterwards?",
 }
 """Each part's hint, shown when that part is wrong on some case."""
 
 
 def cases(rng: np.random.Generator) -> list[tuple[str, str, int, int, int, int]]:
     """``(kind, compiler, B, S, D, n)``: B, S, D drawn afresh (S divisible by ``n``), both kinds at each
-    of :data:`CPU_COUNTS` on XLA:CPU and at ``n = 8`` :data:`TPU_DRAWS` times on XLA:TPU."""
+    of :data:`CPU_COUNTS` on XLA:CPU and of :data:`TPU_COUNTS` on XLA:TPU."""
     out = []
-    counts = [("XLA:CPU", n) for n in CPU_COUNTS] + [("XLA:TPU", 8)] * TPU_DRAWS
+    counts = [("XLA:CPU", n) for n in CPU_COUNTS] + [("XLA:TPU", n) for n in TPU_COUNTS]
     for compiler, n in counts:
         b, s, d = (int(v) for v in rng.choice(np.arange(1, 33), 3, replace=False))
         s, d = s * n * 2, d * 8
@@ -61,10 +62,12 @@ def cases(rng: np.random.Generator) -> list[tuple[str, str, int, int, int, int]]
 
 def _pair(got, what):
     got = require("predict", got, "return (bytes_sent, ln_elements)")
-    if isinstance(got, dict):
-        got = (got.get("sent"), got.get("ln_elements"))
+    if isinstance(got, dict) and {"sent", "ln_elements"} <= set(got):
+        got = (got["sent"], got["ln_elements"])
     try:
         sent, ln = got
+        if any(isinstance(v, (str, bytes, bool, np.bool_)) for v in (sent, ln)):
+            raise TypeError("not numbers")
         return float(sent), float(ln)
     except (TypeError, ValueError):
         fail(
@@ -88,7 +91,7 @@ def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
     """
     drawn = cases(np.random.default_rng(seed))
     bad = dict.fromkeys(("tp", "sp XLA:CPU", "sp XLA:TPU", "ln", "ln XLA:TPU"), 0)
-    wrong = 0
+    wrong, wrong_n = 0, set()
     for kind, compiler, b, s, d, n in drawn:
         what = f"predict({kind!r}, {compiler!r}, {b}, {s}, {d}, {n})"
         got = call_unaided(
@@ -105,16 +108,23 @@ def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
         if bad_ln:
             bad["ln XLA:TPU" if (kind, compiler) == ("sp", "XLA:TPU") else "ln"] += 1
         wrong += bad_sent or bad_ln
+        if bad_sent or bad_ln:
+            wrong_n.add(n)
     if wrong:
         counts = (
             f"{bad['tp']} TP bytes, {bad['sp XLA:CPU']} SP bytes on XLA:CPU, {bad['sp XLA:TPU']} SP bytes "
             f"on XLA:TPU, {bad['ln'] + bad['ln XLA:TPU']} LayerNorm counts"
         )
+        if wrong_n == {1}:
+            fail(
+                f"{wrong} of {len(drawn)} cases are wrong, all at n = 1 ({counts})",
+                "on one device nothing is split: what does it send, and what does it hold?",
+            )
         fail(
             f"{wrong} of {len(drawn)} cases are wrong ({counts}; the cases are drawn anew at every check)",
             "; ".join(HINTS[part] for part, k in bad.items() if k),
         )
     return passed(
         f"bytes and LayerNorm elements right in all {len(drawn)} cases drawn (TP and SP, XLA:CPU at n = "
-        f"{', '.join(map(str, CPU_COUNTS))}, XLA:TPU at n = 8)"
+        f"{', '.join(map(str, CPU_COUNTS))}, XLA:TPU at n = {', '.join(map(str, TPU_COUNTS))})"
     )
