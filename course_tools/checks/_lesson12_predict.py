@@ -1,10 +1,11 @@
 """Lab 12's predictions (``notebooks/12_transformer_lab.ipynb``; re-exported by
-:mod:`course_tools.checks.lesson12`): before exercises 1, 2 and 4's check cells print what the model says,
-the learner writes what it will say, in a dict of questions (left ``None`` in the student version).
+:mod:`course_tools.checks.lesson12`): exercises 1, 2 and 4 open with a dict of questions (left ``None`` in the
+student version) that the learner fills in before writing the exercise's function; a cell judges it, and the
+exercise's check cell then prints what the model says.
 
 Each judge compares the dict with the cost model itself (:mod:`course_lib.lm_costs`, which the check cell's
 printed table and asserts come from), never with the learner's function: a right prediction from a wrong
-function, or the reverse, is judged for what it is. The cases are fixed (the ones the next cell prints),
+function, or the reverse, is judged for what it is. The cases are fixed (the ones the check cell prints);
 the answers are the model's, computed at each call, not stored. A layout or axis within :data:`TIE` of the
 best is right (the model cannot tell them apart); a number is judged within :data:`REL_NUMBER`; a count of
 layers or a batch exactly. Says how many predictions are wrong, never which. Analytic: the same on every

@@ -1,7 +1,8 @@
 """Checkers for ``12_transformer_lab.ipynb``: which axis crosses the nodes of a two-tier network (the lab's
 main exercise, :mod:`._lesson12_nodes`), the largest model that fits a memory limit under each layout, the
 pipeline's bytes per mesh axis, a layout's step time predicted by hand (:mod:`._lesson12_time`), and the
-time ``ep_dp``'s all-to-alls take over the expert axis (:mod:`._lesson12_experts`).
+time ``ep_dp``'s all-to-alls take over the expert axis (:mod:`._lesson12_experts`); and the predictions that
+open exercises 1, 2 and 4, judged against the model (:mod:`._lesson12_predict`).
 
 None of them holds an answer: each compares the learner's function, on cases drawn afresh at every call
 (``seed``: for tests), with :mod:`course_lib.lm_costs` — the step-time model
