@@ -114,6 +114,28 @@ def largest_off_by_one(layout_key, cfg, global_batch, memory_limit):
     ).get("stage", 1)
 
 
+def largest_limit_as_gib(layout_key, cfg, global_batch, memory_limit):
+    """Wrong: the memory counted in GiB against the limit's GB figure (``memory_limit / 1e9`` read as GiB)."""
+    p = lm_layouts.mesh_axes(layout_key, 8).get("stage", 1)
+    n = 0
+    while _mem_at(layout_key, cfg, global_batch, n + p)[0] / 2**30 <= memory_limit / 1e9:
+        n += p
+    return n
+
+
+def largest_per_device_batch(layout_key, cfg, global_batch, memory_limit):
+    """Wrong: passes the per-device batch (global / 8) where the memory model takes the global batch (and
+    splits it itself): the activations of an eighth of the batch."""
+    p = lm_layouts.mesh_axes(layout_key, 8).get("stage", 1)
+    n = 0
+    batch = global_batch if p > 1 else global_batch // 8  # (the pipeline's would not split)
+    while _mem_at(layout_key, cfg, batch, n + p)[0] <= memory_limit:
+        n += p
+        if n > 4096:
+            break
+    return n
+
+
 def largest_by_lookup(layout_key, cfg, global_batch, memory_limit):
     """Wrong: reads the memory model's answer instead of counting."""
     return lm_costs.largest_layers(layout_key, cfg, global_batch, memory_limit)

@@ -115,3 +115,35 @@ def by_the_library(layout_key, cfg, global_batch, fabric, inter_link):
         for a in lm_layouts.mesh_axes(layout_key, 16)
     }
     return min(times.items(), key=lambda kv: kv[1])
+
+
+def by_group_membership(layout_key, cfg, global_batch, fabric, inter_link):
+    """Right (the notebook's form): no ``with_axis``; a collective whose group names the crossing axis runs on
+    ``inter_link``, the others on the fabric's own link."""
+    sizes, transfers = _transfers(layout_key, cfg, global_batch)
+    times = {}
+    for a in sizes:
+        times[a] = _time(
+            transfers,
+            fabric,
+            lambda axis, a=a: inter_link if a in axis.split(",") else fabric.link_of(axis),
+        )
+    best = min(times, key=times.get)
+    return best, times[best]
+
+
+def float32_bytes(layout_key, cfg, global_batch, fabric, inter_link):
+    """Wrong: 4-byte values (float32), not the lab's bfloat16."""
+    sizes = lm_layouts.mesh_axes(layout_key, 16)
+    m = 4 * sizes.get("stage", 1)
+    transfers = lm_costs.predict_bytes(layout_key, cfg, global_batch, sizes, itemsize=4, n_micro=m)
+    times = {a: _time(transfers, fabric.with_axis(a, inter_link)) for a in sizes}
+    best = min(times, key=times.get)
+    return best, times[best]
+
+
+def groups_inside_best_axis(layout_key, cfg, global_batch, fabric, inter_link):
+    """Wrong in the time only: the right axis, timed with its groups ('data,model') left on the fast link."""
+    axis, _ = reference(layout_key, cfg, global_batch, fabric, inter_link)
+    _, transfers = _transfers(layout_key, cfg, global_batch)
+    return axis, _time(transfers, fabric, lambda a: inter_link if a == axis else fabric.link_of(a))

@@ -37,6 +37,7 @@ def test_node_placement_accepts_correct_forms(seed):
     assert lesson12.check_node_placement(n.through_costs_step_time, seed=seed)
     # how the latency is counted is bookkeeping: none at all is accepted too
     assert lesson12.check_node_placement(n.latency_left_out, seed=seed)
+    assert lesson12.check_node_placement(n.by_group_membership, seed=seed)  # the notebook's form
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -55,6 +56,20 @@ def test_node_placement_rejects(answer, part, seed):
         partial(lesson12.check_node_placement, seed=seed),
         answer,
         match=rf"\d+ of {N_NODE_CASES} cases are wrong.*hint: .*{part}",
+    )
+
+
+@pytest.mark.parametrize(
+    "answer, slip",
+    [
+        (n.float32_bytes, "4-byte values"),
+        (n.groups_inside_best_axis, "runs on the slow link too"),
+        (n.all_on_the_fast_link, "every collective was timed on the fast link"),
+    ],
+)
+def test_node_placement_names_a_slip_every_wrong_time_shows(answer, slip):
+    rejects(
+        partial(lesson12.check_node_placement, seed=0), answer, match=f"hint: .*the time.*{slip}"
     )
 
 
@@ -203,6 +218,8 @@ def test_largest_model(seed):
         (a.largest_gpu_always, "too"),
         (a.largest_below_limit, "too few"),
         (a.largest_by_line, "too"),
+        (a.largest_per_device_batch, "too many"),
+        (a.largest_limit_as_gib, "every wrong count is the one for the limit read as GiB"),
     ):
         rejects(
             partial(lesson12.check_largest_model, seed=seed),

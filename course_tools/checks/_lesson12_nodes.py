@@ -11,7 +11,8 @@ closer ones apart) and the communication time of that placement, within :data:`R
 latency terms add (per predicted line, per gather or reduce-scatter the program runs, or none: bookkeeping,
 not the lesson; :func:`_latency_bounds`). Each call poses every layout at a batch on each side of its
 crossover, every fabric and inter link, and two-axis groups (:func:`_cases`). Says how many cases are wrong
-in each part, never which.
+in each part, never which; where every wrong time is one slip (groups left on the fast link, no slow link at
+all, 4-byte values: :data:`_SLIPS`), the hint names it.
 """
 
 from __future__ import annotations
@@ -92,6 +93,58 @@ def _latency_bounds(
     return below, above
 
 
+_SLIPS = {
+    "groups": "a collective over a group that includes the crossing axis (e.g. 'data,model') runs on the slow "
+    "link too: a collective is as fast as the slowest link its group uses",
+    "fast": "every collective was timed on the fast link: the crossing axis's collectives (and its groups') "
+    "run on inter_link",
+    "float32": "the times are those of 4-byte values: the lab trains in bfloat16, 2 bytes a value",
+}
+"""Slips the time's hint names when every wrong time is one of them (:func:`_matching_slips`)."""
+
+
+def _matching_slips(
+    key: str, cfg, batch: int, fabric, inter_link, axis: str, seconds: float
+) -> set[str]:
+    """The slips of :data:`_SLIPS` whose time for ``axis``'s placement is within :data:`REL` of ``seconds``."""
+    sizes = lm_layouts.mesh_axes(key, N_DEVICES)
+    m = 4 * sizes.get("stage", 1)
+
+    def total(itemsize: int, link_of) -> float:
+        transfers = lm_costs.predict_bytes(key, cfg, batch, sizes, itemsize=itemsize, n_micro=m)
+        return sum(
+            costs.collective_time(t.kind, t.group_size, t.size_bytes, link_of(t.axis))
+            for t in transfers
+        )
+
+    two_tier = fabric.with_axis(axis, inter_link)
+    times = {
+        "groups": total(2, lambda a: inter_link if a == axis else fabric.link_of(a)),
+        "fast": total(2, fabric.link_of),
+        "float32": total(4, two_tier.link_of),
+    }
+    right = total(2, two_tier.link_of)
+    return {
+        name
+        for name, t in times.items()
+        if abs(t - right) > REL * right and abs(seconds - t) <= REL * t
+    }
+
+
+def _time_hint(matched: list[set[str]]) -> str:
+    """The time's hint: the slip every wrong time shows, where one does; else what the time counts."""
+    common = set.intersection(*matched) if matched else set()
+    if common:
+        return "the time (of the placement you return): " + "; ".join(
+            _SLIPS[s] for s in sorted(common)
+        )
+    return (
+        "the time (of the placement you return): every collective of one step on the 16-device mesh, "
+        "bfloat16 values, the pipeline with 4 micro-batches per stage, each timed on the link its group "
+        "uses (the crossing axis and every group that includes it on inter_link)"
+    )
+
+
 def _best(key: str, cfg, batch: int, fabric, inter_link) -> tuple[str, bool]:
     """The fastest axis across the nodes, and whether it beats every other by more than :data:`TIE`."""
     times = placement_times(key, cfg, batch, fabric, inter_link)
@@ -157,6 +210,7 @@ def check_node_placement(across_nodes: Callable, *, seed: int | None = None) -> 
     tests). An answer that calls ``lm_costs.step_time`` or ``lm_costs.rank_layouts`` is refused."""
     cases = _cases(np.random.default_rng(seed))
     wrong_axis = wrong_time = n_wrong = 0
+    matched: list[set[str]] = []  # per case with a wrong time, the slips (_SLIPS) that explain it
     for key, cfg_name, batch, tier in cases:
         cfg = _CONFIGS[cfg_name]
         fabric_name, link_name = _TWO_TIER[tier]
@@ -180,6 +234,8 @@ def check_node_placement(across_nodes: Callable, *, seed: int | None = None) -> 
         below, above = _latency_bounds(key, cfg, batch, fabric, link, axis)
         low, high = times[axis] * (1 - REL) - below, times[axis] * (1 + REL) + above
         bad_time = not low <= seconds <= high
+        if bad_time:
+            matched.append(_matching_slips(key, cfg, batch, fabric, link, axis, seconds))
         wrong_axis, wrong_time = wrong_axis + bad_axis, wrong_time + bad_time
         n_wrong += bad_axis or bad_time
     if wrong_axis or wrong_time:
@@ -192,13 +248,7 @@ def check_node_placement(across_nodes: Callable, *, seed: int | None = None) -> 
                 "axis on the fabric's own link; which axis sends the most depends on the batch"
             )
         if wrong_time:
-            hints.append(
-                "the time (of the placement you return): sum costs.collective_time(t.kind, t.group_size, "
-                "t.size_bytes, link) over "
-                "lm_costs.predict_bytes(layout, cfg, batch, sizes, itemsize=2, n_micro=4 x stages) with "
-                "sizes = lm_layouts.mesh_axes(layout, 16) and link = "
-                "fabric.with_axis(axis, inter_link).link_of(t.axis)"
-            )
+            hints.append(_time_hint(matched))
         fail(
             f"{n_wrong} of {len(cases)} cases are wrong ({wrong_axis} with the wrong "
             f"axis, {wrong_time} with the time off by more than {REL:.0%} and the latency terms)",

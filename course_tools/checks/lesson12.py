@@ -1,7 +1,8 @@
 """Checkers for ``12_transformer_lab.ipynb``: which axis crosses the nodes of a two-tier network (the lab's
 main exercise, :mod:`._lesson12_nodes`), the largest model that fits a memory limit under each layout, the
 pipeline's bytes per mesh axis, a layout's step time predicted by hand (:mod:`._lesson12_time`), and the
-time ``ep_dp``'s all-to-alls take over the expert axis (:mod:`._lesson12_experts`).
+time ``ep_dp``'s all-to-alls take over the expert axis (:mod:`._lesson12_experts`); and the predictions that
+open exercises 1, 2 and 4, judged against the model (:mod:`._lesson12_predict`).
 
 None of them holds an answer: each compares the learner's function, on cases drawn afresh at every call
 (``seed``: for tests), with :mod:`course_lib.lm_costs` — the step-time model
@@ -27,10 +28,24 @@ from course_lib import comms, lm_costs, lm_layouts, transformer
 from ._common import checker, fail, passed, plain
 from ._lesson12_experts import check_expert_a2a_seconds
 from ._lesson12_nodes import check_node_placement
+from ._lesson12_predict import (
+    CROSSING_QUESTIONS,
+    FIT_QUESTIONS,
+    STEP_QUESTIONS,
+    check_crossing_prediction,
+    check_fit_prediction,
+    check_step_prediction,
+)
 from ._lesson12_time import check_step_time
 from ._unaided import call_unaided as _call_unaided
 
 __all__ = [
+    "CROSSING_QUESTIONS",
+    "FIT_QUESTIONS",
+    "STEP_QUESTIONS",
+    "check_crossing_prediction",
+    "check_fit_prediction",
+    "check_step_prediction",
     "check_node_placement",
     "check_largest_model",
     "check_pipeline_bytes",
@@ -124,16 +139,20 @@ def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
     none fits), compared with :func:`course_lib.lm_costs.largest_layers` on cases drawn afresh (``seed``:
     for tests): every layout, several widths, a limit at a count's memory exactly, one where nothing fits,
     one above 100 layers; an answer that is not an int (``numpy`` integers are) is refused.
-    Says how many counts are too large and too small, not which. An answer that calls ``largest_layers``,
+    Says how many counts are too large and too small, not which (and, where every wrong count is the limit
+    read as GiB, that). An answer that calls ``largest_layers``,
     ``step_time`` or ``rank_layouts`` is refused."""
     cases = _fit_cases(np.random.default_rng(seed))
     over = under = 0
+    as_gib = (
+        True  # every wrong count is the one of the limit read as GiB (a "GB" taken for 2**30 bytes)
+    )
     for key, cfg, batch, limit in cases:
         what = f"largest_model({key!r}, {_config_expr(cfg)}, {batch}, {limit!r})"
         got = _call_unaided(
             what, largest, _MODEL,
-            "count the memory with lm_costs.predict_memory (its four kinds) at a few layer counts: "
-            "largest_layers is what the checker compares with",
+            "count the memory yourself (lm_costs.predict_memory gives it by kind) at the layer counts "
+            "you need: largest_layers is what the checker compares with",
             key, cfg, batch, limit,
         )  # fmt: skip
         if not isinstance(got, int | np.integer) or isinstance(got, bool):
@@ -146,8 +165,15 @@ def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
         truth = lm_costs.largest_layers(key, cfg, batch, limit)
         over += got > truth
         under += got < truth
+        if got != truth:
+            as_gib &= got == lm_costs.largest_layers(key, cfg, batch, limit * 2**30 / 1e9) != truth
     if over or under:
         hints = []
+        if as_gib:
+            hints.append(
+                "every wrong count is the one for the limit read as GiB: memory_limit is bytes, the "
+                "vendors' GB (40e9 is 40 GB); compare bytes with bytes"
+            )
         if over:
             hints.append(
                 "too many: the memory of the count you return (params + optimizer + gradients + "

@@ -1,0 +1,196 @@
+"""Lab 12's predictions (``notebooks/12_transformer_lab.ipynb``; re-exported by
+:mod:`course_tools.checks.lesson12`): exercises 1, 2 and 4 open with a dict of questions (left ``None`` in the
+student version) that the learner fills in before writing the exercise's function; a cell judges it, and the
+exercise's check cell then prints what the model says.
+
+Each judge compares the dict with the cost model itself (:mod:`course_lib.lm_costs`, which the check cell's
+printed table and asserts come from), never with the learner's function: a right prediction from a wrong
+function, or the reverse, is judged for what it is. The cases are fixed (the ones the check cell prints);
+the answers are the model's, computed at each call, not stored. A layout or axis within :data:`TIE` of the
+best is right (the model cannot tell them apart); a number is judged within :data:`REL_NUMBER`; a count of
+layers or a batch exactly. Says how many predictions are wrong, never which. Analytic: the same on every
+device count and platform.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from numbers import Number
+
+import numpy as np
+
+from course_lib import costs, lm_costs, lm_layouts, transformer
+
+from ._common import checker, fail, not_written, passed, plain
+
+__all__ = [
+    "CROSSING_QUESTIONS",
+    "FIT_QUESTIONS",
+    "STEP_QUESTIONS",
+    "check_crossing_prediction",
+    "check_fit_prediction",
+    "check_step_prediction",
+]
+
+TIE = 0.10
+"""A layout or an axis within 10 % of the best is as right as the best: the model cannot tell them apart."""
+REL_NUMBER = 0.05
+"""A predicted time within 5 %: worked by hand, its latency terms or the loss's bytes left out."""
+
+_G = transformer.GPU
+_H100, _IB = costs.FABRICS["H100"], costs.LINKS["InfiniBand NDR"]
+_CROSS_BATCHES = (8, 16, 32, 64, 128)
+FIT_BATCH, FIT_LIMIT = 32, 40e9
+"""Exercise 2's question: the GPU configuration's width at batch 32 in 40 GB (40e9 bytes) per device."""
+STEP_BATCH = 16
+STEP_FABRIC = _H100.with_axis("data", _IB)
+"""Exercise 4's question: 8 × H100 whose ``data`` axis runs over InfiniBand, batch 16."""
+
+CROSSING_QUESTIONS = (
+    "tp_sp at batch 8",
+    "fsdp_tp at batch 128",
+    "pp_dp at batch 128",
+    "tp_sp: the smallest batch at which data crosses",
+)
+"""Exercise 1, two nodes of 8 × H100 on InfiniBand, the ``GPU`` configuration: the axis across the nodes
+(a name), and of 8, 16, 32, 64, 128 the first global batch where ``tp_sp`` puts ``data`` across."""
+FIT_QUESTIONS = (
+    "the most layers",
+    "the most layers, the pipeline aside",
+    "the fewest layers",
+    "tp_sp's layers minus dp's",
+)
+"""Exercise 2, the ``GPU`` width at batch 32 in 40 GB: three layouts (names) and a difference of counts."""
+STEP_QUESTIONS = ("the fastest layout", "dp's step in ms")
+"""Exercise 4, 8 × H100 with the data axis on InfiniBand, batch 16, data-parallel traffic hidden: the
+fastest layout but the pipeline (a name) and ``dp``'s step time in milliseconds."""
+
+
+def _placements(key: str, batch: int) -> dict[str, float]:
+    from ._lesson12_nodes import placement_times
+
+    return placement_times(key, _G, batch, _H100, _IB)
+
+
+def _near_best(times: Mapping[str, float]) -> set[str]:
+    best = min(times.values())
+    return {k for k, t in times.items() if t <= (1 + TIE) * best}
+
+
+def _crossing_truth() -> dict:
+    def first_data() -> int:
+        return next(b for b in _CROSS_BATCHES if _near_best(_placements("tp_sp", b)) == {"data"})
+
+    return {
+        CROSSING_QUESTIONS[0]: _near_best(_placements("tp_sp", 8)),
+        CROSSING_QUESTIONS[1]: _near_best(_placements("fsdp_tp", 128)),
+        CROSSING_QUESTIONS[2]: _near_best(_placements("pp_dp", 128)),
+        CROSSING_QUESTIONS[3]: first_data(),
+    }
+
+
+def fits(limit: float = FIT_LIMIT, batch: int = FIT_BATCH) -> dict[str, int]:
+    """The dense layouts' largest layer counts (:func:`course_lib.lm_costs.largest_layers`) of the ``GPU``
+    width at ``batch`` in ``limit`` bytes per device."""
+    return {k: lm_costs.largest_layers(k, _G, batch, limit) for k in lm_layouts.DENSE_KEYS}
+
+
+def _fit_truth() -> dict:
+    layers = fits()
+    rest = {k: v for k, v in layers.items() if k != "pp_dp"}
+    return {
+        FIT_QUESTIONS[0]: {k for k, v in layers.items() if v == max(layers.values())},
+        FIT_QUESTIONS[1]: {k for k, v in rest.items() if v == max(rest.values())},
+        FIT_QUESTIONS[2]: {k for k, v in layers.items() if v == min(layers.values())},
+        FIT_QUESTIONS[3]: layers["tp_sp"] - layers["dp"],
+    }
+
+
+def _step_truth() -> dict:
+    from ._lesson12_time import model_step
+
+    keys = [k for k in lm_layouts.DENSE_KEYS if k != "pp_dp"]
+    times = {k: model_step(k, _G, STEP_BATCH, STEP_FABRIC) for k in keys}
+    return {STEP_QUESTIONS[0]: _near_best(times), STEP_QUESTIONS[1]: times["dp"] * 1e3}
+
+
+def _judge(name: str, predictions, questions: tuple, truth: Callable[[], dict], hint: str) -> bool:
+    values = dict(predictions or {})
+    write = f"write an answer for every entry of {name}, then run this cell"
+    if all(v is None or v is Ellipsis for v in values.values()):
+        not_written(name, write)
+    missing = [q for q in questions if values.get(q) is None or values.get(q) is Ellipsis]
+    if missing:
+        fail(f"no prediction for {missing[0]!r}", write)
+    want = truth()
+    wrong = 0
+    for q in questions:
+        got, right = plain(values[q]), want[q]
+        if isinstance(right, set):
+            if not isinstance(got, str):
+                fail(
+                    f"the prediction for {q!r} is {got!r}, not a name",
+                    f"one of {sorted(_names(q))}",
+                )
+            wrong += got not in right
+        else:
+            if isinstance(got, bool) or not isinstance(got, Number | np.number):
+                fail(f"the prediction for {q!r} is {got!r}, not a number", "write a number")
+            if isinstance(right, int):
+                wrong += got != right
+            else:
+                wrong += not abs(float(got) - right) <= REL_NUMBER * abs(right)
+    if wrong:
+        fail(f"{wrong} of your {len(questions)} predictions are not what the model says", hint)
+    return passed(f"all {len(questions)} predictions are what the model says")
+
+
+def _names(question: str) -> set[str]:
+    if question in CROSSING_QUESTIONS:
+        key = question.split()[0]
+        return set(lm_layouts.mesh_axes(key, 16))
+    return set(lm_layouts.DENSE_KEYS)
+
+
+@checker
+def check_crossing_prediction(predictions: Mapping | None) -> bool:
+    """Exercise 1's predictions (:data:`CROSSING_QUESTIONS`) against the two-tier model
+    (:func:`course_tools.checks._lesson12_nodes.placement_times`: two nodes of 8 × H100 on InfiniBand
+    NDR, the ``GPU`` configuration, bfloat16); an axis within :data:`TIE` of the fastest placement counts."""
+    return _judge(
+        "crossing_predictions", predictions, CROSSING_QUESTIONS, _crossing_truth,
+        "the axis across the nodes runs its collectives, and every group that includes it, on the slow "
+        "link, so it should be the axis that sends the least per step: the data (or fsdp) axis sends the "
+        "gradients, the same bytes at every batch; the model and context axes send activations, which grow "
+        "with the batch; the pipeline's stage axis sends one micro-batch's activations per tick. Compare "
+        "their bytes (lm_costs.predict_bytes on 16 devices) at each batch",
+    )  # fmt: skip
+
+
+@checker
+def check_fit_prediction(predictions: Mapping | None) -> bool:
+    """Exercise 2's predictions (:data:`FIT_QUESTIONS`) against :func:`fits` (the memory model's counts);
+    a layout tied with the most (or the fewest) counts as right; the difference exactly."""
+    return _judge(
+        "fit_predictions", predictions, FIT_QUESTIONS, _fit_truth,
+        "a device holds its share of the layers' parameters, momentum and gradients (what its specs split) "
+        "and the activations its batch, heads or sequence share leave it; at sequence 2048 the attention "
+        "scores dominate the activations, and every layout splits them 8 ways; the pipeline holds its "
+        "stage's layers and one micro-batch's values at a time. lm_costs.predict_memory at two layer "
+        "counts gives what one more layer costs under each layout",
+    )  # fmt: skip
+
+
+@checker
+def check_step_prediction(predictions: Mapping | None) -> bool:
+    """Exercise 4's predictions (:data:`STEP_QUESTIONS`) against the step-time model
+    (:func:`course_tools.checks._lesson12_time.model_step`, ``overlap="data"``, no roofline) at
+    :data:`STEP_BATCH` on :data:`STEP_FABRIC`; a layout within :data:`TIE` of the fastest counts, the time
+    within :data:`REL_NUMBER`."""
+    return _judge(
+        "step_predictions", predictions, STEP_QUESTIONS, _step_truth,
+        "the hidden traffic is hidden only up to the compute: a step lasts the longer of the two, plus what "
+        "the next matmul waits for. On InfiniBand (50 GB/s, 9 x less than NVLink) the gradients' "
+        "all-reduce over 8 devices moves about twice the bfloat16 gradients through each GPU's link; a "
+        "layout with a short data axis, or none, keeps that traffic small or on NVLink",
+    )  # fmt: skip

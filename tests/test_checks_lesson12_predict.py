@@ -1,0 +1,112 @@
+"""Lab 12's prediction checkers (exercises 1, 2 and 4's ``*_predictions``): each accepts the notebook's
+predictions and other right forms (a layout tied with the best, NumPy numbers, a time worked without its
+latency terms), refuses plausible wrong predictions with how many are wrong, and prints "not written yet" for
+the student stub. Analytic: no compile."""
+
+import numpy as np
+import pytest
+from checking import not_written, rejects
+
+from course_tools.checks import lesson12
+
+CROSSING = {
+    "tp_sp at batch 8": "model",
+    "fsdp_tp at batch 128": "fsdp",
+    "pp_dp at batch 128": "stage",
+    "tp_sp: the smallest batch at which data crosses": 32,
+}
+FIT = {
+    "the most layers": "pp_dp",
+    "the most layers, the pipeline aside": "tp_sp",
+    "the fewest layers": "dp",
+    "tp_sp's layers minus dp's": 2,
+}
+STEP = {"the fastest layout": "fsdp_tp", "dp's step in ms": 66.1}
+
+
+CHECKS = (
+    (lesson12.check_crossing_prediction, lesson12.CROSSING_QUESTIONS, CROSSING),
+    (lesson12.check_fit_prediction, lesson12.FIT_QUESTIONS, FIT),
+    (lesson12.check_step_prediction, lesson12.STEP_QUESTIONS, STEP),
+)
+
+
+@pytest.mark.parametrize("check, questions, right", CHECKS)
+def test_the_stub_prints_not_written(check, questions, right, monkeypatch, capsys):
+    assert set(questions) == set(right)
+    not_written(check, dict.fromkeys(questions), monkeypatch=monkeypatch, capsys=capsys)
+
+
+@pytest.mark.parametrize("check, questions, right", CHECKS)
+def test_the_notebooks_predictions_pass(check, questions, right):
+    assert check(right)
+
+
+def test_other_right_forms_pass():
+    # NumPy numbers; a layout tied with the best (the model cannot tell them apart)
+    assert lesson12.check_crossing_prediction(
+        {**CROSSING, "tp_sp: the smallest batch at which data crosses": np.int64(32)}
+    )
+    assert lesson12.check_fit_prediction({**FIT, "the fewest layers": "dp_cp"})
+    # 3d ties fsdp_tp; dp's step as its all-reduce's bandwidth term alone (65.8 ms), within 5 %
+    assert lesson12.check_step_prediction(
+        {
+            "the fastest layout": "3d",
+            "dp's step in ms": np.float64(2 * 0.94e9 * 14 / 8 / 50e9 * 1e3),
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "check, wrong",
+    [
+        # the rule of thumb "TP inside the node" at every batch
+        (lesson12.check_crossing_prediction, {**CROSSING, "tp_sp at batch 8": "data"}),
+        # a batch too early: at batch 16 TP's activations are still the smaller traffic
+        (
+            lesson12.check_crossing_prediction,
+            {**CROSSING, "tp_sp: the smallest batch at which data crosses": 16},
+        ),
+        # the pipeline's data axis across (the gradients are the larger traffic)
+        (lesson12.check_crossing_prediction, {**CROSSING, "pp_dp at batch 128": "data"}),
+        # the layout that splits the parameters the most (the activations decide at sequence 2048)
+        (lesson12.check_fit_prediction, {**FIT, "the most layers, the pipeline aside": "fsdp_tp"}),
+        # off by one layer
+        (lesson12.check_fit_prediction, {**FIT, "tp_sp's layers minus dp's": 3}),
+        # the pipeline as the fewest (it holds the least)
+        (lesson12.check_fit_prediction, {**FIT, "the fewest layers": "pp_dp"}),
+        # dp's compute alone: the hidden traffic taken as free though it outlasts the compute
+        (lesson12.check_step_prediction, {**STEP, "dp's step in ms": 25.0}),
+        # the gradients as float32 (4 bytes): twice the time
+        (lesson12.check_step_prediction, {**STEP, "dp's step in ms": 132.0}),
+        # seconds where milliseconds are asked
+        (lesson12.check_step_prediction, {**STEP, "dp's step in ms": 0.0666}),
+        # dp, the winner on NVLink alone
+        (lesson12.check_step_prediction, {**STEP, "the fastest layout": "dp"}),
+    ],
+)
+def test_wrong_predictions_are_refused(check, wrong):
+    rejects(check, wrong, match=r"1 of your \d predictions are not what the model says.*hint: ")
+
+
+def test_missing_and_malformed_predictions_are_refused():
+    rejects(
+        lesson12.check_fit_prediction,
+        {**FIT, "the fewest layers": None},
+        match="no prediction for 'the fewest layers'",
+    )
+    rejects(
+        lesson12.check_crossing_prediction,
+        {**CROSSING, "tp_sp at batch 8": 1},
+        match="not a name.*'data', 'model'",
+    )
+    rejects(
+        lesson12.check_step_prediction,
+        {**STEP, "dp's step in ms": "66 ms"},
+        match="not a number",
+    )
+    rejects(
+        lesson12.check_fit_prediction,
+        {**FIT, "tp_sp's layers minus dp's": True},
+        match="not a number",
+    )
