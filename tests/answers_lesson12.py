@@ -87,6 +87,24 @@ def largest_model_search(layout_key, cfg, global_batch, memory_limit):
     return n
 
 
+def largest_float32(layout_key, cfg, global_batch, memory_limit):
+    """Wrong: every value held in 4 bytes (the lab holds bfloat16)."""
+    return largest_model(layout_key, cfg, global_batch, memory_limit / 2)
+
+
+def largest_four_micro_batches(layout_key, cfg, global_batch, memory_limit):
+    """Wrong: the pipeline's "4 micro-batches per stage" read as 4 in all (the lab runs 4 x stages)."""
+    if layout_key != "pp_dp":
+        return largest_model(layout_key, cfg, global_batch, memory_limit)
+    sizes, n = lm_layouts.mesh_axes(layout_key, 8), 0
+    while True:
+        nxt = dataclasses.replace(cfg, n_layers=n + sizes["stage"])
+        mem = lm_costs.predict_memory(layout_key, nxt, global_batch, sizes, 2, 4)
+        if sum(mem[k] for k in ("params", "optimizer", "gradients", "activations")) > memory_limit:
+            return n
+        n += sizes["stage"]
+
+
 def largest_no_optimizer(layout_key, cfg, global_batch, memory_limit):
     """Wrong: forgets the optimizer state."""
     p = lm_layouts.mesh_axes(layout_key, 8).get("stage", 1)

@@ -65,6 +65,7 @@ def test_node_placement_rejects(answer, part, seed):
         (n.float32_bytes, "4-byte values"),
         (n.groups_inside_best_axis, "runs on the slow link too"),
         (n.all_on_the_fast_link, "every collective was timed on the fast link"),
+        (n.in_milliseconds, "return seconds, not milliseconds"),
     ],
 )
 def test_node_placement_names_a_slip_every_wrong_time_shows(answer, slip):
@@ -220,6 +221,8 @@ def test_largest_model(seed):
         (a.largest_by_line, "too"),
         (a.largest_per_device_batch, "too many"),
         (a.largest_limit_as_gib, "every wrong count is the one for the limit read as GiB"),
+        (a.largest_float32, "every wrong count is the one of 4-byte values"),
+        (a.largest_four_micro_batches, "only the pipeline's counts are wrong: it runs 4 micro"),
     ):
         rejects(
             partial(lesson12.check_largest_model, seed=seed),

@@ -98,7 +98,7 @@ def test_missing_and_malformed_predictions_are_refused():
     rejects(
         lesson12.check_crossing_prediction,
         {**CROSSING, "tp_sp at batch 8": 1},
-        match="not a name.*'data', 'model'",
+        match="not one of the names it can be.*'data', 'model'",
     )
     rejects(
         lesson12.check_step_prediction,
@@ -109,4 +109,25 @@ def test_missing_and_malformed_predictions_are_refused():
         lesson12.check_fit_prediction,
         {**FIT, "tp_sp's layers minus dp's": True},
         match="not a number",
+    )
+
+
+def test_names_outside_the_choices_lists_and_units_get_their_own_hint():
+    # a name in another case, or one that is not a choice, is named as such (not judged as physics)
+    for wrong in ("Model", "context"):
+        rejects(
+            lesson12.check_crossing_prediction,
+            {**CROSSING, "tp_sp at batch 8": wrong},
+            match=f"is '{wrong}', not one of the names it can be.*spelled as here",
+        )
+    rejects(
+        lesson12.check_fit_prediction,
+        {**FIT, "the most layers": "PP_DP"},
+        match="not one of the names it can be",
+    )
+    rejects(lesson12.check_step_prediction, list(STEP.items()), match="is a list, not a dict")
+    rejects(
+        lesson12.check_step_prediction,
+        {**STEP, "dp's step in ms": 0.0666},
+        match="asks for milliseconds: a time in seconds is 1000 x smaller",
     )

@@ -115,22 +115,27 @@ def _step_truth() -> dict:
 
 
 def _judge(name: str, predictions, questions: tuple, truth: Callable[[], dict], hint: str) -> bool:
-    values = dict(predictions or {})
     write = f"write an answer for every entry of {name}, then run this cell"
+    if predictions is not None and not isinstance(predictions, Mapping):
+        fail(
+            f"{name} is a {type(predictions).__name__}, not a dict",
+            f"keep {name} a dict and fill in its values: {{question: answer}}",
+        )
+    values = dict(predictions or {})
     if all(v is None or v is Ellipsis for v in values.values()):
         not_written(name, write)
     missing = [q for q in questions if values.get(q) is None or values.get(q) is Ellipsis]
     if missing:
         fail(f"no prediction for {missing[0]!r}", write)
     want = truth()
-    wrong = 0
+    wrong, units = 0, None
     for q in questions:
         got, right = plain(values[q]), want[q]
         if isinstance(right, set):
-            if not isinstance(got, str):
+            if not isinstance(got, str) or got not in _names(q):
                 fail(
-                    f"the prediction for {q!r} is {got!r}, not a name",
-                    f"one of {sorted(_names(q))}",
+                    f"the prediction for {q!r} is {got!r}, not one of the names it can be",
+                    f"one of {sorted(_names(q))}, spelled as here",
                 )
             wrong += got not in right
         else:
@@ -139,8 +144,17 @@ def _judge(name: str, predictions, questions: tuple, truth: Callable[[], dict], 
             if isinstance(right, int):
                 wrong += got != right
             else:
-                wrong += not abs(float(got) - right) <= REL_NUMBER * abs(right)
+                off = not abs(float(got) - right) <= REL_NUMBER * abs(right)
+                if (
+                    off
+                    and q.endswith(" in ms")
+                    and abs(float(got) * 1e3 - right) <= REL_NUMBER * right
+                ):
+                    units = q
+                wrong += off
     if wrong:
+        if units:
+            hint = f"{units!r} asks for milliseconds: a time in seconds is 1000 x smaller; " + hint
         fail(f"{wrong} of your {len(questions)} predictions are not what the model says", hint)
     return passed(f"all {len(questions)} predictions are what the model says")
 

@@ -132,6 +132,20 @@ def _fit_cases(rng) -> list[tuple]:
     return cases
 
 
+def _pipeline_layers(cfg, batch: int, limit: float, n_micro: int) -> int:
+    """``pp_dp``'s most layers within ``limit`` bytes at ``n_micro`` micro-batches (the lab runs 4 per
+    stage): a slip :func:`check_largest_model` names."""
+    sizes = lm_layouts.mesh_axes("pp_dp", 8)
+    step, n = sizes["stage"], 0
+    while n < 4096:
+        cfg_n = dataclasses.replace(cfg, n_layers=n + step)
+        mem = lm_costs.predict_memory("pp_dp", cfg_n, batch, sizes, 2, n_micro)
+        if mem["params"] + mem["optimizer"] + mem["gradients"] + mem["activations"] > limit:
+            break
+        n += step
+    return n
+
+
 @checker
 def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
     """``largest(layout, cfg, global_batch, memory_limit) -> n_layers``: the most layers of ``cfg``'s width
@@ -146,6 +160,9 @@ def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
     over = under = 0
     as_gib = (
         True  # every wrong count is the one of the limit read as GiB (a "GB" taken for 2**30 bytes)
+    )
+    as_f32 = only_pipeline = (
+        True  # every wrong count is float32's; every wrong case is the pipeline
     )
     for key, cfg, batch, limit in cases:
         what = f"largest_model({key!r}, {_config_expr(cfg)}, {batch}, {limit!r})"
@@ -167,8 +184,22 @@ def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
         under += got < truth
         if got != truth:
             as_gib &= got == lm_costs.largest_layers(key, cfg, batch, limit * 2**30 / 1e9) != truth
+            as_f32 &= got == lm_costs.largest_layers(key, cfg, batch, limit / 2) != truth
+            # the pipeline's "4 micro-batches per stage" read as 4 in all
+            only_pipeline &= key == "pp_dp" and got == _pipeline_layers(cfg, batch, limit, 4)
     if over or under:
         hints = []
+        if as_f32 and not as_gib:
+            hints.append(
+                "every wrong count is the one of 4-byte values: the lab holds everything in bfloat16, "
+                "2 bytes a value"
+            )
+        elif only_pipeline:
+            hints.append(
+                "only the pipeline's counts are wrong: it runs 4 micro-batches per stage (with 2 "
+                "stages, 8 micro-batches of each data shard's batch) and holds its stage's layers plus "
+                "the micro-batch activations its executor stashes (lm_costs.activation_bytes says which)"
+            )
         if as_gib:
             hints.append(
                 "every wrong count is the one for the limit read as GiB: memory_limit is bytes, the "
