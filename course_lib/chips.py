@@ -194,7 +194,9 @@ class Link:
         port); ``"switch"``: the device's whole injection bandwidth (every peer is one hop away).
       latency_s: α, the fixed cost of each step of a collective (a ring all-gather over n devices takes n−1
         steps). An ASSUMPTION of the right order, not a measurement: see ``source``.
-      topology: ``"ring"`` — the axis is a bidirectional ring of neighbours (a TPU torus axis): ring
+      topology: ``"ring"`` — the axis is a bidirectional ring of neighbours (a TPU torus axis, or the 8
+        chips of a v5e:2x4 slice round their cycle of full-duplex neighbour links: the course's model of
+        how XLA:TPU's collectives use the links, not a measurement; a line of chips is not described): ring
         collectives send half their data each way, so they run at ``2 × bytes_per_s``; an all-to-all's
         blocks cross on average about n/4 links each way (the scaling book: "cheaper than an all-gather by a
         factor of ¼"); a ``ppermute`` to a neighbour uses one direction. ``"switch"`` — every device reaches
