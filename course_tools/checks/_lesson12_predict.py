@@ -30,6 +30,7 @@ __all__ = [
     "check_crossing_prediction",
     "check_fit_prediction",
     "check_step_prediction",
+    "step_fabric",
 ]
 
 TIE = 0.10
@@ -43,8 +44,14 @@ _CROSS_BATCHES = (8, 16, 32, 64, 128)
 FIT_BATCH, FIT_LIMIT = 32, 40e9
 """Exercise 2's question: the GPU configuration's width at batch 32 in 40 GB (40e9 bytes) per device."""
 STEP_BATCH = 16
-STEP_FABRIC = _H100.with_axis("data", _IB)
-"""Exercise 4's question: 8 × H100 whose ``data`` axis runs over InfiniBand, batch 16."""
+
+
+def step_fabric(key: str):
+    """Exercise 4's machine for layout ``key``: 8 × H100 spread over servers, the layout's outermost mesh axis
+    (the first of ``lm_layouts.mesh_axes(key, 8)``: a launcher gives each server consecutive devices) across
+    them on InfiniBand NDR, its inner axes on NVLink."""
+    return _H100.with_axis(next(iter(lm_layouts.mesh_axes(key, 8))), _IB)
+
 
 CROSSING_QUESTIONS = (
     "tp_sp at batch 8",
@@ -62,8 +69,9 @@ FIT_QUESTIONS = (
 )
 """Exercise 2, the ``GPU`` width at batch 32 in 40 GB: three layouts (names) and a difference of counts."""
 STEP_QUESTIONS = ("the fastest layout", "dp's step in ms")
-"""Exercise 4, 8 × H100 with the data axis on InfiniBand, batch 16, data-parallel traffic hidden: the
-fastest layout but the pipeline (a name) and ``dp``'s step time in milliseconds."""
+"""Exercise 4, 8 × H100 with each layout's outermost axis across the servers on InfiniBand
+(:func:`step_fabric`), batch 16, data-parallel traffic hidden: the fastest layout but the pipeline (a name)
+and ``dp``'s step time in milliseconds."""
 
 
 def _placements(key: str, batch: int) -> dict[str, float]:
@@ -110,7 +118,7 @@ def _step_truth() -> dict:
     from ._lesson12_time import model_step
 
     keys = [k for k in lm_layouts.DENSE_KEYS if k != "pp_dp"]
-    times = {k: model_step(k, _G, STEP_BATCH, STEP_FABRIC) for k in keys}
+    times = {k: model_step(k, _G, STEP_BATCH, step_fabric(k)) for k in keys}
     return {STEP_QUESTIONS[0]: _near_best(times), STEP_QUESTIONS[1]: times["dp"] * 1e3}
 
 
@@ -199,12 +207,13 @@ def check_fit_prediction(predictions: Mapping | None) -> bool:
 def check_step_prediction(predictions: Mapping | None) -> bool:
     """Exercise 4's predictions (:data:`STEP_QUESTIONS`) against the step-time model
     (:func:`course_tools.checks._lesson12_time.model_step`, ``overlap="data"``, no roofline) at
-    :data:`STEP_BATCH` on :data:`STEP_FABRIC`; a layout within :data:`TIE` of the fastest counts, the time
-    within :data:`REL_NUMBER`."""
+    :data:`STEP_BATCH`, each layout on its :func:`step_fabric`; a layout within :data:`TIE` of the fastest
+    counts, the time within :data:`REL_NUMBER`."""
     return _judge(
         "step_predictions", predictions, STEP_QUESTIONS, _step_truth,
         "the hidden traffic is hidden only up to the compute: a step lasts the longer of the two, plus what "
         "the next matmul waits for. On InfiniBand (50 GB/s, 9 x less than NVLink) the gradients' "
         "all-reduce over 8 devices moves about twice the bfloat16 gradients through each GPU's link; a "
-        "layout with a short data axis, or none, keeps that traffic small or on NVLink",
+        "layout whose outermost axis carries little (a short data axis, gradients split by the inner "
+        "axes) keeps that traffic small",
     )  # fmt: skip

@@ -35,6 +35,7 @@ from ._lesson12_predict import (
     check_crossing_prediction,
     check_fit_prediction,
     check_step_prediction,
+    step_fabric,
 )
 from ._lesson12_time import check_step_time
 from ._unaided import call_unaided as _call_unaided
@@ -51,6 +52,7 @@ __all__ = [
     "check_pipeline_bytes",
     "check_step_time",
     "check_expert_a2a_seconds",
+    "step_fabric",
 ]
 
 _G = transformer.GPU
