@@ -47,9 +47,10 @@ STEP_BATCH = 16
 
 
 def step_fabric(key: str):
-    """Exercise 4's machine for layout ``key``: 8 × H100 spread over servers, the layout's outermost mesh axis
-    (the first of ``lm_layouts.mesh_axes(key, 8)``: a launcher gives each server consecutive devices) across
-    them on InfiniBand NDR, its inner axes on NVLink."""
+    """Exercise 4's machine, as the model sees it for layout ``key``: two servers of 4 × H100, the layout's
+    outermost mesh axis (the first of ``lm_layouts.mesh_axes(key, 8)``: a launcher gives each server
+    consecutive devices) spanning them, so its collectives run on InfiniBand NDR (as fast as the slowest link
+    a group uses), its inner axes inside a server on NVLink."""
     return _H100.with_axis(next(iter(lm_layouts.mesh_axes(key, 8))), _IB)
 
 
