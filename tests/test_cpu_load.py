@@ -103,6 +103,29 @@ def test_sigterm_stops_the_command_and_the_busy_processes():
     assert _busy_left(proc.pid) == []
 
 
+def test_a_sigterm_before_the_command_starts_still_stops_it(monkeypatch, capsys):
+    # SIGTERM landing after the busy processes start and before the command does: the command, started
+    # next, gets it at once instead of running its 60 s
+    real_start = cpu_load.start_busy
+
+    def start_then_sigterm(n):
+        procs = real_start(n)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return procs
+
+    monkeypatch.setattr(cpu_load, "start_busy", start_then_sigterm)
+    old = signal.getsignal(signal.SIGTERM)
+    t0 = time.monotonic()
+    try:
+        code = cpu_load.main(
+            ["--busy", "1", "--", sys.executable, "-c", "import time; time.sleep(60)"]
+        )
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert code == 143 and time.monotonic() - t0 < 20, code
+    assert "exit status -15" in capsys.readouterr().out
+
+
 def test_busy_processes_end_on_their_own_when_the_script_is_killed():
     proc = subprocess.Popen(
         [

@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         busy = start_busy(args.busy)  # after the handlers: a signal from now on stops them too
         proc = subprocess.Popen(command)
+        if stop["signal"] is not None:  # it came before the command started: pass it on now
+            proc.send_signal(stop["signal"])
         while proc.poll() is None:
             try:
                 proc.wait(timeout=15)
