@@ -186,10 +186,12 @@ def splits(key: str, config, global_batch: int, sizes: dict[str, int]) -> bool:
 
 
 def largest_layers(key: str, config, global_batch: int, memory_limit: float, n_devices: int = 8, *,
-                   precision: str = "bfloat16", max_layers: int = 4096, remat: bool = False) -> int:  # fmt: skip
+                   precision: str = "bfloat16", max_layers: int = 4096, remat: bool = False,
+                   n_micro: int | None = None) -> int:  # fmt: skip
     """The most layers (``config`` otherwise unchanged) whose predicted memory per device
     (:func:`step_time`'s ``memory_bytes``; ``remat`` passed on) is at most ``memory_limit``; 0 when not even
-    one fits. For ``pp_dp`` the count is a multiple of the stage axis."""
+    one fits. For ``pp_dp`` the count is a multiple of the stage axis, at ``n_micro`` micro-batches (None:
+    the lab's 4 per stage)."""
     sizes = mesh_axes(key, n_devices)
     if sizes is None:
         raise ValueError(f"layout {key!r} does not fit {n_devices} devices")
@@ -198,8 +200,8 @@ def largest_layers(key: str, config, global_batch: int, memory_limit: float, n_d
 
     def fits(n):  # step_time's memory_bytes, without the time
         cfg = dataclasses.replace(config, n_layers=n * step)
-        mem = lm_costs.predict_memory(key, cfg, global_batch, sizes, itemsize, 4 * step if step > 1 else 1,
-                                      remat=remat)  # fmt: skip
+        m = n_micro if n_micro is not None else 4 * step if step > 1 else 1
+        mem = lm_costs.predict_memory(key, cfg, global_batch, sizes, itemsize, m, remat=remat)
         return (
             mem["params"] + mem["optimizer"] + mem["gradients"] + mem["activations"] <= memory_limit
         )

@@ -134,20 +134,6 @@ def _fit_cases(rng) -> list[tuple]:
     return cases
 
 
-def _pipeline_layers(cfg, batch: int, limit: float, n_micro: int) -> int:
-    """``pp_dp``'s most layers within ``limit`` bytes at ``n_micro`` micro-batches (the lab runs 4 per
-    stage): a slip :func:`check_largest_model` names."""
-    sizes = lm_layouts.mesh_axes("pp_dp", 8)
-    step, n = sizes["stage"], 0
-    while n < 4096:
-        cfg_n = dataclasses.replace(cfg, n_layers=n + step)
-        mem = lm_costs.predict_memory("pp_dp", cfg_n, batch, sizes, 2, n_micro)
-        if mem["params"] + mem["optimizer"] + mem["gradients"] + mem["activations"] > limit:
-            break
-        n += step
-    return n
-
-
 @checker
 def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
     """``largest(layout, cfg, global_batch, memory_limit) -> n_layers``: the most layers of ``cfg``'s width
@@ -188,7 +174,9 @@ def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
             as_gib &= got == lm_costs.largest_layers(key, cfg, batch, limit * 2**30 / 1e9) != truth
             as_f32 &= got == lm_costs.largest_layers(key, cfg, batch, limit / 2) != truth
             # the pipeline's "4 micro-batches per stage" read as 4 in all
-            only_pipeline &= key == "pp_dp" and got == _pipeline_layers(cfg, batch, limit, 4)
+            only_pipeline &= key == "pp_dp" and got == lm_costs.largest_layers(
+                key, cfg, batch, limit, n_micro=4
+            )
     if over or under:
         hints = []
         if as_f32 and not as_gib:
