@@ -107,12 +107,15 @@ def positive_int(value: Any, name: str) -> int:
 
 
 def arg_type(param: Param):
-    """A function for argparse's ``type=`` that applies :func:`coerce` and keeps its error message."""
+    """A function for argparse's ``type=`` that applies :func:`coerce` and keeps its error message, without
+    the papermill form of the fix: on a command line, argparse names the option itself."""
     import argparse
+
+    on_command_line = dataclasses.replace(param, papermill=False)
 
     def parse(text: str) -> Any:
         try:
-            return coerce(param, text)
+            return coerce(on_command_line, text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 

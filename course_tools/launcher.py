@@ -439,7 +439,7 @@ def _print_run(run: MultiProcessRun, check_only: bool) -> None:
             log = tail(Path(run.out_dir) / f"process_{o['process_id']}.log", 50).splitlines()
             print("\n".join(line for line in log if line.startswith("[process")))
     for k, v in run.losses.items():
-        print(f"{k}: {v}")
+        print(f"{k}: loss before each of its {len(v)} updates (process 0): {v}")
     shape = f"{run.n_processes} x {run.local_devices}"
     print(f"{shape} in {run.wall_s:.1f} s; outputs in {run.out_dir}")
 

@@ -317,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.check:
+            if not Path(args.check).is_dir():
+                raise FileNotFoundError(
+                    f"no folder {args.check} to open; the student notebooks are made by `make student` "
+                    f"(into build/student), then `make jupyter JUPYTER_DIR=build/student`"
+                )
             note = stale_note(Path(args.check), Path(args.src))
             if note:
                 print(f"note: {note}")

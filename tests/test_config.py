@@ -120,8 +120,9 @@ def test_argparse_type_keeps_the_message():
     parser = argparse.ArgumentParser(exit_on_error=False)
     parser.add_argument("--steps", type=config.arg_type(STEPS), default=0)
     assert parser.parse_args(["--steps", "7"]).steps == 7
-    with pytest.raises(argparse.ArgumentError, match="steps='x' is not an integer"):
+    with pytest.raises(argparse.ArgumentError, match="steps='x' is not an integer") as e:
         parser.parse_args(["--steps", "x"])
+    assert "papermill" not in str(e.value)  # a command line's fix is the option, not papermill's -p
 
 
 def _parameters_cell(name):

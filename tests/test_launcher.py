@@ -306,3 +306,20 @@ def test_a_jax_option_that_changes_the_numbers_stops_the_launch(inputs, tmp_path
     finally:
         jax.config.update("jax_debug_key_reuse", False)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_losses_printed_say_what_they_are(capsys, tmp_path):
+    run = launcher.MultiProcessRun(
+        n_processes=2,
+        local_devices=4,
+        losses={"shard_map": [2.4, 2.3]},
+        outputs=({"process_id": 0, "local_devices": ["cpu:0"]},),
+        params={},
+        wall_s=1.0,
+        pids=(),
+        out_dir=str(tmp_path),
+    )
+    launcher._print_run(run, check_only=False)
+    assert "shard_map: loss before each of its 2 updates (process 0): [2.4, 2.3]" in (
+        capsys.readouterr().out
+    )

@@ -263,3 +263,10 @@ def test_the_package_runs_a_lesson_and_makes_its_book(package):
     assert (package / "build" / "site" / "00_setup.html").exists()
     r = _in_package(package, VENV / "bin" / "python", "-m", "course_tools.launcher", "--help")
     assert r.returncode == 0 and "launch" in r.stdout
+
+
+def test_check_of_a_missing_folder_says_to_make_the_student_version_first(tmp_path, capsys):
+    missing = tmp_path / "student"
+    assert student.main(["notebooks", "--check", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"no folder {missing} to open" in err and "make student" in err
