@@ -6,6 +6,7 @@
 - ``site``     — executed notebooks rendered as a static HTML site
 - ``student``  — the student version of the notebooks (solutions replaced by stubs) and its zip
 - ``launcher`` — starts, watches and stops the local processes of a multi-process run
+- ``launcher_cli`` — its command line, ``python -m course_tools.launcher launch -P 2 -D 4`` (``--help``)
 - ``checks``   — the exercise checkers, one module per lesson
 
 The lesson library (what the notebooks teach) is :mod:`course_lib`; nothing there imports this package.

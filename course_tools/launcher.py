@@ -11,7 +11,6 @@ one fails, raising :class:`WorkerFailed` that names the process and shows its la
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -23,10 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from course_lib import distributed
-from course_lib.config import MULTIHOST_PARAMS, PROFILES, Param, arg_type, coerce, positive_int
+from course_lib.config import MULTIHOST_PARAMS, PROFILES, coerce, positive_int
 from course_lib.distributed import MULTIHOST_STRATEGIES
 
-from . import worker
 from .processes import (
     REPO_ROOT,
     Terminated,
@@ -39,7 +37,6 @@ from .processes import (
     stop,
     survivors,
     tail,
-    terminate_as_interrupt,
     worker_env,
 )
 from .worker import FAIL_STAGES, PARENT_ENV, PROFILE
@@ -139,7 +136,7 @@ def launch(
     profile: str = "tiny",
     seed: int = 0,
     inputs: str | Path | None = None,
-    timeout_s: float = 120.0,
+    timeout_s: float = MULTIHOST_PARAMS["timeout_s"].default,
     fail_process: int | None = None,
     fail_stage: str = "train",
     out_dir: str | Path | None = None,
@@ -384,67 +381,9 @@ def _indent(text: str, n: int = 2) -> str:
     return "\n".join(" " * n + line for line in (text or "(no output)").splitlines())
 
 
-# ---- the command lines -----------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m course_tools.launcher worker ...`` (one process) or ``... launch -P 2 -D 4`` (a group)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "worker":
-        return worker.main(argv[1:])
-    p = argparse.ArgumentParser(
-        prog="python -m course_tools.launcher",
-        description="Run the lab's strategies on P local processes x D simulated CPU devices.",
-    )
-    p.add_argument("command", choices=["launch"])
-    p.add_argument("-P", "--n-processes", type=arg_type(MULTIHOST_PARAMS["n_processes"]), default=2)
-    p.add_argument(
-        "-D", "--local-devices", type=arg_type(Param("local_devices", 4, minimum=1)), default=4
-    )
-    p.add_argument("--steps", type=arg_type(MULTIHOST_PARAMS["steps"]), default=3)
-    p.add_argument("--timeout-s", type=arg_type(MULTIHOST_PARAMS["timeout_s"]), default=180.0)
-    p.add_argument("--check-only", action="store_true")
-    p.add_argument(
-        "--out", help="folder for the logs and outputs (default: a new folder build/multihost[-k])"
-    )
-    args = p.parse_args(argv)
-    try:
-        with terminate_as_interrupt():
-            run = launch(
-                args.n_processes,
-                args.local_devices,
-                steps=args.steps,
-                timeout_s=args.timeout_s,
-                check_only=args.check_only,
-                out_dir=args.out,
-            )
-    except LaunchInterrupted as e:
-        with ignoring_sigint():
-            print(str(e), file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt as e:  # before any worker started (preparing the inputs)
-        print(f"{e or 'interrupted'} before any worker started", file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else 130
-    except (ValueError, MultiProcessError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    _print_run(run, args.check_only)
-    return 0
-
-
-def _print_run(run: MultiProcessRun, check_only: bool) -> None:
-    for o in run.outputs:
-        print(f"process {o['process_id']}: local {o['local_devices']}")
-        if check_only:
-            log = tail(Path(run.out_dir) / f"process_{o['process_id']}.log", 50).splitlines()
-            print("\n".join(line for line in log if line.startswith("[process")))
-    for k, v in run.losses.items():
-        print(f"{k}: loss before each of its {len(v)} updates (process 0): {v}")
-    shape = f"{run.n_processes} x {run.local_devices}"
-    print(f"{shape} in {run.wall_s:.1f} s; outputs in {run.out_dir}")
-
-
 if __name__ == "__main__":
+    from .launcher_cli import main
+
     code = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting changes nothing
     sys.exit(code)

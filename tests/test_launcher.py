@@ -21,7 +21,7 @@ from flax import traverse_util
 from course_lib import distributed
 from course_lib.config import PROFILES
 from course_lib.lab import run_strategy
-from course_tools import launcher
+from course_tools import launcher, launcher_cli
 
 STEPS = 3
 LOSS_RTOL = 1e-5
@@ -319,7 +319,36 @@ def test_the_losses_printed_say_what_they_are(capsys, tmp_path):
         pids=(),
         out_dir=str(tmp_path),
     )
-    launcher._print_run(run, check_only=False)
+    launcher_cli._print_run(run, check_only=False)
     assert "shard_map: loss before each of its 2 updates (process 0): [2.4, 2.3]" in (
         capsys.readouterr().out
+    )
+
+
+def test_every_launcher_option_has_help_and_the_notebook_default(capsys):
+    """`launch --help` explains every option, and its defaults are lesson 09's parameters (one rule)."""
+    import inspect
+
+    from course_lib.config import MULTIHOST_PARAMS
+
+    with pytest.raises(SystemExit) as e:
+        launcher_cli.main(["launch", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in (
+        "--n-processes",
+        "--local-devices",
+        "--steps",
+        "--timeout-s",
+        "--check-only",
+        "--out",
+    ):
+        line = text[text.index(flag) :].split("\n  -")[0]
+        assert len(line.split()) > 3, f"{flag} has no help text: {line!r}"
+    for name in ("n_processes", "steps", "timeout_s"):
+        default = MULTIHOST_PARAMS[name].default
+        assert f"(default: {default})" in text, (name, default)
+    assert (
+        inspect.signature(launcher.launch).parameters["timeout_s"].default
+        == MULTIHOST_PARAMS["timeout_s"].default
     )
