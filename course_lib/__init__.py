@@ -29,6 +29,9 @@ Modules (import them explicitly; importing ``course_lib`` starts no JAX backend 
 - ``split_diagrams`` — pictures of heads over devices, the ring of key/value blocks, ZeRO-3's per-layer timeline
 - ``split_time``  — time beside bytes for those splits: FLOPs per byte sent, the communication-bound degree on a
   named fabric, a ring matmul's overlap plan and XLA:TPU's start/done windows (a model, not a measurement)
+- ``split_measure`` — reading those splits' programs in one call each: residual bytes, primitive counts, a
+  training step's memory and bytes, where data parallelism's all-reduces sit, attention temporaries by ring size
+- ``split_gqa``   — grouped- and multi-query attention under tensor parallelism: key/value heads split or replicated
 - ``schedules``   — pipeline schedules as tables of ticks × stages (GPipe, 1F1B, circular), their bubble and stash
 - ``pipeline``    — pipeline parallelism in ``shard_map``: stages as layer slices, the executors that run a table
 - ``pipeline_measure`` — a pipeline's bubble in compiled FLOPs and in time, its stash in memory, its sends
