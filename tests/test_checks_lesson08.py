@@ -54,8 +54,8 @@ def _opt_map(fn, opt_state, specs):
     return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
-def make_zero1(reduce="scatter", vary=True, divide=True, gather=True, update_params="slices"):
-    """The reference ZeRO-1 body, or one of its typical mistakes."""
+def make_zero2(reduce="scatter", vary=True, divide=True, gather=True, update_params="slices"):
+    """The reference ZeRO-2 body, or one of its typical mistakes."""
 
     def body(state, batch, *, apply_fn, optimizer, specs, axis_name):
         images, labels = batch
@@ -89,18 +89,18 @@ def make_zero1(reduce="scatter", vary=True, divide=True, gather=True, update_par
     return body
 
 
-def loss_scaled_zero1(state, batch, *, apply_fn, optimizer, specs, axis_name):
+def loss_scaled_zero2(state, batch, *, apply_fn, optimizer, specs, axis_name):
     """Another correct form: differentiate loss / n and reduce-scatter the sum (no division after)."""
-    return _zero1_of_loss(state, batch, apply_fn, optimizer, specs, axis_name, scale=True)
+    return _zero2_of_loss(state, batch, apply_fn, optimizer, specs, axis_name, scale=True)
 
 
-def loss_summed_zero1(state, batch, *, apply_fn, optimizer, specs, axis_name):
+def loss_summed_zero2(state, batch, *, apply_fn, optimizer, specs, axis_name):
     """Wrong: the loss not divided by n, so the reduce-scattered gradients are n times the mean (right on
     one device)."""
-    return _zero1_of_loss(state, batch, apply_fn, optimizer, specs, axis_name, scale=False)
+    return _zero2_of_loss(state, batch, apply_fn, optimizer, specs, axis_name, scale=False)
 
 
-def _zero1_of_loss(state, batch, apply_fn, optimizer, specs, axis_name, scale):
+def _zero2_of_loss(state, batch, apply_fn, optimizer, specs, axis_name, scale):
     images, labels = batch
     n = lax.axis_size(axis_name) if scale else 1
     params = lax.pcast(state.params, axis_name, to="varying")
@@ -126,71 +126,71 @@ def _zero1_of_loss(state, batch, apply_fn, optimizer, specs, axis_name, scale):
     return steps.TrainState(new, opt_state), {"loss": lax.psum(loss, axis_name)}
 
 
-def test_zero1_accepts_the_reference_and_another_form(report):
-    assert lesson08.check_zero1(make_zero1(), report.devices)
-    assert lesson08.check_zero1(loss_scaled_zero1, report.devices[:4])
+def test_zero2_accepts_the_reference_and_another_form(report):
+    assert lesson08.check_zero2(make_zero2(), report.devices)
+    assert lesson08.check_zero2(loss_scaled_zero2, report.devices[:4])
 
 
-def test_zero1_rejects_typical_mistakes(report):
+def test_zero2_rejects_typical_mistakes(report):
     rejects(
-        lesson08.check_zero1,
-        make_zero1(reduce="allreduce"),
+        lesson08.check_zero2,
+        make_zero2(reduce="allreduce"),
         report.devices[:4],
         match="psum_scatter gives each",
     )
     rejects(
-        lesson08.check_zero1, make_zero1(divide=False), report.devices[:4], match="4x too large"
+        lesson08.check_zero2, make_zero2(divide=False), report.devices[:4], match="4x too large"
     )
     rejects(
-        lesson08.check_zero1,
-        make_zero1(vary=False),
+        lesson08.check_zero2,
+        make_zero2(vary=False),
         report.devices[:4],
         match="too large|pcast|refused",
     )
     rejects(
-        lesson08.check_zero1,
-        make_zero1(gather=False),
+        lesson08.check_zero2,
+        make_zero2(gather=False),
         report.devices[:4],
         match="all_gather each updated",
     )
 
 
-def test_zero1_refuses_the_whole_parameters_handed_to_the_optimizer(report):
+def test_zero2_refuses_the_whole_parameters_handed_to_the_optimizer(report):
     # optax.sgd ignores its params argument, so this once passed; the checker's weight decay reads them
     rejects(
-        lesson08.check_zero1,
-        make_zero1(update_params="whole"),
+        lesson08.check_zero2,
+        make_zero2(update_params="whole"),
         report.devices[:4],
         match="does not match.*slices of the gradients and of the parameters",
     )
     rejects(
-        lesson08.check_zero1,
-        make_zero1(update_params="none"),
+        lesson08.check_zero2,
+        make_zero2(update_params="none"),
         report.devices[:4],
         match="needs the parameters.*third argument",
     )
     # D6: zeros for the parameters leave out weight decay: the hint names the parameters, not the state
     rejects(
-        lesson08.check_zero1,
-        make_zero1(update_params="zeros"),
+        lesson08.check_zero2,
+        make_zero2(update_params="zeros"),
         report.devices[:4],
         match="(?s)momentum.*lacks the weight decay.*parameter slices as optimizer.update's third",
     )
 
 
-def test_zero1_stub_prints_its_hint(report, capsys, monkeypatch):
+def test_zero2_stub_prints_its_hint(report, capsys, monkeypatch):
     monkeypatch.delenv("COURSE_STRICT_CHECKS", raising=False)
 
     def stub(state, batch, **kw):
         raise NotImplementedError("Exercise: write this part")
 
-    assert lesson08.check_zero1(stub, report.devices) is False
+    assert lesson08.check_zero2(stub, report.devices) is False
     out = capsys.readouterr().out
     assert "not written yet" in out and "hint:" in out
 
 
-def gather_everything_zero1(state, batch, *, apply_fn, optimizer, specs, axis_name):
-    """Parity holds, but no ZeRO-1 saving: gradients and momentum all-gathered, the full update on every
+def gather_everything_zero2(state, batch, *, apply_fn, optimizer, specs, axis_name):
+    """Parity holds, but no ZeRO-2 saving: gradients and momentum all-gathered, the full update on every
     device, the momentum sliced back (1.5x B's bytes)."""
     images, labels = batch
     n = lax.axis_size(axis_name)
@@ -215,21 +215,21 @@ def gather_everything_zero1(state, batch, *, apply_fn, optimizer, specs, axis_na
     return steps.TrainState(new, opt_state), {"loss": lax.pmean(loss, axis_name)}
 
 
-def test_zero1_rejects_gathering_gradients_and_momentum(report):
+def test_zero2_rejects_gathering_gradients_and_momentum(report):
     rejects(
-        lesson08.check_zero1,
-        gather_everything_zero1,
+        lesson08.check_zero2,
+        gather_everything_zero2,
         report.devices[:4],
         match="all-gathers .* bytes; the sharded parameters.*gradients and momentum stay sharded",
     )
 
 
-def test_zero1_on_one_device_says_it_cannot_judge_a_closure(report, capsys, monkeypatch):
-    """One device hides ZeRO-1's mistakes (its slice is the whole), and a body made inside a function
+def test_zero2_on_one_device_says_it_cannot_judge_a_closure(report, capsys, monkeypatch):
+    """One device hides ZeRO-2's mistakes (its slice is the whole), and a body made inside a function
     cannot be sent to a process with 8 devices: no ✓, and how to have it judged (a body written at a
     cell's top level is judged there: tests/test_checks_devices.py)."""
     monkeypatch.delenv("COURSE_STRICT_CHECKS", raising=False)
-    assert lesson08.check_zero1(make_zero1(divide=False), report.devices[:1]) is False
+    assert lesson08.check_zero2(make_zero2(divide=False), report.devices[:1]) is False
     out = capsys.readouterr().out
     assert "✓" not in out and "✗ not judged: this run has 1 device, too few" in out, out
     assert (
@@ -238,7 +238,7 @@ def test_zero1_on_one_device_says_it_cannot_judge_a_closure(report, capsys, monk
     ), out
     monkeypatch.setenv("COURSE_STRICT_CHECKS", "1")  # as the suite runs the solution notebooks
     with pytest.raises(NotJudged, match="not judged"):
-        lesson08.check_zero1(make_zero1(), report.devices[:1])
+        lesson08.check_zero2(make_zero2(), report.devices[:1])
 
 
 def sent_right(param_bytes, replicated_bytes, n):
@@ -355,7 +355,7 @@ def test_fsdp_prediction_draws_other_cases_at_every_call():
     assert lesson08.check_fsdp_prediction(sent_per_collective, state_right, seed=3)
 
 
-def zero1_variant(
+def zero2_variant(
     *,
     replicated="pmean",
     n_fixed=None,
@@ -420,46 +420,46 @@ def zero1_variant(
     return body
 
 
-def test_zero1_refuses_what_only_the_parameters_hide(report):
+def test_zero2_refuses_what_only_the_parameters_hide(report):
     # each was accepted by a checker that compared the parameters only, at the run's device count only,
     # and read the compiled program, where XLA:CPU promotes bfloat16 reductions to float32
     rejects(
-        lesson08.check_zero1,
-        zero1_variant(keep_opt_state=True),
+        lesson08.check_zero2,
+        zero2_variant(keep_opt_state=True),
         report.devices[:4],
         match="parameters are right, but the new momentum of .*optimizer state that optimizer.update",
     )
     rejects(
-        lesson08.check_zero1,
-        zero1_variant(grad_dtype=jax.numpy.bfloat16),
+        lesson08.check_zero2,
+        zero2_variant(grad_dtype=jax.numpy.bfloat16),
         report.devices[:4],
         match="reduce-scatter in bfloat16.*rounds what it reduces",
     )
     rejects(
-        lesson08.check_zero1,
-        zero1_variant(n_fixed=len(report.devices)),
+        lesson08.check_zero2,
+        zero2_variant(n_fixed=len(report.devices)),
         report.devices,
         match=rf"on {len(report.devices) // 2} device\(s\): a shape does not match",
     )
 
 
-def test_zero1_hints_name_what_the_numbers_show(report):
+def test_zero2_hints_name_what_the_numbers_show(report):
     four = report.devices[:4]
     # the updated slices summed by a psum: the gradients were reduce-scattered, the gather is the all-reduce
     rejects(
-        lesson08.check_zero1,
-        zero1_variant(gather="psum"),
+        lesson08.check_zero2,
+        zero2_variant(gather="psum"),
         four,
         match="gradients are reduce-scattered, and the program also all-reduces.*needs no sum",
     )
     # slices at the next device's offset: no "n x too large" (the update is not a multiple of the right one)
     with pytest.raises(ExerciseError) as e:
-        lesson08.check_zero1(zero1_variant(index=lambda i, n: (i + 1) % n), four)
+        lesson08.check_zero2(zero2_variant(index=lambda i, n: (i + 1) % n), four)
     assert "too large" not in str(e.value) and "its own block" in str(e.value)
     # dense2's bias is kept whole at 4 devices: its psum'ed gradient is named, not the reduce-scatter
     rejects(
-        lesson08.check_zero1,
-        zero1_variant(replicated="psum"),
+        lesson08.check_zero2,
+        zero2_variant(replicated="psum"),
         four,
         match="update of dense2/bias.*dense2/bias is kept whole.*mean of the devices' gradients",
     )

@@ -124,7 +124,7 @@ def test_lab_notebook_has_marked_exercises():
     student, replaced = student_notebook(nb, "08_lab")
     blocks = sum(c.source.count("# BEGIN SOLUTION") for c in code)
     assert replaced == blocks and "BEGIN SOLUTION" not in "".join(c.source for c in student.cells)
-    project = next(c.source for c in code if "def zero1_step" in c.source)
+    project = next(c.source for c in code if "def zero2_step" in c.source)
     body = project.split("# BEGIN SOLUTION")[1].split("# END SOLUTION")[0]
     assert (
         len([line for line in body.splitlines() if line.strip()]) >= 15

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from course_lib import comms, costs, lab_time
 from course_lib.config import PROFILES
 
-from ._common import checker, fail, passed, plain
+from ._common import checker, fail, passed, plain, require
 from ._unaided import call_unaided
 
 
@@ -202,3 +202,83 @@ def _judge_run(fn: Callable, run, param_bytes: float) -> str:
         )
     kind = "a prediction for" if predicted else "on"
     return f"this run's E ({kind} {fabric.name}, α left out): {answer:.1f} images per device, it holds {b}"
+
+
+CRITICAL_MOVES = (
+    "link bandwidth x2",
+    "ring -> switch",
+    "8 -> 64 devices",
+    "FLOP peak x2, HBM-bound",
+    "parameter bytes x2",
+)
+"""The changes exercise 3's prediction names: after ÷ before of E's critical batch, every other input kept."""
+
+_MOVE_CASE = (4.3e7, 7.2e6, 1.1e6, 8, "TPU v5e")  # HBM-bound on the v5e (checked in the tests)
+
+
+def _moved(change: str) -> float:
+    """After ÷ before of :func:`reference` at :data:`_MOVE_CASE` for ``change`` (α = 0)."""
+    flops, hbm, p, n, name = _MOVE_CASE
+    before = reference(_MOVE_CASE)
+    fab = FABRICS[name]
+    if change == "link bandwidth x2":
+        FABRICS["_moved"] = _no_alpha(fab, "_moved", bytes_per_s=2 * fab.link.bytes_per_s)
+    elif change == "ring -> switch":
+        FABRICS["_moved"] = _no_alpha(fab, "_moved", topology="switch")
+    elif change == "FLOP peak x2, HBM-bound":
+        chip = dataclasses.replace(fab.chip, bf16=2 * fab.chip.bf16)
+        FABRICS["_moved"] = dataclasses.replace(fab, name="_moved", chip=chip)
+    else:
+        FABRICS["_moved"] = fab
+    case = {"8 -> 64 devices": (flops, hbm, p, 64), "parameter bytes x2": (flops, hbm, 2 * p, n)}
+    try:
+        return reference((*case.get(change, (flops, hbm, p, n)), "_moved")) / before
+    finally:
+        del FABRICS["_moved"]
+
+
+_MOVE_HINTS = {
+    "link bandwidth x2": "E's communication time is the bytes it sends ÷ the link's bandwidth; its time per "
+    "image has no link in it; the critical batch is communication time ÷ time per image",
+    "ring -> switch": "on a bidirectional ring each direction carries half of what a device sends; through a "
+    "switch a device sends it all one way, at the same bytes per second per direction",
+    "8 -> 64 devices": "E sends 2 (n − 1) / n of the parameters' bytes per device: take that fraction at n = 64 "
+    "over its value at n = 8; the time per image is one device's and has no n in it",
+    "FLOP peak x2, HBM-bound": "the time per image is the LARGER of FLOPs ÷ peak and HBM bytes ÷ HBM "
+    "bandwidth; HBM-bound means the second is larger, before and after the change",
+    "parameter bytes x2": "E's collectives move the parameters (gathered) and their gradients (reduce-"
+    "scattered), whatever the batch; the time per image is unchanged here",
+}
+
+
+@checker
+def check_critical_batch_moves(moves) -> bool:
+    """Judge exercise 3's prediction ``moves``: ``{change: after ÷ before}`` for every name in
+    :data:`CRITICAL_MOVES`, each within 1 % of the model (:func:`reference`, α = 0).
+
+    Raises:
+      NotWritten: a value left ``...`` or ``None``.
+      ExerciseError: not a dict of those names, a non-number, or wrong values (each wrong one named with
+        the part of the model that decides it; the value is not given).
+    """
+    if not isinstance(moves, dict) or set(moves) != set(CRITICAL_MOVES):
+        got = sorted(moves) if isinstance(moves, dict) else type(moves).__name__
+        fail(
+            f"e_critical_moves has keys {got}",
+            f"a dict with one number for each of {list(CRITICAL_MOVES)}",
+        )
+    for key in CRITICAL_MOVES:
+        require(
+            f"e_critical_moves[{key!r}]", moves[key], "write the factor after ÷ before (a number)"
+        )
+        if isinstance(moves[key], bool) or not isinstance(plain(moves[key]), numbers.Real):
+            fail(f"e_critical_moves[{key!r}] is {moves[key]!r}", "write a number: after ÷ before")
+    wrong = [k for k in CRITICAL_MOVES if not _close(float(moves[k]), _moved(k), rel=0.01)]
+    if wrong:
+        fail(
+            f"{len(wrong)} of {len(CRITICAL_MOVES)} predictions are off: {', '.join(wrong)}",
+            " | ".join(f"{k}: {_MOVE_HINTS[k]}" for k in wrong),
+        )
+    return passed(
+        f"all {len(CRITICAL_MOVES)} moves of E's critical batch, as the model gives them (α = 0)"
+    )

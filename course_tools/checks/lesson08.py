@@ -1,7 +1,7 @@
-"""Checkers for ``08_lab.ipynb``: the ZeRO-1 strategy the learner builds, a prediction of what FSDP sends
-and holds per device, and of its critical batch on a fabric. Each judges behaviour — parity with
-single-device ``jit`` from the same states, bytes held per device, the collectives in the compiled program,
-values at cases the checker builds — never the source text.
+"""Checkers for ``08_lab.ipynb``: the ZeRO-2 strategy the learner plans and builds (parameters replicated,
+optimizer state and reduced gradients sharded), a prediction of what FSDP sends and holds per device, and of
+its critical batch on a fabric and how that moves. Each judges behaviour — parity with single-device ``jit``
+from the same states, bytes held per device, compiled collectives, values at its own cases — never source.
 """
 
 from __future__ import annotations
@@ -20,20 +20,22 @@ from course_lib import comms, data, model, parallel, parity, steps
 from course_lib.meshes import DATA, data_mesh
 
 from ._common import call_answer, checker, fail, judged_on, passed
-from ._lesson08_critical import check_fsdp_critical_batch
+from ._lesson08_critical import (
+    CRITICAL_MOVES,
+    check_critical_batch_moves,
+    check_fsdp_critical_batch,
+)
 from ._lesson08_fsdp import FSDP_CASES, check_fsdp_prediction, fsdp_case
+from ._lesson08_zero2plan import ZERO2_PLAN, check_zero2_plan
 
-__all__ = [
-    "FSDP_CASES",
-    "check_fsdp_critical_batch",
-    "check_fsdp_prediction",
-    "check_zero1",
-    "fsdp_case",
+__all__ = [  # noqa: RUF022 (grouped: constants, then checkers)
+    "CRITICAL_MOVES", "FSDP_CASES", "ZERO2_PLAN", "check_critical_batch_moves",
+    "check_fsdp_critical_batch", "check_fsdp_prediction", "check_zero2", "check_zero2_plan", "fsdp_case",
     "make_check_optimizer",
-]
+]  # fmt: skip
 
 WEIGHT_DECAY = 0.05
-"""Weight decay of the ZeRO-1 checker's optimizer."""
+"""Weight decay of the ZeRO-2 checker's optimizer."""
 
 
 def make_check_optimizer(learning_rate: float = 0.01):
@@ -51,14 +53,14 @@ def make_check_optimizer(learning_rate: float = 0.01):
 BATCH_PER_DEVICE = 4
 CHECK_STEPS = 3
 CHECK_MODEL = model.CNNConfig(image_size=16, channels=(8, 16, 16), hidden=16, num_classes=10)
-"""The CNN the ZeRO-1 checker trains: small, and its leaves split over 2, 4 or 8 devices."""
+"""The CNN the ZeRO-2 checker trains: small, and its leaves split over 2, 4 or 8 devices."""
 
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
-def _zero1_mapped(body: Callable, model_config, n: int, mesh: Any):
+def _zero2_mapped(body: Callable, model_config, n: int, mesh: Any):
     """The learner's body in ``shard_map`` over ``mesh`` (``n`` devices on the data axis, concrete or
     abstract): ``(mapped, state_specs, graphdef, params, optimizer, specs)``; parameters replicated, the
     optimizer state sharded as FSDP shards the parameters."""
@@ -84,10 +86,10 @@ def _zero1_mapped(body: Callable, model_config, n: int, mesh: Any):
     return mapped, state_specs, graphdef, params, optimizer, specs
 
 
-def _zero1_program(body: Callable, devices: Sequence[Any], model_config):
+def _zero2_program(body: Callable, devices: Sequence[Any], model_config):
     """The learner's body in ``shard_map`` on a 1-D data mesh of ``devices``, on the CNN of ``model_config``."""
     mesh = data_mesh(devices, axis_type="explicit")
-    mapped, state_specs, graphdef, params, optimizer, specs = _zero1_mapped(
+    mapped, state_specs, graphdef, params, optimizer, specs = _zero2_mapped(
         body, model_config, len(devices), mesh
     )
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs, is_leaf=_is_spec)
@@ -146,11 +148,11 @@ def _reference(n: int, model_config):
 @checker
 @judged_on(
     4,
-    "below 4 devices a ZeRO-1 step runs where a slice is the whole parameter or every leaf splits: a "
+    "below 4 devices a ZeRO-2 step runs where a slice is the whole parameter or every leaf splits: a "
     "device count written in, or the summed gradient of a leaf kept whole, passes there",
 )
-def check_zero1(body: Callable, devices: Sequence[Any], model_config=None) -> bool:
-    """``body(state, batch, *, apply_fn, optimizer, specs, axis_name)`` must be a ZeRO-1 step: parameters
+def check_zero2(body: Callable, devices: Sequence[Any], model_config=None) -> bool:
+    """``body(state, batch, *, apply_fn, optimizer, specs, axis_name)`` must be a ZeRO-2 step: parameters
     replicated, optimizer state sharded by ``specs``, the same update and the same new optimizer state as
     single-device training, gradients reduce-scattered (not all-reduced) in float32, updated slices
     all-gathered. Run on ``devices`` and on the first half of them (a step written for one device count
@@ -158,9 +160,9 @@ def check_zero1(body: Callable, devices: Sequence[Any], model_config=None) -> bo
     devices = list(devices)
     n = len(devices)
     model_config = CHECK_MODEL if model_config is None else model_config
-    compiled, params, specs, new = _run_zero1(body, devices, model_config)
+    compiled, params, specs, new = _run_zero2(body, devices, model_config)
     if n >= 2:
-        _run_zero1(body, devices[: n // 2], model_config)
+        _run_zero2(body, devices[: n // 2], model_config)
     _judge_dtypes(body, model_config, max(n, 2))
     if n > 1:
         found = [(c.kind, c.size_bytes) for c in comms.collectives(compiled.as_text(), {DATA: n})]
@@ -171,7 +173,7 @@ def check_zero1(body: Callable, devices: Sequence[Any], model_config=None) -> bo
             _traced_collectives(body, model_config, m), params, parallel.fsdp_specs(params, m), m
         )
     return passed(
-        f"ZeRO-1 on {n} devices"
+        f"ZeRO-2 on {n} devices"
         + (f" (and on {n // 2})" if n >= 2 else "")
         + f": single-device updates and momentum at {CHECK_STEPS} steps, momentum sharded "
         f"({parallel.bytes_per_device(new.opt_state):,} of {model.param_bytes(params):,} bytes per device), "
@@ -180,11 +182,11 @@ def check_zero1(body: Callable, devices: Sequence[Any], model_config=None) -> bo
     )
 
 
-def _run_zero1(body: Callable, devices: list, model_config):
+def _run_zero2(body: Callable, devices: list, model_config):
     """Compile the body on ``devices``, run :data:`CHECK_STEPS` steps from single-device jit's states and
     judge each step and the layout; ``(compiled, params, specs, last new state)``."""
     n = len(devices)
-    step, shardings, batch_sharding, graphdef, params, optimizer, specs = _zero1_program(
+    step, shardings, batch_sharding, graphdef, params, optimizer, specs = _zero2_program(
         body, devices, model_config
     )
     host, ref_states, ref_losses = _reference(n, model_config)
@@ -196,14 +198,14 @@ def _run_zero1(body: Callable, devices: list, model_config):
         return None if known is None else (f"on {n} device(s): {known[0]}", known[1])
 
     compiled = call_answer(
-        f"your zero1_step on {n} device(s)",
+        f"your zero2_step on {n} device(s)",
         lambda: step.lower(start, batch0).compile(),
         explain=explain,
     )
     tol = parity.tolerance("float32")
     for k in range(CHECK_STEPS):
         new, metrics = call_answer(
-            f"your zero1_step on {n} device(s)", compiled, jax.device_put(ref_states[k], shardings),
+            f"your zero2_step on {n} device(s)", compiled, jax.device_put(ref_states[k], shardings),
             jax.device_put(host[k], batch_sharding), explain=explain,
         )  # fmt: skip
         _judge_step(k, n, new, metrics, ref_states, ref_losses, tol, specs)
@@ -309,7 +311,7 @@ def _judge_layout(new, params, specs, n) -> None:
     if held != full:
         fail(
             f"each device holds {held:,} bytes of parameters, not all {full:,}",
-            "ZeRO-1 keeps the parameters replicated: all_gather the updated slices (to='invarying')",
+            "ZeRO-2 keeps the parameters replicated: all_gather the updated slices (to='invarying')",
         )
     want = (
         comms.local_param_count(
@@ -326,7 +328,7 @@ def _judge_layout(new, params, specs, n) -> None:
 
 
 TRACE_DEVICES = 4
-"""On one device the ZeRO-1 checker traces the learner's body on an abstract mesh of this many devices."""
+"""On one device the ZeRO-2 checker traces the learner's body on an abstract mesh of this many devices."""
 
 _JAXPR_KINDS = {
     "reduce_scatter": "reduce-scatter",
@@ -343,7 +345,7 @@ def _abstract_jaxpr(body: Callable, model_config, n: int, what: str):
     from jax.sharding import AbstractMesh, AxisType
 
     abstract = AbstractMesh((n,), (DATA,), axis_types=(AxisType.Auto,))
-    mapped, _, _, params, optimizer, _ = _zero1_mapped(body, model_config, n, abstract)
+    mapped, _, _, params, optimizer, _ = _zero2_mapped(body, model_config, n, abstract)
     s = model_config.image_size
     batch = (
         jax.ShapeDtypeStruct((BATCH_PER_DEVICE * n, s, s, model_config.in_channels), np.float32),
@@ -358,7 +360,7 @@ def _traced_collectives(body: Callable, model_config, n: int) -> list[tuple[str,
     needed): ``S`` is the gathered result, the reduce-scattered operand or the all-reduced array."""
     from course_lib import programs
 
-    jaxpr = _abstract_jaxpr(body, model_config, n, "your zero1_step")
+    jaxpr = _abstract_jaxpr(body, model_config, n, "your zero2_step")
     found = []
     for eqn, times in programs.jaxpr_equations(jaxpr):
         kind = _JAXPR_KINDS.get(eqn.primitive.name)
@@ -375,7 +377,7 @@ def _judge_dtypes(body: Callable, model_config, n: int) -> None:
     it back to float32 in the compiled program, so the jaxpr is read)."""
     from course_lib import programs
 
-    jaxpr = _abstract_jaxpr(body, model_config, n, f"your zero1_step traced on {n} devices")
+    jaxpr = _abstract_jaxpr(body, model_config, n, f"your zero2_step traced on {n} devices")
     narrow = sorted(
         {
             f"{_JAXPR_KINDS[eqn.primitive.name]} in {v.aval.dtype}"
@@ -440,6 +442,6 @@ def _judge_collectives(found: list[tuple[str, int]], params, specs, n) -> None:
         fail(
             f"each device sends {sent:,.0f} bytes per step, more than one all-reduce of the gradients "
             f"({bound / 1.05:,.0f})",
-            "ZeRO-1 sends what data parallelism sends: one reduce-scatter of each sharded gradient and one "
+            "ZeRO-2 sends what data parallelism sends: one reduce-scatter of each sharded gradient and one "
             "all-gather of each updated parameter slice",
         )

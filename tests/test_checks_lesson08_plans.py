@@ -1,0 +1,101 @@
+"""Exercise 2's ZeRO-2 plan and exercise 3's moves of E's critical batch (``notebooks/08_lab.ipynb``):
+the checkers accept the right answers in more than one form, refuse plausible wrong ones with a hint that
+names what is wrong (never the value), and print a stub's hint; the ZeRO-2 step's checker says on 2 devices
+that it cannot judge an answer it cannot send, and prints no ✓."""
+
+import pytest
+from checking import rejects
+from test_checks_lesson08 import make_zero2
+
+from course_tools.checks import lesson08
+
+PLAN = {
+    "gradients": "reduce-scatter",
+    "parameters": "all-gather",
+    "update": "its slice",
+    "sent / B's, n = 8": 1.0,
+    "momentum / B's, n = 8": 1 / 8,
+}
+MOVES = {
+    "link bandwidth x2": 0.5,
+    "ring -> switch": 2.0,
+    "8 -> 64 devices": (63 / 64) / (7 / 8),
+    "FLOP peak x2, HBM-bound": 1.0,
+    "parameter bytes x2": 2.0,
+}
+
+
+def test_zero2_plan_accepts_the_plan_in_other_forms():
+    assert lesson08.check_zero2_plan(PLAN)
+    assert lesson08.check_zero2_plan(
+        {**PLAN, "sent / B's, n = 8": 1, "momentum / B's, n = 8": 0.125}
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"gradients": "all-reduce"}, "WHOLE summed gradient"),  # ZeRO-1's gradients
+        ({"gradients": "all-gather"}, "does not add"),
+        ({"parameters": "all-reduce"}, "does not concatenate"),  # the slices summed
+        (
+            {"parameters": "reduce-scatter"},
+            "must come back whole",
+        ),  # forgot to gather the parameters
+        ({"update": "all parameters"}, "momentum of its slice only"),  # updating unsharded moments
+        ({"sent / B's, n = 8": 2.0}, "add the first two"),  # counted as two all-reduces
+        ({"momentum / B's, n = 8": 1.0}, "1/n"),  # the momentum replicated
+    ],
+)
+def test_zero2_plan_rejects_plausible_mistakes(change, match):
+    rejects(lesson08.check_zero2_plan, {**PLAN, **change}, match=match)
+
+
+def test_zero2_plan_refuses_values_outside_the_choices_and_prints_a_stub_hint(capsys, monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT_CHECKS", raising=False)
+    rejects(lesson08.check_zero2_plan, {**PLAN, "gradients": "psum"}, match="one of")
+    rejects(lesson08.check_zero2_plan, {"gradients": "reduce-scatter"}, match="keys")
+    assert lesson08.check_zero2_plan(dict.fromkeys(lesson08.ZERO2_PLAN, ...)) is False
+    assert "not written" in capsys.readouterr().out
+
+
+def test_critical_batch_moves_accept_the_model_and_other_forms():
+    assert lesson08.check_critical_batch_moves(MOVES)
+    assert lesson08.check_critical_batch_moves(
+        {**MOVES, "8 -> 64 devices": 1.125, "ring -> switch": 2}
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"link bandwidth x2": 2.0}, "communication time is the bytes"),  # the direction reversed
+        ({"ring -> switch": 1.0}, "half of what a device sends"),  # a ring taken as one direction
+        ({"8 -> 64 devices": 8.0}, r"2 \(n − 1\) / n"),  # bytes taken to grow with n
+        ({"FLOP peak x2, HBM-bound": 0.5}, "LARGER of"),  # compute time taken as FLOPs only
+        ({"parameter bytes x2": 1.0}, "move the parameters"),
+    ],
+)
+def test_critical_batch_moves_reject_plausible_mistakes(change, match):
+    rejects(lesson08.check_critical_batch_moves, {**MOVES, **change}, match=match)
+
+
+def test_critical_batch_moves_hint_names_only_the_wrong_ones(capsys, monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT_CHECKS", raising=False)
+    with pytest.raises(Exception, match="2 of 5") as e:
+        lesson08.check_critical_batch_moves({**MOVES, "link bandwidth x2": 2, "ring -> switch": 1})
+    assert "parameter bytes x2:" not in str(e.value) and "0.5" not in str(e.value)
+    assert lesson08.check_critical_batch_moves(dict.fromkeys(lesson08.CRITICAL_MOVES, ...)) is False
+    assert "not written" in capsys.readouterr().out
+
+
+def test_zero2_step_on_two_devices_prints_no_success_for_what_it_cannot_judge(
+    report, capsys, monkeypatch
+):
+    """Two devices hide a device count written in: the checker sends a body to 8 devices, and says so
+    where it cannot send one (a closure) — for a right and a wrong body alike, never a ✓."""
+    monkeypatch.delenv("COURSE_STRICT_CHECKS", raising=False)
+    for body in (make_zero2(), make_zero2(reduce="allreduce"), make_zero2(gather=False)):
+        assert lesson08.check_zero2(body, report.devices[:2]) is False
+        out = capsys.readouterr().out
+        assert "✓" not in out and "not judged: this run has 2 devices, too few" in out, out
