@@ -11,8 +11,11 @@ stash the F lane keeps its input until the B lane needs it.
 
 - :func:`gpipe` — all forwards, then all backwards (the backward is the forward's mirror, which is what
   ``jax.grad`` of a forward-only pipeline runs). Bubble ``(p-1)/(m+p-1)``; every micro-batch in flight.
-- :func:`one_f_one_b` — each stage starts a micro-batch's backward as soon as it comes back: the same bubble,
-  at most ``2(p-1-s)+1`` micro-batches in flight on stage ``s``, whatever ``m``.
+- :func:`one_f_one_b` — **lockstep 1F1B**, as an SPMD program with one F and one B lane per tick runs it:
+  each stage starts a micro-batch's backward as soon as it comes back. The same bubble, at most
+  ``2(p-1-s)+1`` micro-batches in flight on stage ``s``, whatever ``m``. (The 1F1B of the literature,
+  PipeDream-Flush, runs one operation per tick and holds at most ``p-s``:
+  :func:`course_lib.op_schedules.pipedream_flush`.)
 - :func:`circular` — interleaved (circular) GPipe: ``v`` chunks per device (virtual stages), micro-batches
   go round the ring ``v`` times, all forwards then all backwards. Bubble ``(p-1)/(v·m+p-1)``, ``v·m`` chunk
   inputs in flight. (Megatron-LM's *interleaved 1F1B* uses the same virtual stages in a 1F1B order, which
@@ -37,6 +40,7 @@ __all__ = [
     "one_f_one_b",
     "circular",
     "busy",
+    "micro_batches",
     "SCHEDULES",
     "make",
     "validate",
@@ -343,3 +347,20 @@ def gpipe_bubble(n_stages: int, n_micro: int, n_chunks: int = 1) -> float:
     """The closed form ``(p-1)/(v·m+p-1)`` (GPipe with ``v = 1``, circular with ``v`` chunks)."""
     _check_sizes(n_stages, n_micro, n_chunks)
     return (n_stages - 1) / (n_chunks * n_micro + n_stages - 1)
+
+
+def micro_batches(n_micro: object, n_stages: int) -> int:
+    """``n_micro`` as the count of micro-batches of a pipeline of ``n_stages`` stages: a positive whole
+    multiple of ``n_stages`` (an int, or its text: papermill's ``-r`` passes ``"8"``).
+
+    Raises:
+      ValueError: anything else, naming the value and the nearest count to use.
+    """
+    m = int(n_micro) if str(n_micro).strip().isdigit() else n_micro
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1 or m % n_stages:
+        near = n_stages * max(1, m // n_stages) if isinstance(m, int) else 2 * n_stages
+        raise ValueError(
+            f"n_micro={n_micro!r}: the pipeline needs a positive whole multiple of its {n_stages} stages; "
+            f"use n_micro={near}"
+        )
+    return m

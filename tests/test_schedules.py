@@ -92,3 +92,16 @@ def test_make_and_bad_sizes():
             S.gpipe(bad, 4)
     assert S.gpipe_bubble(4, 8) == pytest.approx(3 / 11)
     assert np.issubdtype(S.gpipe(2, 2).f_mb.dtype, np.integer)
+
+
+@pytest.mark.parametrize("n_micro, p, want", [(8, 4, 8), ("8", 4, 8), (" 6 ", 2, 6), (1, 1, 1)])
+def test_micro_batches_accepts_a_multiple_of_the_stages(n_micro, p, want):
+    assert S.micro_batches(n_micro, p) == want
+
+
+@pytest.mark.parametrize(
+    "n_micro, p, near", [(0, 2, 2), ("x", 2, 4), (6, 4, 4), (-3, 2, 2), (True, 1, 1), (2.5, 2, 4)]
+)
+def test_micro_batches_refuses_with_the_count_to_use(n_micro, p, near):
+    with pytest.raises(ValueError, match=f"use n_micro={near}$"):
+        S.micro_batches(n_micro, p)
