@@ -192,3 +192,18 @@ def vjp_library(q, k, v, axis_name):
         return out, (q, k, v, out, _forward(q, k, v, axis_name)[1])
 
     return _custom(fwd, lambda res, g: _backward(*res, g, axis_name), axis_name, q, k, v)
+
+
+def vjp_leaks(q, k, v, axis_name):
+    """Wrong: the device's index traced outside the custom_vjp and closed over by its backward pass."""
+    me = lax.axis_index(axis_name)
+
+    def fwd(q, k, v):
+        out, lse = _forward(q, k, v, axis_name)
+        return out, (q, k, v, out, lse)
+
+    def bwd(res, dout):
+        dq, dk, dv = _backward(*res, dout, axis_name)
+        return dq + 0 * me, dk, dv
+
+    return _custom(fwd, bwd, axis_name, q, k, v)

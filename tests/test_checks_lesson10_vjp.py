@@ -43,6 +43,7 @@ def test_residuals_are_measured_against_autodiff():
         (a.vjp_unmasked_backward, "gradient with respect to q is off.*causal mask"),
         (a.vjp_saves_blocks, "ring of 8 devices .* keeps 18.2 blocks.*allowance is 8.*every K/V"),
         (a.vjp_plain_autodiff, "no custom_vjp_call.*jax.custom_vjp"),
+        (a.vjp_leaks, "UnexpectedTracerError.*traced separately.*lax.axis_index"),
         (a.vjp_library, "calls course_lib.splits.ring_attention.*without course_lib.splits"),
     ],
 )

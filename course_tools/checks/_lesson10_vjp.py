@@ -75,6 +75,17 @@ def _is_custom_vjp(fn) -> bool:
     return any(e.primitive.name.startswith("custom_vjp_call") for e, _ in jaxpr_equations(jaxpr))
 
 
+def _leak(e):
+    if not isinstance(e, jax.errors.UnexpectedTracerError):
+        return None
+    return (
+        "jax.grad of ring_attention_vjp: a value traced outside the backward pass reached it "
+        "(UnexpectedTracerError)",
+        "fwd and bwd are traced separately: compute lax.axis_index (and anything else traced) inside "
+        "each of them, or pass it through the residuals; only Python values may be closed over",
+    )
+
+
 def _grad_hint(name: str, right: dict) -> str:
     if right["q"] and not (right["k"] and right["v"]):
         return (
@@ -104,7 +115,7 @@ def _values_and_grads(fn, devices, c: int, rng) -> None:
             loss = lambda q, k, v: jnp.sum(attention(q, k, v) * cot)  # noqa: E731
             return jax.grad(loss, argnums=(0, 1, 2))
 
-        got_g = _unaided(f"jax.grad of {what}", jax.jit(grads(mapped)), q, k, v)
+        got_g = _unaided(f"jax.grad of {what}", jax.jit(grads(mapped)), q, k, v, explain=_leak)
         want_g = grads(transformer.causal_attention)(q, k, v)
     if got.shape != want.shape or not close(got, want, 1e-10):
         fail(
