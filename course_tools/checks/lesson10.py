@@ -1,7 +1,8 @@
 """Checkers for ``10_transformers.ipynb``, numbered as its exercises: 1 (debug) a tensor-parallel MLP whose
 silent bug hides behind zero biases, 2 (predict) the bytes and activation memory of tensor vs sequence
 parallelism predicted before the measurement, 3 (project) ring attention built from ``ppermute``, 4 per-layer
-ZeRO-3 on the transformer's blocks, 5 the TP degree beyond which a block is communication-bound.
+ZeRO-3 on the transformer's blocks, 5 the TP degree beyond which a block is communication-bound, and the
+optional project: ring attention's backward pass with ``jax.custom_vjp`` (:mod:`._lesson10_vjp`).
 
 None of them holds an answer, and each refuses an answer that calls into :mod:`course_lib.splits` (the
 library that computes it). The MLP is compared with :func:`course_lib.transformer.mlp` on two device counts
@@ -59,6 +60,7 @@ from ._lesson10_ring import (
     sends_in_cond,
 )
 from ._lesson10_time import check_tp_critical_degree
+from ._lesson10_vjp import check_ring_vjp
 from ._lesson10_zero3 import (
     dp_compiled,
     z_held,
@@ -73,7 +75,7 @@ from ._lesson10_zero3 import policy_name as _policy_name
 from ._spmd import abstract
 
 __all__ = ["check_tp_mlp", "check_predict_tp_sp", "check_ring_attention", "check_zero3"]
-__all__ += ["check_tp_critical_degree"]
+__all__ += ["check_tp_critical_degree", "check_ring_vjp"]
 
 _ONCE = {"xla_backend_optimization_level": 0}
 
