@@ -8,7 +8,8 @@ Run by every worker of a multi-process run (:mod:`course_tools.worker`) after tr
   ``jax.experimental.mesh_utils.create_hybrid_device_mesh``;
 - :func:`checkpoint_round_trip`: every process saves its share of the distinct shards with Orbax, whose
   ``save`` is collective (Orbax 0.12.8: a barrier at the start; after the writes, all wait, process 0
-  commits the checkpoint atomically, all wait for the commit; ``wait_until_finished`` returns after it), then
+  commits the checkpoint atomically — on a local file system ``commit_success.txt`` in the temporary folder,
+  then a rename to the final name — and all wait for the commit; ``wait_until_finished`` returns after it), then
   each restores the checkpoint onto another layout and compares the shards it now holds with the values it
   can recompute. One ``multihost_utils.sync_global_devices`` between the two shows JAX's barrier; Orbax
   does not need it.
