@@ -6,9 +6,13 @@ Run by every worker of a multi-process run (:mod:`course_tools.worker`) after tr
 - :func:`hybrid_mesh`: ``data`` across processes (on a cluster, the slow network between hosts or slices,
   DCN), ``model`` inside each process (the fast links between one host's chips, ICI), built with
   ``jax.experimental.mesh_utils.create_hybrid_device_mesh``;
-- :func:`checkpoint_round_trip`: every process saves the shards its devices hold with Orbax, all wait at a
-  barrier (``multihost_utils.sync_global_devices``), then each restores the checkpoint onto another layout
-  and compares the shards it now holds with the values it can recompute.
+- :func:`checkpoint_round_trip`: every process saves its share of the distinct shards with Orbax, whose
+  ``save`` is collective (Orbax 0.12.8: a barrier at the start; after the writes, all wait, process 0
+  commits the checkpoint atomically — on a local file system ``commit_success.txt`` in the temporary folder,
+  then a rename to the final name — and all wait for the commit; ``wait_until_finished`` returns after it), then
+  each restores the checkpoint onto another layout and compares the shards it now holds with the values it
+  can recompute. One ``multihost_utils.sync_global_devices`` between the two shows JAX's barrier; Orbax
+  does not need it.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def _values(n: int) -> dict:
 def checkpoint_round_trip(folder: str | Path, mesh: Any) -> dict:
     """Save a state sharded on ``mesh`` from every process, then restore it onto another layout.
 
-    Every process of the group must call this (Orbax's save and the barrier are collective). Saved as
+    Every process of the group must call this (Orbax's save, its commit and the barrier are collective). Saved as
     ``w: P('data', 'model')``, ``b: P('data')``, ``step: P()``; restored as ``w: P('model', 'data')``,
     ``b: P()`` (whole on every device), ``step: P()``.
 
@@ -67,7 +71,7 @@ def checkpoint_round_trip(folder: str | Path, mesh: Any) -> dict:
       mesh: a ``data × model`` mesh over the group (:func:`hybrid_mesh`).
 
     Returns:
-      ``{"written": [entries of folder after the barrier], "restored": {leaf: str(spec)},
+      ``{"written": [entries of the committed folder], "restored": {leaf: str(spec)},
       "shards_checked": int, "max_abs_error": float}``: this process's restored shards against the values.
     """
     import jax
@@ -88,9 +92,10 @@ def checkpoint_round_trip(folder: str | Path, mesh: Any) -> dict:
     }
     path = Path(folder).absolute()
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, state)  # each process writes the shards its devices hold
-        ckptr.wait_until_finished()
-        multihost_utils.sync_global_devices("checkpoint written")  # nobody reads before all wrote
+        ckptr.save(path, state)  # collective: each process writes its share of the distinct shards
+        ckptr.wait_until_finished()  # returns once process 0 committed the checkpoint for the group
+        # JAX's own barrier, shown for the lesson: Orbax's save has already synchronised the group
+        multihost_utils.sync_global_devices("checkpoint written")
         target = {
             k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, wanted[k]))
             for k, v in values.items()

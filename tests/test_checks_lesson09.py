@@ -297,23 +297,3 @@ def test_references_at_an_odd_device_count(report):
         devs,
         match="only process 1's devices hold",
     )
-
-
-def test_a_one_process_plan_is_set_on_a_simulated_group(report):
-    """At 1 device (or an odd count) the plan is one process, where every layout is the whole batch: the
-    exercise moves to 2 simulated processes x 2 devices, where a constant answer is refused."""
-    devs, n_proc = lesson09.exercise_group(report.devices[:3], 1)
-    assert n_proc == 2 and len(devs) == 4 and {d.process_index for d in devs} == {0, 1}
-    assert lesson09.exercise_group(report.devices, 2) == (list(report.devices), 2)
-    right = {"a": [(0, 4), (4, 8)], "b": [(0, 4), (4, 8)], "c": [(0, 8), (0, 8)]}
-    assert lesson09.check_process_rows(right, devs, n_proc, 8)
-    whole = dict.fromkeys(lesson09.LAYOUTS, [(0, 8), (0, 8)])
-    rejects(lesson09.check_process_rows, whole, devs, n_proc, 8, match="2 of your 3 predictions")
-    rejects(
-        lesson09.check_process_rows,
-        {**right, "c": [(0, 4), (4, 8)]},
-        devs,
-        n_proc,
-        8,
-        match="1 of your 3 predictions",
-    )

@@ -3,11 +3,11 @@ run), a process-aware device order for a ``data × model`` mesh (or a ``ValueErr
 the model groups off the network between processes), and a loader that reads each block of a
 global batch once.
 
-They run in the notebook's one process. Exercise 1 measures a group of processes by splitting the kernel's
-devices into consecutive groups, one per process, the way ``jax.devices()`` orders a real group on CPU and
-GPU; exercise 2 uses stand-in devices that carry a ``process_index``; exercise 3 hands the loader a source
-that records what is read, also with a sharding over stand-in devices of 2 processes (process 0's are
-this process's), where reading another process's blocks shows.
+They run in the notebook's one process. Exercise 1 measures a simulated group of 4 processes x 2 stand-in
+devices (:func:`exercise_group`), split into consecutive blocks, one per process, the way ``jax.devices()``
+orders a real group on CPU and GPU; exercise 2 uses stand-in devices that carry a ``process_index``;
+exercise 3 hands the loader a source that records what is read, also with a sharding over stand-in devices
+of 2 processes (process 0's are this process's), where reading another process's blocks shows.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ LAYOUTS = ("a", "b", "c")
 ``data × model`` mesh built from the devices in transposed order."""
 
 
-def layout_mesh(name: str, devices: Sequence[Any]):
-    """The mesh of layout ``name`` (see :data:`LAYOUTS`) on ``devices``."""
+def layout_mesh(name: str, devices: Sequence[Any], mesh_shape: tuple[int, int] | None = None):
+    """The mesh of layout ``name`` (see :data:`LAYOUTS`) on ``devices``; ``mesh_shape`` ``(n_data, n_model)``
+    for b and c, default :func:`course_lib.meshes.choose_mesh_shape`."""
     if name == "a":
         return data_mesh(devices, axis_type="explicit")
-    n_data, n_model = choose_mesh_shape(len(devices))
+    n_data, n_model = mesh_shape or choose_mesh_shape(len(devices))
     if name == "b":
         return data_model_mesh(devices, (n_data, n_model), axis_type="explicit")
     order = np.array(list(devices), dtype=object).reshape(n_model, n_data).T.ravel()
@@ -56,14 +57,19 @@ def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def measure_process_rows(
-    name: str, devices: Sequence[Any], n_processes: int, global_batch: int
+    name: str,
+    devices: Sequence[Any],
+    n_processes: int,
+    global_batch: int,
+    mesh_shape: tuple[int, int] | None = None,
 ) -> list:
     """Rows of a ``global_batch`` split over ``data`` that each of ``n_processes`` processes holds under layout
     ``name``: ``[(start, stop), ...]`` per process (one pair when contiguous), read from JAX's own
-    ``devices_indices_map``, process ``p`` owning the ``p``-th block of consecutive devices."""
+    ``devices_indices_map``, process ``p`` owning the ``p``-th block of consecutive devices; ``mesh_shape`` as
+    in :func:`layout_mesh`."""
     devices = list(devices)
     local = len(devices) // n_processes
-    index_map = NamedSharding(layout_mesh(name, devices), P(DATA)).devices_indices_map(
+    index_map = NamedSharding(layout_mesh(name, devices, mesh_shape), P(DATA)).devices_indices_map(
         (global_batch,)
     )
     out = []
@@ -86,33 +92,55 @@ _HOW_ROWS = (
 )
 
 
+class _NotWhole(ValueError):
+    """A row bound that is not an integer (the value is in ``args[0]``)."""
+
+
+def _bound(v: Any) -> int:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise _NotWhole(v)
+    return int(v)
+
+
 def _as_rows(value: Any):
-    if (
-        isinstance(value, (tuple, list))
-        and len(value) == 2
-        and all(isinstance(v, (int, np.integer)) for v in value)
-    ):
-        return (int(value[0]), int(value[1]))
-    if (
-        isinstance(value, (tuple, list))
-        and value
-        and all(isinstance(v, (tuple, list)) for v in value)
-    ):
-        merged = _merge([(int(a), int(b)) for a, b in value])
+    """One process's prediction as ``(start, stop)``, or a list of such pairs (merged) where it holds several
+    blocks; a NumPy array is read as the nested lists it holds. Raises ``_NotWhole`` for a bound that is not
+    an integer (``8.0``, ``7.5``, ``True``), ``ValueError`` for any other form."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if not isinstance(value, (tuple, list)) or not value:
+        raise ValueError
+    if all(isinstance(v, (tuple, list)) for v in value):
+        if any(len(v) != 2 for v in value):
+            raise ValueError
+        merged = _merge([(_bound(a), _bound(b)) for a, b in value])
         return merged[0] if len(merged) == 1 else merged
+    if len(value) == 2:
+        return (_bound(value[0]), _bound(value[1]))
     raise ValueError
 
 
 @checker
 def check_process_rows(
-    predictions: dict | None, devices: Sequence[Any], n_processes: int, global_batch: int
+    predictions: dict | None,
+    devices: Sequence[Any],
+    n_processes: int,
+    global_batch: int,
+    mesh_shape: tuple[int, int] | None = None,
 ) -> bool:
     """Judge predicted rows per process under the layouts of :data:`LAYOUTS` (exercise 1).
 
     Spec: ``predictions[layout]`` lists, for each of ``n_processes`` processes (process ``p`` owning the
     ``p``-th block of consecutive ``devices``), the rows ``(start, stop)`` of a ``global_batch`` split over
     ``data`` that its devices hold (several pairs where they are not contiguous), equal to what JAX's own
-    index map (``devices_indices_map``) gives. A wrong answer is told how many layouts are wrong, never which.
+    index map (``devices_indices_map``) gives; layouts b and c use ``mesh_shape`` ``(n_data, n_model)``
+    (default :func:`course_lib.meshes.choose_mesh_shape`). A pair is two integers (``int`` or a NumPy
+    integer; a NumPy integer array of shape ``(n_processes, 2)`` is accepted for a layout). A wrong answer
+    is told how many layouts are wrong, never which.
+
+    Raises:
+      ExerciseError: a missing layout, a bound that is not an integer (named), another form than pairs, a
+        pair count other than ``n_processes``, or wrong rows (how many layouts, not which).
     """
     if (
         predictions is None
@@ -129,9 +157,14 @@ def check_process_rows(
         )
     wrong = 0
     for name in LAYOUTS:
-        want = measure_process_rows(name, devices, n_processes, global_batch)
+        want = measure_process_rows(name, devices, n_processes, global_batch, mesh_shape)
         try:
             got = [_as_rows(v) for v in predictions[name]]
+        except _NotWhole as e:
+            fail(
+                f"prediction {name!r} holds the row bound {e.args[0]!r} ({type(e.args[0]).__name__})",
+                "rows are counted in whole numbers: give each bound as an int, e.g. (0, 8), not 8.0",
+            )
         except (TypeError, ValueError):
             fail(
                 f"prediction {name!r} is {predictions[name]!r}",
@@ -146,7 +179,8 @@ def check_process_rows(
     if wrong:
         fail(
             f"{wrong} of your {len(LAYOUTS)} predictions differ from the rows the processes hold "
-            f"({n_processes} x {len(devices) // n_processes} devices, batch {global_batch})",
+            f"({n_processes} x {len(devices) // n_processes} devices, data x model = "
+            f"{mesh_shape or choose_mesh_shape(len(devices))}, batch {global_batch})",
             _HOW_ROWS,
         )
     note = (
@@ -203,13 +237,18 @@ def check_mesh_devices(fn: Callable) -> bool:
     )
 
 
-def exercise_group(devices: Sequence[Any], n_processes: int) -> tuple[list, int]:
-    """The devices and process count exercise 1 is set on: the run's plan when it has 2 processes or more,
-    else a simulated group of 2 processes x 2 devices (:class:`FakeDevice`; JAX's index maps accept them),
-    so that the rows differ between processes whatever the kernel's device count."""
-    if n_processes > 1:
-        return list(devices), n_processes
-    return fake_devices(2, 2, interleave=False), 2
+EXERCISE_GROUP = (4, 2, (2, 4))
+"""Exercise 1's group: 4 processes x 2 devices, and ``data × model = 2 × 4`` for layouts b and c."""
+
+
+def exercise_group() -> tuple[list, int, tuple[int, int]]:
+    """The group exercise 1 is set on, whatever the kernel's device count: ``(devices, n_processes,
+    (n_data, n_model))`` — 8 stand-in devices (:class:`FakeDevice`, in process order; JAX's index maps accept
+    them) of 4 simulated processes x 2, with ``data × model = 2 × 4``. A process's 2 devices are fewer than
+    ``n_model``, so the three layouts give three different answers (on the kernel's own devices split in two
+    processes, a and b coincide at 8 devices, and every layout is the whole batch with one process)."""
+    n_processes, local, mesh_shape = EXERCISE_GROUP
+    return fake_devices(n_processes, local, interleave=False), n_processes, mesh_shape
 
 
 # ---- exercise 3: read each block of a global batch once ----------------------------------------------------
