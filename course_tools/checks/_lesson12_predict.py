@@ -159,6 +159,8 @@ def _larger_kind(key: str, n_layers: int, *, remat: bool) -> str:
 
 
 def _pipe_sent(stages: int, n_micro: int, batch: int = 16, cfg=transformer.TINY) -> float:
+    """Bytes one device sends over ``stage`` per step of ``pp_dp`` on 8 devices (data = 8 / ``stages``), in
+    float32, by :func:`course_lib.lm_costs.predict_bytes`: exercise 3's predictions' truth."""
     sizes = {"data": 8 // stages, "stage": stages}
     sent = lm_costs.predict_bytes("pp_dp", cfg, batch, sizes, itemsize=4, n_micro=n_micro)
     return comms.sent_by_axis(sent)["stage"]
