@@ -267,8 +267,9 @@ def check_fit_prediction(predictions: Mapping | None) -> bool:
         "a device holds its share of the layers' parameters, momentum and gradients (what its specs split) "
         "and the activations its batch, heads or sequence share leave it. Ask per layer which of the two "
         "grows faster: at sequence 2048 the attention scores [b, H, S, S] outweigh a layer's weights, and "
-        "every layout splits them 8 ways; with remat a layer keeps only its input [b, S, D], and then what "
-        "the specs split decides; the pipeline holds its stage's layers and one micro-batch's values",
+        "every layout splits them 8 ways; with remat a layer keeps only its input [b, S, D]: set that "
+        "beside the layer's state as each layout's specs split it; the pipeline holds its stage's layers "
+        "and one micro-batch's values",
     )  # fmt: skip
 
 
