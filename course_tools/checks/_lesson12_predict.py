@@ -81,13 +81,13 @@ layer count, the larger of its two kinds of memory (:data:`KINDS`), without and 
 KINDS = ("state", "activations")
 """What a device holds, in two: ``state`` (parameters + momentum + gradients) and ``activations``."""
 PIPE_QUESTIONS = (
-    "stage: 8 micro-batches / the lab's 2",
+    "stage: 4 micro-batches / the lab's 2",
     "stage: global batch 32 / the lab's 16",
     "stage bytes: 4 stages, 8 micro-batches",
 )
 """Exercise 3, ``pp_dp`` at the ``TINY`` size in float32 (the lab's run: data=4 × stage=2, global batch 16,
-2 micro-batches): the bytes one device sends over ``stage`` per step with 8 micro-batches, and at global
-batch 32, each over the lab's (ratios); and in bytes with data=2 × stage=4 (``TINY`` with 4 layers, one a
+2 micro-batches): the bytes one device sends over ``stage`` per step with 4 micro-batches (one sequence each), and at
+global batch 32, each over the lab's (ratios); and in bytes with data=2 × stage=4 (``TINY`` with 4 layers, one a
 stage), 8 micro-batches, global batch 16."""
 PIPE_TINY4 = dataclasses.replace(transformer.TINY, n_layers=4)
 """Exercise 3's 4-stage pipeline: the ``TINY`` size with 4 layers (``TINY`` has 2)."""
@@ -169,7 +169,7 @@ def _pipe_sent(stages: int, n_micro: int, batch: int = 16, cfg=transformer.TINY)
 def _pipe_truth() -> dict:
     lab = _pipe_sent(2, 2)
     return {
-        PIPE_QUESTIONS[0]: _pipe_sent(2, 8) / lab,
+        PIPE_QUESTIONS[0]: _pipe_sent(2, 4) / lab,
         PIPE_QUESTIONS[1]: _pipe_sent(2, 2, batch=32) / lab,
         PIPE_QUESTIONS[2]: float(_pipe_sent(4, 8, cfg=PIPE_TINY4)),
     }
