@@ -1,13 +1,14 @@
-"""Lab 12's prediction checkers (exercises 1, 2 and 4's ``*_predictions``): each accepts the notebook's
+"""Lab 12's prediction checkers (exercises 1, 2, 3 and 4's ``*_predictions``): each accepts the notebook's
 predictions and other right forms (a layout tied with the best, NumPy numbers, a time worked without its
 latency terms), refuses plausible wrong predictions with how many are wrong, and prints "not written yet" for
-the student stub. Analytic: no compile."""
+the student stub; every judged call is counted (``_attempts``), and a verdict after a wrong one says on which
+attempt it came. Analytic: no compile."""
 
 import numpy as np
 import pytest
 from checking import not_written, rejects
 
-from course_tools.checks import lesson12
+from course_tools.checks import _attempts, lesson12
 
 CROSSING = {
     "tp_sp at batch 8": "model",
@@ -19,7 +20,14 @@ FIT = {
     "the most layers": "pp_dp",
     "the most layers, the pipeline aside": "tp_sp",
     "the fewest layers": "dp",
-    "tp_sp's layers minus dp's": 2,
+    "what fills most of dp's memory at its limit": "activations",
+    "what fills most of dp's memory at its limit, with remat": "state",
+    "the most layers with remat, the pipeline aside": "fsdp_tp",
+}
+PIPE = {
+    "stage: 4 micro-batches / the lab's 2": 1.0,
+    "stage: global batch 32 / the lab's 16": 22788 / 14596,
+    "stage bytes: 4 stages, 8 micro-batches": 40326,
 }
 STEP = {"the fastest layout": "3d", "dp's step in ms": 66.1}
 
@@ -27,8 +35,16 @@ STEP = {"the fastest layout": "3d", "dp's step in ms": 66.1}
 CHECKS = (
     (lesson12.check_crossing_prediction, lesson12.CROSSING_QUESTIONS, CROSSING),
     (lesson12.check_fit_prediction, lesson12.FIT_QUESTIONS, FIT),
+    (lesson12.check_pipe_prediction, lesson12.PIPE_QUESTIONS, PIPE),
     (lesson12.check_step_prediction, lesson12.STEP_QUESTIONS, STEP),
 )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_attempts():
+    _attempts.reset()
+    yield
+    _attempts.reset()
 
 
 @pytest.mark.parametrize("check, questions, right", CHECKS)
@@ -48,6 +64,14 @@ def test_other_right_forms_pass():
         {**CROSSING, "tp_sp: the smallest batch at which data crosses": np.int64(32)}
     )
     assert lesson12.check_fit_prediction({**FIT, "the fewest layers": "dp_cp"})
+    # the pipeline's bytes worked by hand: rounded, and as NumPy numbers
+    assert lesson12.check_pipe_prediction(
+        {
+            "stage: 4 micro-batches / the lab's 2": np.float64(1),
+            "stage: global batch 32 / the lab's 16": 1.56,
+            "stage bytes: 4 stages, 8 micro-batches": np.int64(40_000),
+        }
+    )
     # dp's step as its all-reduce's bandwidth term alone (65.8 ms), within 5 %
     assert lesson12.check_step_prediction(
         {
@@ -71,8 +95,31 @@ def test_other_right_forms_pass():
         (lesson12.check_crossing_prediction, {**CROSSING, "pp_dp at batch 128": "data"}),
         # the layout that splits the parameters the most (the activations decide at sequence 2048)
         (lesson12.check_fit_prediction, {**FIT, "the most layers, the pipeline aside": "fsdp_tp"}),
-        # off by one layer
-        (lesson12.check_fit_prediction, {**FIT, "tp_sp's layers minus dp's": 3}),
+        # the weights as what fills dp's memory (the scores [b, H, S, S] outweigh them at sequence 2048)
+        (
+            lesson12.check_fit_prediction,
+            {**FIT, "what fills most of dp's memory at its limit": "state"},
+        ),
+        # remat leaves the activations on top (a layer keeps its input: the state grows past them)
+        (
+            lesson12.check_fit_prediction,
+            {**FIT, "what fills most of dp's memory at its limit, with remat": "activations"},
+        ),
+        # tp_sp again with remat (its state is split 2 ways, fsdp_tp's 8)
+        (
+            lesson12.check_fit_prediction,
+            {**FIT, "the most layers with remat, the pipeline aside": "tp_sp"},
+        ),
+        # more micro-batches, more sends: x2 (each send is half the size)
+        (lesson12.check_pipe_prediction, {**PIPE, "stage: 4 micro-batches / the lab's 2": 2.0}),
+        # the sends counted as m + p - 1 ticks each way (one too many): 16,644 / 18,692 B = 0.89
+        (lesson12.check_pipe_prediction, {**PIPE, "stage: 4 micro-batches / the lab's 2": 0.9}),
+        # the activations alone double with the batch (the stage all-reduce of embedding and head left out)
+        (lesson12.check_pipe_prediction, {**PIPE, "stage: global batch 32 / the lab's 16": 2.0}),
+        # every device of 4 stages sending (no silent last stage): 40,960 + 9,606
+        (lesson12.check_pipe_prediction, {**PIPE, "stage bytes: 4 stages, 8 micro-batches": 50566}),
+        # the activations alone, the stage all-reduce of embedding and head left out
+        (lesson12.check_pipe_prediction, {**PIPE, "stage bytes: 4 stages, 8 micro-batches": 30720}),
         # the pipeline as the fewest (it holds the least)
         (lesson12.check_fit_prediction, {**FIT, "the fewest layers": "pp_dp"}),
         # dp's compute alone: the hidden traffic taken as free though it outlasts the compute
@@ -88,7 +135,31 @@ def test_other_right_forms_pass():
     ],
 )
 def test_wrong_predictions_are_refused(check, wrong):
-    rejects(check, wrong, match=r"1 of your \d predictions are not what the model says.*hint: ")
+    rejects(
+        check,
+        wrong,
+        match=r"1 of your \d predictions are not what the model says \(attempt 1 .*hint: ",
+    )
+
+
+def test_attempts_are_counted_per_exercise(capsys):
+    # two wrong attempts at exercise 3, then the right one: the verdict says so; exercise 2 counts apart
+    for _ in range(2):
+        rejects(
+            lesson12.check_pipe_prediction,
+            {**PIPE, "stage: 4 micro-batches / the lab's 2": 2.0},
+            match=r"attempt \d \(\d wrong so far\)",
+        )
+    assert _attempts.attempts("pipe_predictions") == (2, 2)
+    assert lesson12.check_pipe_prediction(PIPE)
+    assert "on attempt 3, after 2 wrong" in capsys.readouterr().out
+    assert lesson12.check_fit_prediction(FIT)
+    assert "on the first attempt" in capsys.readouterr().out
+    # a right answer judged again is not called a guess; malformed ones are not attempts
+    assert lesson12.check_fit_prediction(FIT)
+    assert "again (attempt 2; none wrong)" in capsys.readouterr().out
+    rejects(lesson12.check_fit_prediction, {**FIT, "the fewest layers": "ddp"}, match="not one of")
+    assert _attempts.attempts("fit_predictions") == (2, 0)
 
 
 def test_missing_and_malformed_predictions_are_refused():
@@ -108,8 +179,8 @@ def test_missing_and_malformed_predictions_are_refused():
         match="not a number",
     )
     rejects(
-        lesson12.check_fit_prediction,
-        {**FIT, "tp_sp's layers minus dp's": True},
+        lesson12.check_pipe_prediction,
+        {**PIPE, "stage: 4 micro-batches / the lab's 2": True},
         match="not a number",
     )
 

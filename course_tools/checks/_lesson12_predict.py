@@ -8,27 +8,33 @@ printed table and asserts come from), never with the learner's function: a right
 function, or the reverse, is judged for what it is. The cases are fixed (the ones the check cell prints);
 the answers are the model's, computed at each call, not stored. A layout or axis within :data:`TIE` of the
 best is right (the model cannot tell them apart); a number is judged within :data:`REL_NUMBER`; a count of
-layers or a batch exactly. Says how many predictions are wrong, never which. Analytic: the same on every
+layers or a batch exactly. Says how many predictions are wrong, never which, and counts the attempts
+(:mod:`course_tools.checks._attempts`): a verdict after a wrong one says "on attempt 3, after 2 wrong", so a
+prediction found by guessing reads as such. Analytic: the same on every
 device count and platform.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from numbers import Number
 
 import numpy as np
 
-from course_lib import costs, lm_costs, lm_layouts, transformer
+from course_lib import comms, costs, lm_costs, lm_layouts, transformer
 
+from . import _attempts
 from ._common import checker, fail, not_written, passed, plain
 
 __all__ = [
     "CROSSING_QUESTIONS",
     "FIT_QUESTIONS",
+    "PIPE_QUESTIONS",
     "STEP_QUESTIONS",
     "check_crossing_prediction",
     "check_fit_prediction",
+    "check_pipe_prediction",
     "check_step_prediction",
     "step_fabric",
 ]
@@ -66,9 +72,25 @@ FIT_QUESTIONS = (
     "the most layers",
     "the most layers, the pipeline aside",
     "the fewest layers",
-    "tp_sp's layers minus dp's",
+    "what fills most of dp's memory at its limit",
+    "what fills most of dp's memory at its limit, with remat",
+    "the most layers with remat, the pipeline aside",
 )
-"""Exercise 2, the ``GPU`` width at batch 32 in 40 GB: three layouts (names) and a difference of counts."""
+"""Exercise 2, the ``GPU`` width at batch 32 in 40 GB: four layouts (names) and, for ``dp`` at its largest
+layer count, the larger of its two kinds of memory (:data:`KINDS`), without and with recomputation."""
+KINDS = ("state", "activations")
+"""What a device holds, in two: ``state`` (parameters + momentum + gradients) and ``activations``."""
+PIPE_QUESTIONS = (
+    "stage: 4 micro-batches / the lab's 2",
+    "stage: global batch 32 / the lab's 16",
+    "stage bytes: 4 stages, 8 micro-batches",
+)
+"""Exercise 3, ``pp_dp`` at the ``TINY`` size in float32 (the lab's run: data=4 × stage=2, global batch 16,
+2 micro-batches): the bytes one device sends over ``stage`` per step with 4 micro-batches (one sequence each), and at
+global batch 32, each over the lab's (ratios); and in bytes with data=2 × stage=4 (``TINY`` with 4 layers, one a
+stage), 8 micro-batches, global batch 16."""
+PIPE_TINY4 = dataclasses.replace(transformer.TINY, n_layers=4)
+"""Exercise 3's 4-stage pipeline: the ``TINY`` size with 4 layers (``TINY`` has 2)."""
 STEP_QUESTIONS = ("the fastest layout", "dp's step in ms")
 """Exercise 4, 8 × H100 with each layout's outermost axis across the servers on InfiniBand
 (:func:`step_fabric`), batch 16, data-parallel traffic hidden: the fastest layout but the pipeline (a name)
@@ -107,11 +129,49 @@ def fits(limit: float = FIT_LIMIT, batch: int = FIT_BATCH) -> dict[str, int]:
 def _fit_truth() -> dict:
     layers = fits()
     rest = {k: v for k, v in layers.items() if k != "pp_dp"}
+    remat = {k: lm_costs.largest_layers(k, _G, FIT_BATCH, FIT_LIMIT, remat=True) for k in rest}
     return {
         FIT_QUESTIONS[0]: {k for k, v in layers.items() if v == max(layers.values())},
         FIT_QUESTIONS[1]: {k for k, v in rest.items() if v == max(rest.values())},
         FIT_QUESTIONS[2]: {k for k, v in layers.items() if v == min(layers.values())},
-        FIT_QUESTIONS[3]: layers["tp_sp"] - layers["dp"],
+        FIT_QUESTIONS[3]: {_larger_kind("dp", layers["dp"], remat=False)},
+        FIT_QUESTIONS[4]: {
+            _larger_kind(
+                "dp",
+                lm_costs.largest_layers("dp", _G, FIT_BATCH, FIT_LIMIT, remat=True),
+                remat=True,
+            )
+        },
+        FIT_QUESTIONS[5]: {k for k, v in remat.items() if v == max(remat.values())},
+    }
+
+
+def _larger_kind(key: str, n_layers: int, *, remat: bool) -> str:
+    """``"state"`` or ``"activations"``: the larger in layout ``key``'s memory per device (the ``GPU`` width
+    with ``n_layers`` layers, batch :data:`FIT_BATCH`, bfloat16, 8 devices)."""
+    mem = lm_costs.predict_memory(key, dataclasses.replace(_G, n_layers=n_layers), FIT_BATCH,
+                                  lm_layouts.mesh_axes(key, 8), 2, remat=remat)  # fmt: skip
+    return (
+        "state"
+        if mem["params"] + mem["optimizer"] + mem["gradients"] > mem["activations"]
+        else KINDS[1]
+    )
+
+
+def _pipe_sent(stages: int, n_micro: int, batch: int = 16, cfg=transformer.TINY) -> float:
+    """Bytes one device sends over ``stage`` per step of ``pp_dp`` on 8 devices (data = 8 / ``stages``), in
+    float32, by :func:`course_lib.lm_costs.predict_bytes`: exercise 3's predictions' truth."""
+    sizes = {"data": 8 // stages, "stage": stages}
+    sent = lm_costs.predict_bytes("pp_dp", cfg, batch, sizes, itemsize=4, n_micro=n_micro)
+    return comms.sent_by_axis(sent)["stage"]
+
+
+def _pipe_truth() -> dict:
+    lab = _pipe_sent(2, 2)
+    return {
+        PIPE_QUESTIONS[0]: _pipe_sent(2, 4) / lab,
+        PIPE_QUESTIONS[1]: _pipe_sent(2, 2, batch=32) / lab,
+        PIPE_QUESTIONS[2]: float(_pipe_sent(4, 8, cfg=PIPE_TINY4)),
     }
 
 
@@ -161,17 +221,24 @@ def _judge(name: str, predictions, questions: tuple, truth: Callable[[], dict], 
                 ):
                     units = q
                 wrong += off
+    verdict = _attempts.record(name, right=not wrong)  # every judged call counts (_attempts)
     if wrong:
         if units:
             hint = f"{units!r} asks for milliseconds: a time in seconds is 1000 x smaller; " + hint
-        fail(f"{wrong} of your {len(questions)} predictions are not what the model says", hint)
-    return passed(f"all {len(questions)} predictions are what the model says")
+        fail(
+            f"{wrong} of your {len(questions)} predictions are not what the model says ({verdict}; the "
+            "verdict of a later attempt says how many came before it)",
+            hint,
+        )
+    return passed(f"all {len(questions)} predictions are what the model says, {verdict}")
 
 
 def _names(question: str) -> set[str]:
     if question in CROSSING_QUESTIONS:
         key = question.split()[0]
         return set(lm_layouts.mesh_axes(key, 16))
+    if question.startswith("what fills"):
+        return set(KINDS)
     return set(lm_layouts.DENSE_KEYS)
 
 
@@ -192,15 +259,32 @@ def check_crossing_prediction(predictions: Mapping | None) -> bool:
 
 @checker
 def check_fit_prediction(predictions: Mapping | None) -> bool:
-    """Exercise 2's predictions (:data:`FIT_QUESTIONS`) against :func:`fits` (the memory model's counts);
-    a layout tied with the most (or the fewest) counts as right; the difference exactly."""
+    """Exercise 2's predictions (:data:`FIT_QUESTIONS`) against :func:`fits` and
+    :func:`course_lib.lm_costs.predict_memory` (the memory model); a layout tied with the most (or the
+    fewest) counts as right; a kind of memory is one of :data:`KINDS`."""
     return _judge(
         "fit_predictions", predictions, FIT_QUESTIONS, _fit_truth,
         "a device holds its share of the layers' parameters, momentum and gradients (what its specs split) "
-        "and the activations its batch, heads or sequence share leave it; at sequence 2048 the attention "
-        "scores dominate the activations, and every layout splits them 8 ways; the pipeline holds its "
-        "stage's layers and one micro-batch's values at a time. lm_costs.predict_memory at two layer "
-        "counts gives what one more layer costs under each layout",
+        "and the activations its batch, heads or sequence share leave it. Ask per layer which of the two "
+        "grows faster: at sequence 2048 the attention scores [b, H, S, S] outweigh a layer's weights, and "
+        "every layout splits them 8 ways; with remat a layer keeps only its input [b, S, D]: set that "
+        "beside the layer's state as each layout's specs split it; the pipeline holds its stage's layers "
+        "and one micro-batch's values",
+    )  # fmt: skip
+
+
+@checker
+def check_pipe_prediction(predictions: Mapping | None) -> bool:
+    """Exercise 3's predictions (:data:`PIPE_QUESTIONS`) against
+    :func:`course_lib.lm_costs.predict_bytes` (which the notebook checks against the compiled program at
+    the lab's own sizes), each within :data:`REL_NUMBER`."""
+    return _judge(
+        "pipe_predictions", predictions, PIPE_QUESTIONS, _pipe_truth,
+        "write the bytes over stage as a formula before any number: a tick's send is one micro-batch "
+        "[global_batch / n_data / n_micro, S, D], there are 2 (n_micro + p - 2) of them, and a shift leaves "
+        "the last stage silent ((p - 1)/p of the devices send); beside them the embedding's and the head's "
+        "gradients and the loss are all-reduced over stage, whatever the batch or the micro-batches. See "
+        "what cancels at p = 2 and what does not at p = 4",
     )  # fmt: skip
 
 

@@ -31,9 +31,13 @@ from ._lesson12_nodes import check_node_placement
 from ._lesson12_predict import (
     CROSSING_QUESTIONS,
     FIT_QUESTIONS,
+    KINDS,
+    PIPE_QUESTIONS,
+    PIPE_TINY4,
     STEP_QUESTIONS,
     check_crossing_prediction,
     check_fit_prediction,
+    check_pipe_prediction,
     check_step_prediction,
     step_fabric,
 )
@@ -43,9 +47,13 @@ from ._unaided import call_unaided as _call_unaided
 __all__ = [
     "CROSSING_QUESTIONS",
     "FIT_QUESTIONS",
+    "KINDS",
+    "PIPE_QUESTIONS",
+    "PIPE_TINY4",
     "STEP_QUESTIONS",
     "check_crossing_prediction",
     "check_fit_prediction",
+    "check_pipe_prediction",
     "check_step_prediction",
     "check_node_placement",
     "check_largest_model",
