@@ -5,7 +5,7 @@ import sys
 import types
 from concurrent.futures import ThreadPoolExecutor
 
-# ---- exercise 1: which axis crosses the nodes (tests/answers_lesson12_nodes.py) ---------------------------
+# ---- exercise 3: which axis crosses the nodes (tests/answers_lesson12_nodes.py) ---------------------------
 from answers_lesson12_nodes import by_the_library
 from answers_lesson12_nodes import reference as across_nodes
 
@@ -52,7 +52,7 @@ def largest_in_a_thread(layout_key, cfg, global_batch, memory_limit):
         return pool.submit(largest_by_lookup, layout_key, cfg, global_batch, memory_limit).result()
 
 
-# ---- exercise 2: the largest model that fits ---------------------------------------------------------------
+# ---- exercise 4: the largest model that fits ---------------------------------------------------------------
 
 
 def _mem_at(
@@ -181,7 +181,7 @@ def largest_by_line(layout_key, cfg, global_batch, memory_limit):
     return 1 + int((memory_limit - at_one) // (at_two - at_one))
 
 
-# ---- exercise 3: the pipeline's bytes -----------------------------------------------------------------------
+# ---- exercise 1: the pipeline's bytes -----------------------------------------------------------------------
 
 
 def _pipeline(
@@ -281,7 +281,7 @@ def pipeline_whole_batch(n_stages, n_data, n_micro, cfg, global_batch, itemsize)
     }
 
 
-# ---- exercise 4: a layout's step time, by hand ---------------------------------------------------------------
+# ---- exercise 5: a layout's step time, by hand ---------------------------------------------------------------
 
 _HIDDEN = ("gradients", "parameters gathered", "loss")
 """The collectives that hide behind compute (what they carry): the data-parallel traffic."""

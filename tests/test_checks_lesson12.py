@@ -286,7 +286,7 @@ def test_tpu_rules_change_nothing(monkeypatch):
     )
 
 
-# ---- exercise 4: a layout's step time, by hand ---------------------------------------------------------------
+# ---- exercise 5: a layout's step time, by hand ---------------------------------------------------------------
 
 N_TIME_CASES = len(timing._FAMILIES)
 
@@ -357,7 +357,7 @@ def test_step_time_case_as_code_is_the_case():
         assert eval(code, scope) == fabric
 
 
-# ---- exercise 5: ep_dp's all-to-alls over the expert axis, in seconds -----------------------------------------
+# ---- exercise 2: ep_dp's all-to-alls over the expert axis, in seconds -----------------------------------------
 
 N_A2A_CASES = len(experts._FAMILIES)
 

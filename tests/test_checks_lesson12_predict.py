@@ -1,4 +1,4 @@
-"""Lab 12's prediction checkers (exercises 1, 2, 3 and 4's ``*_predictions``): each accepts the notebook's
+"""Lab 12's prediction checkers (exercises 1, 3, 4 and 5's ``*_predictions``): each accepts the notebook's
 predictions and other right forms (a layout tied with the best, NumPy numbers, a time worked without its
 latency terms), refuses plausible wrong predictions with how many are wrong, and prints "not written yet" for
 the student stub; every judged call is counted (``_attempts``), and a verdict after a wrong one says on which
@@ -143,7 +143,7 @@ def test_wrong_predictions_are_refused(check, wrong):
 
 
 def test_attempts_are_counted_per_exercise(capsys):
-    # two wrong attempts at exercise 3, then the right one: the verdict says so; exercise 2 counts apart
+    # two wrong attempts at exercise 1, then the right one: the verdict says so; exercise 4 counts apart
     for _ in range(2):
         rejects(
             lesson12.check_pipe_prediction,

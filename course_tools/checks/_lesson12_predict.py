@@ -1,5 +1,5 @@
 """Lab 12's predictions (``notebooks/12_transformer_lab.ipynb``; re-exported by
-:mod:`course_tools.checks.lesson12`): exercises 1, 2 and 4 open with a dict of questions (left ``None`` in the
+:mod:`course_tools.checks.lesson12`): exercises 1, 3, 4 and 5 open with a dict of questions (left ``None`` in the
 student version) that the learner fills in before writing the exercise's function; a cell judges it, and the
 exercise's check cell then prints what the model says.
 
@@ -48,12 +48,12 @@ _G = transformer.GPU
 _H100, _IB = costs.FABRICS["H100"], costs.LINKS["InfiniBand NDR"]
 _CROSS_BATCHES = (8, 16, 32, 64, 128)
 FIT_BATCH, FIT_LIMIT = 32, 40e9
-"""Exercise 2's question: the GPU configuration's width at batch 32 in 40 GB (40e9 bytes) per device."""
+"""Exercise 4's question: the GPU configuration's width at batch 32 in 40 GB (40e9 bytes) per device."""
 STEP_BATCH = 16
 
 
 def step_fabric(key: str):
-    """Exercise 4's machine, as the model sees it for layout ``key``: two servers of 4 × H100, the layout's
+    """Exercise 5's machine, as the model sees it for layout ``key``: two servers of 4 × H100, the layout's
     outermost mesh axis (the first of ``lm_layouts.mesh_axes(key, 8)``: a launcher gives each server
     consecutive devices) spanning them, so its collectives run on InfiniBand NDR (as fast as the slowest link
     a group uses), its inner axes inside a server on NVLink."""
@@ -66,7 +66,7 @@ CROSSING_QUESTIONS = (
     "pp_dp at batch 128",
     "tp_sp: the smallest batch at which data crosses",
 )
-"""Exercise 1, two nodes of 8 × H100 on InfiniBand, the ``GPU`` configuration: the axis across the nodes
+"""Exercise 3, two nodes of 8 × H100 on InfiniBand, the ``GPU`` configuration: the axis across the nodes
 (a name), and of 8, 16, 32, 64, 128 the first global batch where ``tp_sp`` puts ``data`` across."""
 FIT_QUESTIONS = (
     "the most layers",
@@ -76,7 +76,7 @@ FIT_QUESTIONS = (
     "what fills most of dp's memory at its limit, with remat",
     "the most layers with remat, the pipeline aside",
 )
-"""Exercise 2, the ``GPU`` width at batch 32 in 40 GB: four layouts (names) and, for ``dp`` at its largest
+"""Exercise 4, the ``GPU`` width at batch 32 in 40 GB: four layouts (names) and, for ``dp`` at its largest
 layer count, the larger of its two kinds of memory (:data:`KINDS`), without and with recomputation."""
 KINDS = ("state", "activations")
 """What a device holds, in two: ``state`` (parameters + momentum + gradients) and ``activations``."""
@@ -85,14 +85,14 @@ PIPE_QUESTIONS = (
     "stage: global batch 32 / the lab's 16",
     "stage bytes: 4 stages, 8 micro-batches",
 )
-"""Exercise 3, ``pp_dp`` at the ``TINY`` size in float32 (the lab's run: data=4 × stage=2, global batch 16,
+"""Exercise 1, ``pp_dp`` at the ``TINY`` size in float32 (the lab's run: data=4 × stage=2, global batch 16,
 2 micro-batches): the bytes one device sends over ``stage`` per step with 4 micro-batches (one sequence each), and at
 global batch 32, each over the lab's (ratios); and in bytes with data=2 × stage=4 (``TINY`` with 4 layers, one a
 stage), 8 micro-batches, global batch 16."""
 PIPE_TINY4 = dataclasses.replace(transformer.TINY, n_layers=4)
-"""Exercise 3's 4-stage pipeline: the ``TINY`` size with 4 layers (``TINY`` has 2)."""
+"""Exercise 1's 4-stage pipeline: the ``TINY`` size with 4 layers (``TINY`` has 2)."""
 STEP_QUESTIONS = ("the fastest layout", "dp's step in ms")
-"""Exercise 4, 8 × H100 with each layout's outermost axis across the servers on InfiniBand
+"""Exercise 5, 8 × H100 with each layout's outermost axis across the servers on InfiniBand
 (:func:`step_fabric`), batch 16, data-parallel traffic hidden: the fastest layout but the pipeline (a name)
 and ``dp``'s step time in milliseconds."""
 
@@ -160,7 +160,7 @@ def _larger_kind(key: str, n_layers: int, *, remat: bool) -> str:
 
 def _pipe_sent(stages: int, n_micro: int, batch: int = 16, cfg=transformer.TINY) -> float:
     """Bytes one device sends over ``stage`` per step of ``pp_dp`` on 8 devices (data = 8 / ``stages``), in
-    float32, by :func:`course_lib.lm_costs.predict_bytes`: exercise 3's predictions' truth."""
+    float32, by :func:`course_lib.lm_costs.predict_bytes`: exercise 1's predictions' truth."""
     sizes = {"data": 8 // stages, "stage": stages}
     sent = lm_costs.predict_bytes("pp_dp", cfg, batch, sizes, itemsize=4, n_micro=n_micro)
     return comms.sent_by_axis(sent)["stage"]
@@ -244,7 +244,7 @@ def _names(question: str) -> set[str]:
 
 @checker
 def check_crossing_prediction(predictions: Mapping | None) -> bool:
-    """Exercise 1's predictions (:data:`CROSSING_QUESTIONS`) against the two-tier model
+    """Exercise 3's predictions (:data:`CROSSING_QUESTIONS`) against the two-tier model
     (:func:`course_tools.checks._lesson12_nodes.placement_times`: two nodes of 8 × H100 on InfiniBand
     NDR, the ``GPU`` configuration, bfloat16); an axis within :data:`TIE` of the fastest placement counts."""
     return _judge(
@@ -259,7 +259,7 @@ def check_crossing_prediction(predictions: Mapping | None) -> bool:
 
 @checker
 def check_fit_prediction(predictions: Mapping | None) -> bool:
-    """Exercise 2's predictions (:data:`FIT_QUESTIONS`) against :func:`fits` and
+    """Exercise 4's predictions (:data:`FIT_QUESTIONS`) against :func:`fits` and
     :func:`course_lib.lm_costs.predict_memory` (the memory model); a layout tied with the most (or the
     fewest) counts as right; a kind of memory is one of :data:`KINDS`."""
     return _judge(
@@ -275,7 +275,7 @@ def check_fit_prediction(predictions: Mapping | None) -> bool:
 
 @checker
 def check_pipe_prediction(predictions: Mapping | None) -> bool:
-    """Exercise 3's predictions (:data:`PIPE_QUESTIONS`) against
+    """Exercise 1's predictions (:data:`PIPE_QUESTIONS`) against
     :func:`course_lib.lm_costs.predict_bytes` (which the notebook checks against the compiled program at
     the lab's own sizes), each within :data:`REL_NUMBER`."""
     return _judge(
@@ -290,7 +290,7 @@ def check_pipe_prediction(predictions: Mapping | None) -> bool:
 
 @checker
 def check_step_prediction(predictions: Mapping | None) -> bool:
-    """Exercise 4's predictions (:data:`STEP_QUESTIONS`) against the step-time model
+    """Exercise 5's predictions (:data:`STEP_QUESTIONS`) against the step-time model
     (:func:`course_tools.checks._lesson12_time.model_step`, ``overlap="data"``, no roofline) at
     :data:`STEP_BATCH`, each layout on its :func:`step_fabric`; a layout within :data:`TIE` of the fastest
     counts, the time within :data:`REL_NUMBER`."""

@@ -1,4 +1,4 @@
-"""Checker of lab 12's exercise 4: a layout's step time predicted by hand from its FLOPs, the bytes of its
+"""Checker of lab 12's exercise 5: a layout's step time predicted by hand from its FLOPs, the bytes of its
 collectives and the fabric's bandwidth and latency (``notebooks/12_transformer_lab.ipynb``; re-exported by
 :mod:`course_tools.checks.lesson12`).
 

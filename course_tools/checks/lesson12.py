@@ -2,7 +2,7 @@
 main exercise, :mod:`._lesson12_nodes`), the largest model that fits a memory limit under each layout, the
 pipeline's bytes per mesh axis, a layout's step time predicted by hand (:mod:`._lesson12_time`), and the
 time ``ep_dp``'s all-to-alls take over the expert axis (:mod:`._lesson12_experts`); and the predictions that
-open exercises 1, 2 and 4, judged against the model (:mod:`._lesson12_predict`).
+open exercises 1, 3, 4 and 5, judged against the model (:mod:`._lesson12_predict`).
 
 None of them holds an answer: each compares the learner's function, on cases drawn afresh at every call
 (``seed``: for tests), with :mod:`course_lib.lm_costs` — the step-time model
@@ -83,7 +83,7 @@ def _config_expr(cfg) -> str:
     return min(options)[1]
 
 
-# ---- exercise 2: the largest model that fits ---------------------------------------------------------------
+# ---- exercise 4: the largest model that fits ---------------------------------------------------------------
 
 
 def _fit_configs(rng) -> list:
@@ -221,7 +221,7 @@ def check_largest_model(largest: Callable, *, seed: int | None = None) -> bool:
     return passed(f"the largest model right in all {len(cases)} cases, every layout")
 
 
-# ---- exercise 3: the pipeline's bytes -----------------------------------------------------------------------
+# ---- exercise 1: the pipeline's bytes -----------------------------------------------------------------------
 
 _BYTES_CASES = 8
 
