@@ -131,6 +131,9 @@ def test_predict_pipeline_draws_more_micro_batches_than_stages():
 def test_predict_pipeline_refuses_answers_that_read_or_fit_the_tables():
     check = lesson11.check_predict_pipeline
     rejects(check, a.predict_reads_tables, match="calls course_lib's schedules .*reads the tables")
+    rejects(
+        check, a.predict_reads_tables_unhooked, match=r"switched off or replaced .*sys\.setprofile"
+    )
     # a table of the answers at the checker's old public cases: the cases are drawn anew
     for case in a.OLD_CASES:
         assert a.predict_table(*case) == pytest.approx(a.predict(*case))
