@@ -73,6 +73,21 @@ def gpipe_scan(stage_fn, stage_params, xs, axis_name):
     return outs[p - 1 :]  # the last stage's outputs from tick p - 1 on (the others return junk)
 
 
+def gpipe_scan_invariant_carry(stage_fn, stage_params, xs, axis_name):
+    """Wrong (does not trace): gpipe_scan with its carry started from zeros that are the same on every
+    stage, while the tick returns a carry that varies over the stage axis."""
+    p = lax.axis_size(axis_name)
+    s = lax.axis_index(axis_name)
+    feed = jnp.concatenate([xs, jnp.zeros((p - 1, *xs.shape[1:]), xs.dtype)])
+
+    def tick(arrived, x_new):
+        y = stage_fn(jnp.where(s == 0, x_new, arrived), stage_params)
+        return lax.ppermute(y, axis_name, [(i, i + 1) for i in range(p - 1)]), y
+
+    _, outs = lax.scan(tick, jnp.zeros_like(xs[0]), feed)
+    return outs[p - 1 :]
+
+
 def gpipe_no_send(stage_fn, stage_params, xs, axis_name):
     """Wrong: each stage applies its layers to the inputs themselves."""
     return jax.vmap(lambda x: stage_fn(x, stage_params))(xs)
@@ -319,6 +334,17 @@ def predict_reads_tables(name, p, m, v):
     """Wrong (no prediction): builds the library's table and reads it."""
     from course_lib import schedules
 
+    sched = schedules.make(name, p, m, v)
+    return schedules.bubble_fraction(sched), int(sched.in_flight().max())
+
+
+def predict_reads_tables_unhooked(name, p, m, v):
+    """Wrong (no prediction): switches off the checker's profile hook, then reads the library's table."""
+    import sys
+
+    from course_lib import schedules
+
+    sys.setprofile(None)
     sched = schedules.make(name, p, m, v)
     return schedules.bubble_fraction(sched), int(sched.in_flight().max())
 

@@ -34,6 +34,16 @@ def test_gpipe_accepts_correct_forms(report, n):
     assert lesson11.check_gpipe(a.gpipe_tagged, report.devices[:n])
 
 
+def test_gpipe_names_the_invariant_scan_carry(report):
+    """A scan whose carry starts from zeros (the same on every stage) does not trace under shard_map: the
+    checker says to cast it to varying (lax.pcast), not just the type error."""
+    rejects(
+        partial(lesson11.check_gpipe, devices=report.devices),
+        a.gpipe_scan_invariant_carry,
+        match=r"carry starts the same.*lax\.pcast\(x, axis_name, to='varying'\)",
+    )
+
+
 def test_gpipe_accepts_lax_cond_without_collectives(report):
     """A cond that skips the bubble ticks holds no collective (nor does its gradient): accepted."""
     assert lesson11.check_gpipe(a.gpipe_cond_skip, report.devices)
@@ -131,6 +141,9 @@ def test_predict_pipeline_draws_more_micro_batches_than_stages():
 def test_predict_pipeline_refuses_answers_that_read_or_fit_the_tables():
     check = lesson11.check_predict_pipeline
     rejects(check, a.predict_reads_tables, match="calls course_lib's schedules .*reads the tables")
+    rejects(
+        check, a.predict_reads_tables_unhooked, match=r"switched off or replaced .*sys\.setprofile"
+    )
     # a table of the answers at the checker's old public cases: the cases are drawn anew
     for case in a.OLD_CASES:
         assert a.predict_table(*case) == pytest.approx(a.predict(*case))

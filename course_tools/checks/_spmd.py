@@ -51,7 +51,8 @@ def auto_mesh(devices: Sequence[Any], shape: tuple[int, int] | None = None) -> M
 
 
 def run_mapped(what: str, fn: Callable, *args, varies_hint: str):
-    """``call_answer`` with hints for a wrong axis name and for a result that still varies."""
+    """``call_answer`` with hints for a wrong axis name, for a result that still varies, and for a
+    ``lax.scan`` / ``fori_loop`` carry that starts invariant and comes back varying over the axis."""
 
     def explain(e: Exception):
         if isinstance(e, NameError):
@@ -61,6 +62,13 @@ def run_mapped(what: str, fn: Callable, *args, varies_hint: str):
                 f"{what}: shard_map says the result still varies across devices where out_specs "
                 "promise one value",
                 varies_hint,
+            )
+        if "carry" in str(e) and "manual axis types do not match" in str(e):
+            return (
+                f"{what}: a loop's carry starts the same on every device (jnp.zeros_like) but comes back "
+                "varying over the mesh axis",
+                "make the carry vary over the axis from the start: "
+                "lax.pcast(x, axis_name, to='varying') on its initial value (lesson 06)",
             )
         return None
 

@@ -170,7 +170,9 @@ def _predict_cases(rng: np.random.Generator) -> list[tuple[str, int, int, int]]:
 
 
 def _call_unaided(what: str, predict: Callable, *args):
-    """``predict(*args)``, refused if it calls into the library that builds the tables it predicts."""
+    """``predict(*args)``, refused if it calls into the library that builds the tables it predicts, or if it
+    switches off or replaces the profile hook that watches those calls (``sys.setprofile(None)``), as
+    :func:`course_tools.checks._unaided.unaided` does."""
     seen: list[str] = []
 
     def watch(frame, event, arg):
@@ -181,8 +183,14 @@ def _call_unaided(what: str, predict: Callable, *args):
     sys.setprofile(watch)
     try:
         got = call_answer(what, predict, *args)
+        intact = sys.getprofile() is watch
     finally:
         sys.setprofile(old)
+    if not intact:
+        fail(
+            f"{what} switched off or replaced the checker's profile hook (sys.setprofile)",
+            "leave sys.setprofile alone, and predict from p, m and v alone",
+        )
     if seen:
         fail(
             f"{what} calls course_lib's schedules ({seen[0]}): it reads the tables it is asked to predict",
