@@ -5,7 +5,7 @@ that it cannot judge an answer it cannot send, and prints no ✓."""
 
 import pytest
 from checking import rejects
-from test_checks_lesson08 import make_zero2
+from test_checks_lesson08 import critical_ref, make_zero2
 
 from course_tools.checks import lesson08
 
@@ -99,3 +99,33 @@ def test_zero2_step_on_two_devices_prints_no_success_for_what_it_cannot_judge(
         assert lesson08.check_zero2(body, report.devices[:2]) is False
         out = capsys.readouterr().out
         assert "✓" not in out and "not judged: this run has 2 devices, too few" in out, out
+
+
+def test_fsdp_critical_batch_accepts_the_loss_bytes_and_refuses_the_checkers_own_answer():
+    """Exercise 1's bytes (the loss's 4-byte all-reduce counted) are a right answer; an answer that wraps the
+    checker's own :func:`reference` (or a piece of it) is refused."""
+    from course_tools.checks import _lesson08_critical as critical
+
+    def with_loss_bytes(f, h, p, n, fab):
+        return critical_ref(f, h, p + 4, n, fab)
+
+    assert lesson08.check_fsdp_critical_batch(with_loss_bytes)
+
+    def wraps(piece):
+        def answer(f, h, p, n, fab):
+            critical.FABRICS["_mine"] = fab
+            try:
+                if piece == "reference":
+                    return critical.reference((f, h, p, n, "_mine"))
+                return (
+                    critical_ref(f, h, p, n, fab)
+                    * critical._bandwidth("_mine")
+                    / critical._bandwidth("_mine")
+                )
+            finally:
+                del critical.FABRICS["_mine"]
+
+        return answer
+
+    for piece in ("reference", "_bandwidth"):
+        rejects(lesson08.check_fsdp_critical_batch, wraps(piece), match="checker refuses")
