@@ -24,6 +24,7 @@ from collections.abc import Callable
 from course_lib import comms, costs, lab_time
 from course_lib.config import PROFILES
 
+from . import _attempts
 from ._common import checker, fail, passed, plain, require
 from ._unaided import call_unaided
 
@@ -226,7 +227,7 @@ CRITICAL_MOVES = (
     "link bandwidth x2",
     "ring -> switch",
     "8 -> 64 devices",
-    "FLOP peak x2, HBM-bound",
+    "FLOP peak x2",
     "parameter bytes x2",
 )
 """The changes exercise 3's prediction names: after ÷ before of E's critical batch, every other input kept."""
@@ -243,7 +244,7 @@ def _moved(change: str) -> float:
         FABRICS["_moved"] = _no_alpha(fab, "_moved", bytes_per_s=2 * fab.link.bytes_per_s)
     elif change == "ring -> switch":
         FABRICS["_moved"] = _no_alpha(fab, "_moved", topology="switch")
-    elif change == "FLOP peak x2, HBM-bound":
+    elif change == "FLOP peak x2":
         chip = dataclasses.replace(fab.chip, bf16=2 * fab.chip.bf16)
         FABRICS["_moved"] = dataclasses.replace(fab, name="_moved", chip=chip)
     else:
@@ -255,18 +256,15 @@ def _moved(change: str) -> float:
         del FABRICS["_moved"]
 
 
-_MOVE_HINTS = {
-    "link bandwidth x2": "E's communication time is the bytes it sends ÷ the link's bandwidth; its time per "
-    "image has no link in it; the critical batch is communication time ÷ time per image",
-    "ring -> switch": "on a bidirectional ring each direction carries half of what a device sends; through a "
-    "switch a device sends it all one way, at the same bytes per second per direction",
-    "8 -> 64 devices": "E sends 2 (n − 1) / n of the parameters' bytes per device: take that fraction at n = 64 "
-    "over its value at n = 8; the time per image is one device's and has no n in it",
-    "FLOP peak x2, HBM-bound": "the time per image is the LARGER of FLOPs ÷ peak and HBM bytes ÷ HBM "
-    "bandwidth; HBM-bound means the second is larger, before and after the change",
-    "parameter bytes x2": "E's collectives move the parameters (gathered) and their gradients (reduce-"
-    "scattered), whatever the batch; the time per image is unchanged here",
-}
+MOVES_HINT = (
+    "the critical batch is E's communication time ÷ its compute time per image; communication = the bytes "
+    "each device sends (an all-gather and a reduce-scatter of the parameters, each (n − 1)/n of their bytes) "
+    "÷ the link's bandwidth per direction, a ring carrying half each way round and a switch port all of it "
+    "one way; time per image = the LARGER of FLOPs ÷ peak and HBM bytes ÷ HBM bandwidth. For each change, "
+    "ask which of these terms it moves, and by how much"
+)
+"""The one hint of wrong moves, whichever are wrong: the model, never which move is off (a hint naming the
+wrong ones lets the factors be found by trying values one key at a time)."""
 
 
 @checker
@@ -276,8 +274,9 @@ def check_critical_batch_moves(moves) -> bool:
 
     Raises:
       NotWritten: a value left ``...`` or ``None``.
-      ExerciseError: not a dict of those names, a non-number, or wrong values (each wrong one named with
-        the part of the model that decides it; the value is not given).
+      ExerciseError: not a dict of those names, a non-number, or wrong values (how many, and the model:
+        never which move, nor its value). Every judged call is counted
+        (:mod:`course_tools.checks._attempts`): a verdict after wrong attempts says on which attempt.
     """
     if not isinstance(moves, dict) or set(moves) != set(CRITICAL_MOVES):
         got = sorted(moves) if isinstance(moves, dict) else type(moves).__name__
@@ -291,12 +290,14 @@ def check_critical_batch_moves(moves) -> bool:
         )
         if isinstance(moves[key], bool) or not isinstance(plain(moves[key]), numbers.Real):
             fail(f"e_critical_moves[{key!r}] is {moves[key]!r}", "write a number: after ÷ before")
-    wrong = [k for k in CRITICAL_MOVES if not _close(float(moves[k]), _moved(k), rel=0.01)]
+    wrong = sum(not _close(float(moves[k]), _moved(k), rel=0.01) for k in CRITICAL_MOVES)
+    verdict = _attempts.record("lesson08 critical_moves", right=not wrong)
     if wrong:
         fail(
-            f"{len(wrong)} of {len(CRITICAL_MOVES)} predictions are off: {', '.join(wrong)}",
-            " | ".join(f"{k}: {_MOVE_HINTS[k]}" for k in wrong),
+            f"{wrong} of {len(CRITICAL_MOVES)} predictions are off ({verdict}; the verdict of a later "
+            "attempt says how many came before it)",
+            MOVES_HINT,
         )
     return passed(
-        f"all {len(CRITICAL_MOVES)} moves of E's critical batch, as the model gives them (α = 0)"
+        f"all {len(CRITICAL_MOVES)} moves of E's critical batch, as the model gives them (α = 0), {verdict}"
     )
