@@ -4,6 +4,7 @@ correct forms, rejects typical wrong ones with a specific hint, and prints the h
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from checking import rejects
@@ -54,7 +55,9 @@ def _opt_map(fn, opt_state, specs):
     return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
-def make_zero2(reduce="scatter", vary=True, divide=True, gather=True, update_params="slices"):
+def make_zero2(
+    reduce="scatter", vary=True, divide=True, gather=True, update_params="slices", bf16=False
+):
     """The reference ZeRO-2 body, or one of its typical mistakes."""
 
     def body(state, batch, *, apply_fn, optimizer, specs, axis_name):
@@ -72,14 +75,19 @@ def make_zero2(reduce="scatter", vary=True, divide=True, gather=True, update_par
             if reduce == "allreduce":
                 return _slice(lax.pmean(g, axis_name), spec, axis_name)
             g = lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True)
-            return g / n if divide else g
+            g = g / n if divide else g
+            return g.astype(jnp.bfloat16).astype(g.dtype) if bf16 else g  # a slice rounded
 
         g = jax.tree.map(my_grad, grads, specs, is_leaf=_is_spec)
         mine = jax.tree.map(
             lambda p, s: _slice(p, s, axis_name), state.params, specs, is_leaf=_is_spec
         )
         zeros = jax.tree.map(lambda p: p * 0, mine)
-        given = {"slices": mine, "whole": state.params, "none": None, "zeros": zeros}[update_params]
+        whole_zeros = jax.tree.map(  # zeros for the leaves kept whole (P()) only
+            lambda p, s: p * 0 if _dim(s, axis_name) is None else p, mine, specs, is_leaf=_is_spec
+        )
+        given = {"slices": mine, "whole": state.params, "none": None, "zeros": zeros,
+                 "zeros for whole leaves": whole_zeros}[update_params]  # fmt: skip
         updates, opt_state = optimizer.update(g, state.opt_state, given)
         new = optax.apply_updates(mine, updates)
         if gather:

@@ -14,6 +14,7 @@ import numbers
 
 from course_lib import comms
 
+from . import _attempts
 from ._common import checker, fail, passed, plain, require
 
 N = 8
@@ -24,28 +25,15 @@ UPDATES = ("all parameters", "its slice")
 ZERO2_PLAN = ("gradients", "parameters", "update", "sent / B's, n = 8", "momentum / B's, n = 8")
 """The keys of exercise 2's plan."""
 
-_HINTS = {
-    ("gradients", "all-reduce"): (
-        "an all-reduce hands every device the WHOLE summed gradient: ZeRO-2 keeps "
-        "only 1/n of the reduced gradients, and the update of a slice needs only that slice of the sum"
-    ),
-    ("gradients", "all-gather"): (
-        "an all-gather puts the devices' arrays side by side; it does not add "
-        "them: the gradients of the devices' batches must be summed"
-    ),
-    ("parameters", "all-reduce"): (
-        "each device updated a different slice: the replicated parameters are "
-        "those slices put side by side; an all-reduce adds arrays, it does not concatenate slices"
-    ),
-    ("parameters", "reduce-scatter"): (
-        "a reduce-scatter leaves each device a slice of a sum: the parameters "
-        "must come back whole on every device, from slices, without adding"
-    ),
-    ("update", "all parameters"): (
-        "each device holds the momentum of its slice only: the update it can "
-        "compute is its slice's (updating everything would need the whole optimizer state: no saving)"
-    ),
-}
+PLAN_HINT = (
+    "reconsider each entry from what a device holds: a reduce-scatter leaves each device one slice of the "
+    "sum, an all-reduce the whole sum, an all-gather the devices' arrays side by side (no sum); the momentum "
+    "a device holds decides what its optimizer.update can update; on a ring a reduce-scatter and an "
+    "all-gather each send (n − 1)/n · S per device and an all-reduce 2 (n − 1)/n · S (S the whole array); "
+    "the momentum is laid out like the FSDP specs, and B holds all of it on every device"
+)
+"""The one hint of a wrong plan, whichever entries are wrong: the physics of every entry, never which is off
+(a hint naming the wrong entries lets a plan be found by trying values one key at a time)."""
 
 
 def _truths() -> dict:
@@ -60,18 +48,6 @@ def _truths() -> dict:
     }
 
 
-def _ratio_hint(key: str, value: float) -> str:
-    if key.startswith("sent"):
-        return (
-            "per device a reduce-scatter sends (n − 1)/n · S and an all-gather (n − 1)/n · S (S the whole "
-            "array); an all-reduce sends 2 (n − 1)/n · S: add the first two, divide by the third"
-        )
-    return (
-        "the momentum is laid out like the FSDP specs: every split leaf leaves each device 1/n of it; B "
-        "holds it all on every device"
-    )
-
-
 @checker
 def check_zero2_plan(plan) -> bool:
     """Judge exercise 2's plan: a dict with the keys :data:`ZERO2_PLAN`; the two collectives among
@@ -79,8 +55,9 @@ def check_zero2_plan(plan) -> bool:
 
     Raises:
       NotWritten: a value left ``...`` or ``None``.
-      ExerciseError: missing keys, a value outside the choices, or wrong entries (each named with what it
-        gets wrong; the right value is not printed).
+      ExerciseError: missing keys, a value outside the choices, or wrong entries (how many, and the physics
+        of every entry: never which entry, nor the right value). Every judged call is counted
+        (:mod:`course_tools.checks._attempts`): a verdict after wrong attempts says on which attempt.
     """
     if not isinstance(plan, dict) or set(plan) != set(ZERO2_PLAN):
         got = sorted(plan) if isinstance(plan, dict) else type(plan).__name__
@@ -94,17 +71,21 @@ def check_zero2_plan(plan) -> bool:
             isinstance(value, bool) or not isinstance(plain(value), numbers.Real)
         ):
             fail(f"zero2_plan[{key!r}] is {value!r}", "a number: the ratio on 8 devices")
-    truths, hints = _truths(), []
-    for key in ZERO2_PLAN:
-        value = plan[key]
-        if key in choices:
-            if value != truths[key]:
-                hints.append(f"{key}: {_HINTS[(key, value)]}")
-        elif not math.isclose(float(value), truths[key], rel_tol=0.01):
-            hints.append(f"{key}: {_ratio_hint(key, float(value))}")
-    if hints:
-        fail(f"{len(hints)} of {len(ZERO2_PLAN)} entries of the plan are off", " | ".join(hints))
+    truths = _truths()
+    wrong = sum(
+        plan[key] != truths[key]
+        if key in choices
+        else not math.isclose(float(plan[key]), truths[key], rel_tol=0.01)
+        for key in ZERO2_PLAN
+    )
+    verdict = _attempts.record("lesson08 zero2_plan", right=not wrong)
+    if wrong:
+        fail(
+            f"{wrong} of {len(ZERO2_PLAN)} entries of the plan are off ({verdict}; the verdict of a later "
+            "attempt says how many came before it)",
+            PLAN_HINT,
+        )
     return passed(
         "the plan: gradients and parameters by the right collectives, the update on this device's slice, "
-        f"and both ratios on {N} devices — now write the step; its checker measures them"
+        f"and both ratios on {N} devices, {verdict} — now write the step; its checker measures them"
     )
