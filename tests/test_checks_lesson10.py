@@ -412,3 +412,19 @@ def test_critical_degree_red_team_answers():
         lesson10.check_tp_critical_degree, with_collective_time,
         match="calls costs.collective_time: a library function this checker refuses",
     )  # fmt: skip
+
+
+def test_critical_degree_refuses_a_table_of_the_fixed_cases():
+    """A lookup of the fixed cases' values (anything else: a guess) fails on the cases drawn afresh."""
+    import functools
+
+    from course_tools.checks._lesson10_time import CASES, DRAWN, FABRICS, reference
+
+    table = {(c.d_model, c.seq_len, c.d_ff, b): reference(c, b, FABRICS[f]) for c, b, f in CASES}
+
+    def lookup(c, b, fab):
+        return table.get((c.d_model, c.seq_len, c.d_ff, b), 2.0)
+
+    for seed in (0, 1, None):
+        check = functools.partial(lesson10.check_tp_critical_degree, seed=seed)
+        rejects(check, lookup, match=f"{DRAWN} of {len(CASES) + DRAWN} cases are off.*drawn")
