@@ -209,6 +209,12 @@ def test_tp_mlp(report):
         devices,
         match=r"on 8 devices the program calls all_gather\w* of \[16, 6\]; .*" + moves,
     )
+    rejects(
+        check,
+        a.tp_mlp_gather_plain,  # refused by shard_map's out_specs first: the gathering's message still
+        devices,
+        match=r"not provably the same.*all-gathers \[16, 6\].*with gathered weights every device computes",
+    )
     rejects(check, a.tp_mlp_psum_weights, devices, match=r"calls psum\w* of \[16, 48\];.*" + moves)
     rejects(check, a.tp_mlp_gather_hidden, devices, match=r"calls all_gather\w* of \[5, 6\];")
     rejects(check, a.tp_mlp_no_return, devices, match=r"returned None \(is a return missing\?\)")
