@@ -105,6 +105,7 @@ def zero3_timeline(n_layers: int, ax=None):
     ax.set_xlim(0, len(order))
     ax.set_ylim(0, 2)
     ax.set_axis_off()
-    ax.set_title(f"ZeRO-3 over {n_layers} layers: each layer gathered before use and freed after; "
-                 "gathered again in the backward, its gradient reduce-scattered", fontsize=8, loc="left")  # fmt: skip
+    ax.set_title(f"A schematic (the order of operations, not their times): ZeRO-3 over {n_layers} layers, "
+                 "each layer gathered before use and freed after;\ngathered again in the backward, its "
+                 "gradient reduce-scattered", fontsize=8, loc="left")  # fmt: skip
     return ax.figure

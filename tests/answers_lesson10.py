@@ -707,6 +707,15 @@ def tp_mlp_gather_weights(x, p, axis):
     return lax.pmean(jax.nn.gelu(x @ w1 + b1) @ w2 + p["w2"]["bias"], axis)
 
 
+def tp_mlp_gather_plain(x, p, axis):
+    """Gathers the weight shards and returns the product as it is: shard_map cannot tell it is replicated."""
+    w1, b1, w2 = (
+        lax.all_gather(w, axis, axis=a, tiled=True)
+        for w, a in ((p["w1"]["kernel"], 1), (p["w1"]["bias"], 0), (p["w2"]["kernel"], 0))
+    )
+    return jax.nn.gelu(x @ w1 + b1) @ w2 + p["w2"]["bias"]
+
+
 def tp_mlp_psum_weights(x, p, axis):
     """Rebuilds the whole weights by summing zero-padded shards over the devices (an all-reduce)."""
     n, me = lax.axis_size(axis), lax.axis_index(axis)

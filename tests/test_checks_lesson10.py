@@ -209,6 +209,12 @@ def test_tp_mlp(report):
         devices,
         match=r"on 8 devices the program calls all_gather\w* of \[16, 6\]; .*" + moves,
     )
+    rejects(
+        check,
+        a.tp_mlp_gather_plain,  # refused by shard_map's out_specs first: the gathering's message still
+        devices,
+        match=r"not provably the same.*all-gathers \[16, 6\].*with gathered weights every device computes",
+    )
     rejects(check, a.tp_mlp_psum_weights, devices, match=r"calls psum\w* of \[16, 48\];.*" + moves)
     rejects(check, a.tp_mlp_gather_hidden, devices, match=r"calls all_gather\w* of \[5, 6\];")
     rejects(check, a.tp_mlp_no_return, devices, match=r"returned None \(is a return missing\?\)")
@@ -412,3 +418,19 @@ def test_critical_degree_red_team_answers():
         lesson10.check_tp_critical_degree, with_collective_time,
         match="calls costs.collective_time: a library function this checker refuses",
     )  # fmt: skip
+
+
+def test_critical_degree_refuses_a_table_of_the_fixed_cases():
+    """A lookup of the fixed cases' values (anything else: a guess) fails on the cases drawn afresh."""
+    import functools
+
+    from course_tools.checks._lesson10_time import CASES, DRAWN, FABRICS, reference
+
+    table = {(c.d_model, c.seq_len, c.d_ff, b): reference(c, b, FABRICS[f]) for c, b, f in CASES}
+
+    def lookup(c, b, fab):
+        return table.get((c.d_model, c.seq_len, c.d_ff, b), 2.0)
+
+    for seed in (0, 1, None):
+        check = functools.partial(lesson10.check_tp_critical_degree, seed=seed)
+        rejects(check, lookup, match=f"{DRAWN} of {len(CASES) + DRAWN} cases are off.*drawn")

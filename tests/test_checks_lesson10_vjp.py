@@ -1,8 +1,8 @@
 """The optional project of lesson 10 (course_tools.checks.lesson10.check_ring_vjp): a ring backward pass
 with jax.custom_vjp. The checker accepts the reference and another correct form and refuses, each with its
 own hint, a backward that leaves dK, dV one device past home, one that forgets the causal mask, a custom_vjp
-that saves every K/V block, plain autodiff (no custom_vjp) and an answer calling the library, on 2 and on 8
-simulated CPU devices."""
+that saves every K/V block, a custom_vjp whose backward is jax.vjp of the forward ring, plain autodiff (no
+custom_vjp) and an answer calling the library, on 2 and on 8 simulated CPU devices."""
 
 import answers_lesson10_vjp as a
 import pytest
@@ -10,7 +10,12 @@ from checking import not_written, rejects, stub
 
 from course_lib import splits
 from course_tools.checks import lesson10
-from course_tools.checks._lesson10_vjp import VJP_ALLOWANCE, residual_blocks
+from course_tools.checks._lesson10_vjp import (
+    BWD_ALLOWANCE,
+    VJP_ALLOWANCE,
+    backward_blocks,
+    residual_blocks,
+)
 
 
 def test_stub_prints_not_written(report, monkeypatch, capsys):
@@ -35,6 +40,15 @@ def test_residuals_are_measured_against_autodiff():
         assert saved >= 2 * c
 
 
+def test_backward_is_measured():
+    """What the backward holds: the correct forms stay under the allowance at rings of 8 and 32; a backward
+    differentiating the forward ring with jax.vjp grows with the ring past it."""
+    for c in (8, 32):
+        assert backward_blocks(a.vjp_reference, c) <= BWD_ALLOWANCE
+        assert backward_blocks(a.vjp_nondiff, c) <= BWD_ALLOWANCE
+        assert backward_blocks(a.vjp_autodiff_backward, c) > max(BWD_ALLOWANCE, 2 * c)
+
+
 @pytest.mark.parametrize("n", [2, 8])
 @pytest.mark.parametrize(
     "answer, match",
@@ -42,6 +56,10 @@ def test_residuals_are_measured_against_autodiff():
         (a.vjp_not_home, "gradient with respect to k is off.*dq is right.*one more ppermute"),
         (a.vjp_unmasked_backward, "gradient with respect to q is off.*causal mask"),
         (a.vjp_saves_blocks, "ring of 8 devices .* keeps 18.2 blocks.*allowance is 8.*every K/V"),
+        (
+            a.vjp_autodiff_backward,
+            "backward pass holds .* blocks at once.*allowance is 32.*ppermutes",
+        ),
         (a.vjp_plain_autodiff, "no custom_vjp_call.*jax.custom_vjp"),
         (a.vjp_leaks, "UnexpectedTracerError.*traced separately.*lax.axis_index"),
         (a.vjp_library, "calls course_lib.splits.ring_attention.*without course_lib.splits"),

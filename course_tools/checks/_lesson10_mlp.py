@@ -19,7 +19,7 @@ from ._common import fail
 from ._lesson10_ring import close, counted, precise
 
 __all__ = ["MLP_D", "MLP_F", "MLP_T", "mlp_collectives", "mlp_counts", "mlp_hint", "mlp_shape"]
-__all__ += ["mlp_mapped", "mlp_other_axis"]
+__all__ += ["mlp_mapped", "mlp_other_axis", "mlp_unreplicated"]
 
 
 def _rounded(got, want, rtol) -> bool:
@@ -128,6 +128,34 @@ def mlp_shape(got, n: int) -> None:
         f"[{MLP_T}, {MLP_D}] array, the same on every device",
         "return the devices' summed partial outputs (lax.psum over the axis) plus w2's bias",
     )
+
+
+def mlp_unreplicated(tp_mlp, mesh, n: int, *args):
+    """``explain`` for :func:`course_tools.checks._common.call_answer`: when shard_map refuses the output as
+    not replicated (its out_specs ``P()``) and the program, traced again without that check, gathers
+    something, the gathering's own message (:func:`mlp_collectives`) instead of the generic one."""
+
+    def explain(e: Exception):
+        if not (isinstance(e, ValueError) and "out_specs" in str(e) and "replicat" in str(e)):
+            return None
+        try:
+            jaxpr = jax.make_jaxpr(mlp_mapped(tp_mlp, mesh, check_vma=False))(*args)
+        except Exception:  # noqa: BLE001 (the answer's first error is the one reported)
+            return None
+        gathers = [q for q, _ in counted(jaxpr) if q.primitive.name.startswith("all_gather")]
+        if not gathers:
+            return None
+        return (
+            f"tp_mlp on {n} devices: shard_map refuses its output as not provably the same on every "
+            "device (out_specs P()), and it all-gathers "
+            + "; ".join(str(list(g.invars[0].aval.shape)) for g in gathers[:3])
+            + ": with gathered weights every device computes the whole MLP",
+            "multiply by this device's shards only (x @ its columns of w1, + its part of w1's bias, "
+            "gelu, @ its rows of w2) and add the devices' [T, D] partial outputs with one lax.psum: "
+            "its result is the same on every device",
+        )
+
+    return explain
 
 
 def mlp_mapped(tp_mlp, mesh, axis: str = MODEL, check_vma: bool = True):

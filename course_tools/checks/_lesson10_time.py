@@ -1,11 +1,12 @@
 """Lesson 10, exercise 5: the tensor-parallel degree at which a block's forward becomes communication-bound.
 
-The answer ``tp_critical_degree(cfg, batch, fabric)`` is judged by its values on cases that expose each part
+The answer ``tp_critical_degree(cfg, batch, fabric)`` is judged by its values on fixed cases that expose each part
 of the model (``notebooks/10_transformers.ipynb``, "Time beside bytes"): the block's matmul FLOPs with the
 attention scores (sequence length and MLP width differ between cases), two bfloat16 ring all-reduces of
 ``[batch, S, D]`` (the batch differs and must cancel), the ``2 (n − 1) / n`` of a ring all-reduce, a
 bidirectional ring (a TPU's ICI, and GPUs joined in a ring) against a switch (NVLink, a TPU slice's data
-network), and each chip's bfloat16 peak. A wrong answer is named only when it equals, on every case, one of
+network), and each chip's bfloat16 peak; and on cases drawn afresh at each check (shapes, batch, bandwidth,
+topology, peak), so that no table of values passes. A wrong answer is named only when it equals, on every case, one of
 the mistakes of :data:`MISTAKES`; otherwise the hint lists the parts of the model. The time model itself
 (:mod:`course_lib.split_time`, :func:`course_lib.costs.step_time` …) is refused: the exercise is to derive it.
 """
@@ -16,6 +17,8 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable
+
+import numpy as np
 
 from course_lib import costs, split_time, transformer
 
@@ -46,7 +49,37 @@ CASES = (
     (Config(32768, 2048, 2048, 16, 8192, 16), 2, "TPU v5e across slices"),
     (Config(32768, 4096, 2048, 16, 5632, 16), 3, "A100 ring"),
 )
-"""Inputs the checker calls the answer with (vocab, seq_len, d_model, n_heads, d_ff, n_layers)."""
+"""Fixed inputs the checker calls the answer with (vocab, seq_len, d_model, n_heads, d_ff, n_layers), beside
+:data:`DRAWN` cases drawn afresh at each check (:func:`cases`)."""
+
+DRAWN = 6
+"""How many cases :func:`cases` draws at each check besides :data:`CASES`: a table of the fixed cases' values
+cannot pass."""
+
+
+def cases(rng: np.random.Generator) -> list[tuple[Config, int, costs.Fabric]]:
+    """``(cfg, batch, fabric)``: :data:`CASES`, then :data:`DRAWN` cases with D, S, F and the batch drawn,
+    on one of :data:`FABRICS` whose link bandwidth (× 0.3–3), topology (ring or switch) and chip's bfloat16
+    peak (× 0.5–2) are drawn too."""
+    out = [(cfg, batch, FABRICS[name]) for cfg, batch, name in CASES]
+    names = sorted(FABRICS)
+    for _ in range(DRAWN):
+        d, s, f = (int(v) * 64 for v in rng.integers(1, 65, 3))
+        base = FABRICS[names[int(rng.integers(len(names)))]]
+        topology = ("ring", "switch")[int(rng.integers(2))]
+        link = dataclasses.replace(
+            base.link,
+            bytes_per_s=base.link.bytes_per_s * float(rng.uniform(0.3, 3)),
+            topology=topology,
+        )
+        chip = dataclasses.replace(base.chip, bf16=base.chip.bf16 * float(rng.uniform(0.5, 2)))
+        name = (
+            f"{base.chip.name} at {chip.bf16:.4g} TFLOP/s, a {topology} link of "
+            f"{link.bytes_per_s / 1e9:.4g} GB/s (drawn)"
+        )
+        fabric = dataclasses.replace(base, name=name, chip=chip, link=link)
+        out.append((Config(1024, s, d, 8, f, 2), int(rng.integers(1, 33)), fabric))
+    return out
 
 
 def _x(cfg: Config, fabric: costs.Fabric, ways: float | None = None, scores: bool = True) -> float:
@@ -96,21 +129,22 @@ _GENERIC = (
 )
 
 
-def _diagnose(got: list[float]) -> str:
-    """The hint for values ``got`` on :data:`CASES` that are not the reference's."""
+def _diagnose(got: list[float], judged: list) -> str:
+    """The hint for values ``got`` on the cases ``judged`` (:func:`cases`) that are not the reference's."""
     for mistake, hint in MISTAKES:
-        wants = [mistake(c, FABRICS[name]) for c, _, name in CASES]
+        wants = [mistake(c, fabric) for c, _, fabric in judged]
         if all(math.isclose(g, w, rel_tol=1e-6) for g, w in zip(got, wants)):
             return hint
-    wants = [reference(c, b, FABRICS[name]) for c, b, name in CASES]
+    wants = [reference(c, b, fabric) for c, b, fabric in judged]
     if all(g in (math.floor(w), math.ceil(w)) for g, w in zip(got, wants)):
         return "return the exact degree at which the two times are equal (a real number), not a whole one"
     return _GENERIC
 
 
 @checker
-def check_tp_critical_degree(fn: Callable) -> bool:
-    """Judge ``fn(cfg, batch, fabric) -> float`` on :data:`CASES`.
+def check_tp_critical_degree(fn: Callable, *, seed: int | None = None) -> bool:
+    """Judge ``fn(cfg, batch, fabric) -> float`` on :data:`CASES` and :data:`DRAWN` cases drawn afresh
+    (:func:`cases`; ``seed``: the draw, for tests; None: fresh).
 
     Raises:
       ExerciseError: a value off by more than 1e-6 relative (the hint names the mistake when the values
@@ -121,15 +155,15 @@ def check_tp_critical_degree(fn: Callable) -> bool:
         split_time.fabric_ratio, split_time.split_cost, costs.step_time, costs.collective_time,
         costs.critical_size,
     )  # fmt: skip
-    got = []
-    for cfg, batch, name in CASES:
+    got, judged = [], cases(np.random.default_rng(seed))
+    for cfg, batch, fabric in judged:
         shape = f"d_model={cfg.d_model}, seq_len={cfg.seq_len}, d_ff={cfg.d_ff}"
-        what = f"tp_critical_degree(<{shape}>, {batch}, <{FABRICS[name].name}>)"
+        what = f"tp_critical_degree(<{shape}>, {batch}, <{fabric.name}>)"
         value = call_unaided(
             what, fn, forbidden,
             "derive it from the block's FLOPs, the bytes its all-reduces send and the fabric's figures; do "
             "not call course_lib.split_time or costs.step_time/collective_time/critical_size",
-            cfg, batch, FABRICS[name],
+            cfg, batch, fabric,
         )  # fmt: skip
         if isinstance(value, str | bytes | bool) or not isinstance(plain(value), numbers.Real):
             fail(
@@ -139,16 +173,16 @@ def check_tp_critical_degree(fn: Callable) -> bool:
         got.append(float(plain(value)))
     wrong = [
         (case, g)
-        for case, g in zip(CASES, got)
-        if not math.isclose(g, reference(*case[:2], FABRICS[case[2]]), rel_tol=1e-6)
+        for case, g in zip(judged, got)
+        if not math.isclose(g, reference(*case), rel_tol=1e-6)
     ]
     if wrong:
-        (cfg, batch, name), value = wrong[0]
-        want_word = f"{len(wrong)} of {len(CASES)} cases are off"
+        (cfg, batch, fabric), value = wrong[0]
+        want_word = f"{len(wrong)} of {len(judged)} cases are off"
         fail(
-            f"{want_word}; e.g. D={cfg.d_model}, S={cfg.seq_len}, F={cfg.d_ff}, batch {batch} on {name}: "
-            f"{value:.6g}",
-            _diagnose(got),
+            f"{want_word}; e.g. D={cfg.d_model}, S={cfg.seq_len}, F={cfg.d_ff}, batch {batch} on "
+            f"{fabric.name}: {value:.6g}",
+            _diagnose(got, judged),
         )
     v5e = got[0]
     return passed(

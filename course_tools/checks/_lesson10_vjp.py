@@ -7,8 +7,9 @@ The checker holds no answer. It judges, on rings of 2 devices and of the most pr
 where it runs, else the platform's float32 tolerance, as exercise 3); that the answer is a custom VJP (its
 jaxpr holds a ``custom_vjp_call``); and what its pullback keeps: the residuals ``jax.vjp`` closes over, per
 device, read from the traced program on abstract rings of 8 and 32 devices (no devices needed), against
-JAX's autodiff of :func:`course_lib.splits.ring_attention` at the same sizes. An answer calling
-:mod:`course_lib.splits` is refused."""
+JAX's autodiff of :func:`course_lib.splits.ring_attention` at the same sizes; and what the backward pass
+itself holds at once (:func:`backward_blocks`), so that a backward that re-runs the ring under ``jax.vjp``
+(and stacks every K/V block there) is refused too. An answer calling :mod:`course_lib.splits` is refused."""
 
 from __future__ import annotations
 
@@ -28,12 +29,19 @@ from ._common import checker, fail, judged_on, passed
 from ._lesson10_ring import RING_B, RING_DH, RING_H, RING_S, attention_mapped, close, precise
 from ._spmd import abstract
 
-__all__ = ["check_ring_vjp", "residual_blocks", "VJP_ALLOWANCE"]
+__all__ = ["check_ring_vjp", "residual_blocks", "backward_blocks", "VJP_ALLOWANCE", "BWD_ALLOWANCE"]
 
 VJP_ALLOWANCE = 8
 """The most residual bytes a custom-VJP ring may keep per device, in blocks (one block: B·(S/n)·H·Dh
 float32): q, k, v, the output and each query's log-sum-exp are 4 blocks and a fraction, whatever the ring's
 length; JAX's autodiff of the ``fori_loop`` ring keeps every step's K, V and scores (2n blocks and more)."""
+
+BWD_ALLOWANCE = 32
+"""The most bytes the backward pass may hold at once per device, in blocks, on rings of 8 and 32 (see
+:func:`backward_blocks`): the reference holds about 18.5 (q, k, v, dK, dV, dQ, the output, the incoming
+cotangent, the blocks in flight and one block's [H, S/n, S/n] scores and their gradient), whatever the ring's
+length; a backward that differentiates the forward ring with ``jax.vjp`` holds every step's K, V and scores
+(about 87 blocks on a ring of 8, 277 on a ring of 32)."""
 
 _RES_RINGS, _RES_BLK = (8, 32), 8
 """The abstract rings whose residuals are read, every device holding ``_RES_BLK`` positions."""
@@ -66,6 +74,61 @@ def residual_blocks(fn: Callable, c: int) -> float:
     )
     jax.make_jaxpr(mapped)(*_spec_args((RING_B, _RES_BLK * c, RING_H, RING_DH)))
     return found[0] / (RING_B * _RES_BLK * RING_H * RING_DH * 4)
+
+
+def _bytes(var) -> int:
+    aval = var.aval
+    return int(np.prod(aval.shape)) * aval.dtype.itemsize if hasattr(aval, "shape") else 0
+
+
+def _inner(eqn):
+    """The jaxprs nested in an equation (loop bodies, cond branches, pjit, custom calls)."""
+    for value in eqn.params.values():
+        for x in value if isinstance(value, (list, tuple)) else (value,):
+            if hasattr(x, "eqns"):
+                yield x
+            elif hasattr(getattr(x, "jaxpr", None), "eqns"):
+                yield x.jaxpr
+
+
+def peak_bytes(jaxpr) -> int:
+    """The most bytes a jaxpr's values hold at once, run in program order: its inputs while used, each
+    equation's outputs from where they are made to their last use, and, while an equation with a nested
+    jaxpr runs, that jaxpr's own peak (a loop body counts once: a stack across the ring is a loop's
+    output, so it is counted whole). Constants (residuals closed over) are not counted."""
+    last = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        last.update({v: i for v in eqn.invars if not hasattr(v, "val")})
+    last.update({v: len(jaxpr.eqns) for v in jaxpr.outvars if not hasattr(v, "val")})
+    live = {v: _bytes(v) for v in jaxpr.invars if v in last}
+    top = sum(live.values())
+    for i, eqn in enumerate(jaxpr.eqns):
+        outs = {v: _bytes(v) for v in eqn.outvars if not hasattr(v, "val")}
+        inner = max((peak_bytes(j) for j in _inner(eqn)), default=0)
+        top = max(top, sum(live.values()) + max(inner, sum(outs.values())))
+        live.update({v: b for v, b in outs.items() if v in last})
+        live = {v: b for v, b in live.items() if last[v] > i}
+    return top
+
+
+def backward_blocks(fn: Callable, c: int) -> float:
+    """What the backward pass of ``fn(q, k, v, axis)`` holds at once on one device of an abstract ring of
+    ``c`` (float32, ``_RES_BLK`` positions a device): :func:`peak_bytes` of its pullback's jaxpr, traced
+    inside ``shard_map`` (no devices needed), in blocks of B·_RES_BLK·H·Dh float32. The residuals are
+    counted by :func:`residual_blocks`, not here."""
+    found = []
+
+    def body(q, k, v):
+        out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, CONTEXT), q, k, v)
+        found.append(jax.make_jaxpr(pullback)(out).jaxpr)
+        return out
+
+    spec = P(None, CONTEXT)
+    mapped = jax.shard_map(
+        body, mesh=abstract((c,), (CONTEXT,)), in_specs=(spec,) * 3, out_specs=spec
+    )
+    jax.make_jaxpr(mapped)(*_spec_args((RING_B, _RES_BLK * c, RING_H, RING_DH)))
+    return peak_bytes(found[0]) / (RING_B * _RES_BLK * RING_H * RING_DH * 4)
 
 
 def _is_custom_vjp(fn) -> bool:
@@ -146,7 +209,8 @@ def check_ring_vjp(ring_attention_vjp: Callable, devices: Sequence[Any]) -> bool
     gradients (q, k, v) on rings of 2 and of the most devices present (float64 where it runs, else the
     platform's float32 tolerance); a ``custom_vjp_call`` in its jaxpr; its residuals per device on
     abstract rings of 8 and 32 at most :data:`VJP_ALLOWANCE` blocks and under a quarter of JAX's
-    autodiff ring's (:func:`residual_blocks`). An answer calling :mod:`course_lib.splits` is refused.
+    autodiff ring's (:func:`residual_blocks`); what its backward pass holds at once on the same rings at
+    most :data:`BWD_ALLOWANCE` blocks (:func:`backward_blocks`). An answer calling :mod:`course_lib.splits` is refused.
     On one device the checker judges in a fresh process with simulated devices (``judged_on``)."""
     rng = np.random.default_rng(11)
     rings = sorted({2, max(c for c in (2, 4, 8) if c <= len(devices))})
@@ -172,6 +236,18 @@ def check_ring_vjp(ring_attention_vjp: Callable, devices: Sequence[Any]) -> bool
                 "something that grows with the ring (such as every K/V block it receives)",
                 "save only this device's q, k, v, the output and each query's log-sum-exp; the "
                 "backward receives the other blocks round the ring again",
+            )
+        held = _unaided(f"the backward pass of ring_attention_vjp on an abstract ring of {c}",
+                        backward_blocks, ring_attention_vjp, c)  # fmt: skip
+        if held > BWD_ALLOWANCE:
+            fail(
+                f"on a ring of {c} devices (blocks of {_RES_BLK} positions, float32) the backward pass "
+                f"holds {held:.1f} blocks at once per device; the allowance is {BWD_ALLOWANCE} blocks, "
+                "whatever the ring's length: the backward keeps something that grows with the ring "
+                "(differentiating the forward ring with jax.vjp there stacks every step's K, V and scores)",
+                "in bwd pass K, V and the partial dK, dV round the ring yourself (a fori_loop of "
+                "ppermutes), recomputing each block's p = exp(s - logsumexp) from the saved "
+                "log-sum-exp: nothing is stacked",
             )
     return passed(
         f"the custom-VJP ring's values and gradients equal causal attention's on {' and '.join(map(str, rings))} "

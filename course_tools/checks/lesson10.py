@@ -405,7 +405,8 @@ def check_tp_mlp(tp_mlp: Callable, devices: Sequence[Any]) -> bool:
             x = jnp.asarray(rng.standard_normal((MLP_T, d)))
             mapped = _mlp.mlp_mapped(tp_mlp, mesh)
             what = f"tp_mlp on {n} device(s)"
-            got = _call_unaided(what, _jit(mapped), x, p, name="tp_mlp")
+            explain = _mlp.mlp_unreplicated(tp_mlp, mesh, n, x, p)
+            got = _call_unaided(what, _jit(mapped), x, p, name="tp_mlp", explain=explain)
             mlp_shape(got, n)
             got, want = np.asarray(got), np.asarray(transformer.mlp(x, p))
             jaxpr = jax.make_jaxpr(mapped)(x, p) if n > 1 else None
