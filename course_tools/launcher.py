@@ -142,6 +142,7 @@ def launch(
     out_dir: str | Path | None = None,
     check_only: bool = False,
     tail_lines: int = 15,
+    progress: bool = False,
 ) -> MultiProcessRun:
     """Start ``n_processes`` workers × ``local_devices`` simulated CPU devices on localhost and collect them.
 
@@ -165,9 +166,12 @@ def launch(
       fail_process: make this process raise on purpose (to demonstrate failure handling); None for a normal run.
       fail_stage: where it raises: ``"init"`` (before joining) or ``"train"`` (after joining, before step 0).
       out_dir: folder for logs and outputs (if it already holds files, a new sibling ``<out_dir>-2`` is
-        used); default a new folder ``build/multihost[-k]`` (under ``$COURSE_BUILD_DIR`` when set).
+        used, and one line says so); default a new folder ``build/multihost[-k]`` (under
+        ``$COURSE_BUILD_DIR`` when set).
       check_only: join the group and report devices without training.
       tail_lines: output lines quoted in an error.
+      progress: print a line as the workers start (processes, devices, timeout, where the logs go) and one
+        as each exits (its index, exit status and seconds since the start); the command line does.
 
     Returns:
       A :class:`MultiProcessRun`.
@@ -181,10 +185,18 @@ def launch(
     """
     opts = _validate(locals())
     out, procs, logs = opts["out"], [], []
+    if progress:
+        n, d = opts["n_processes"], opts["local_devices"]
+        print(
+            f"starting {n} process(es) x {d} simulated CPU devices ({n * d} in all"
+            f"{', check only' if check_only else ''}); timeout {opts['timeout_s']:g} s; "
+            f"logs in {out}/process_<i>.log",
+            flush=True,
+        )
     t0 = time.perf_counter()
     try:
         _spawn(opts, procs, logs)
-        _wait(procs, opts, deadline=t0 + opts["timeout_s"])
+        _wait(procs, opts, t0)
     except KeyboardInterrupt as e:
         with ignoring_sigint():
             stop(procs)
@@ -254,8 +266,11 @@ def _output_folder(out_dir) -> Path:
     from .results import prepare_results_dir, resolve_results_dir
 
     base = resolve_results_dir("auto" if out_dir is None else out_dir, "multihost")
-    check_folder(base.parent, "output folder", "give another out_dir")
-    return claim_run_dir(lambda: prepare_results_dir(base), "output folder")
+    fix = "give another out_dir"
+    check_folder(base.parent, "output folder", fix)
+    return claim_run_dir(
+        lambda: prepare_results_dir(base, what="output folder", fix=fix), "output folder"
+    )
 
 
 def _worker_command(opts: dict, i: int, coordinator: str) -> list[str]:
@@ -306,12 +321,21 @@ def _spawn(opts: dict, procs: list[subprocess.Popen], logs: list) -> None:
             )
 
 
-def _wait(procs: list[subprocess.Popen], opts: dict, deadline: float) -> None:
-    """Poll the workers until all exit 0; raise at the first failure or at the deadline (workers stopped)."""
+def _wait(procs: list[subprocess.Popen], opts: dict, t0: float) -> None:
+    """Poll the workers until all exit 0; raise at the first failure or ``timeout_s`` after ``t0`` (workers
+    stopped). With ``opts["progress"]``, print a line as each worker exits."""
     out, n, lines = opts["out"], opts["n_processes"], opts["tail_lines"]
-    pids = tuple(p.pid for p in procs)
+    pids, deadline, reported = tuple(p.pid for p in procs), t0 + opts["timeout_s"], set()
     while True:
         codes = [p.poll() for p in procs]
+        for i, code in enumerate(codes):
+            if opts["progress"] and code is not None and i not in reported:
+                reported.add(i)
+                took = time.perf_counter() - t0
+                print(
+                    f"process {i} of {n} exited ({describe_exit(code)}) after {took:.1f} s",
+                    flush=True,
+                )
         failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             i = _first_failure(failed, out)

@@ -1,8 +1,9 @@
 """The launcher's command line: ``python -m course_tools.launcher launch -P 2 -D 4`` or ``... worker ...``.
 
 Parses the options (each with ``--help`` text, the rules of :data:`course_lib.config.MULTIHOST_PARAMS`),
-calls :func:`course_tools.launcher.launch` and prints each process's devices, the losses and the output
-folder; errors and interruptions become exit codes (2 bad input, 130 Ctrl-C, 143 SIGTERM).
+calls :func:`course_tools.launcher.launch` (which prints a line as the workers start and one as each exits)
+and prints each process's devices, the losses and the output folder, all on stdout; errors (on stderr) and
+interruptions become exit codes (2 bad input, 130 Ctrl-C, 143 SIGTERM).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=args.timeout_s,
                 check_only=args.check_only,
                 out_dir=args.out,
+                progress=True,
             )
     except LaunchInterrupted as e:
         with ignoring_sigint():

@@ -147,7 +147,8 @@ def prepare_results_dir(
 
     If ``results_dir`` does not exist or is empty, it is used (created). If it holds anything (an earlier
     run, or files of the reader's): with ``overwrite=True`` it is used and the results files written
-    later replace theirs; otherwise a new sibling folder ``<results_dir>-2`` (``-3``, …) is created and returned.
+    later replace theirs; otherwise a new sibling folder ``<results_dir>-2`` (``-3``, …) is created and returned,
+    and one line says so (the folder that was in use, and where this run writes instead).
     The folder is then checked (:func:`course_tools.folders.check_folder`): a file is written and removed
     in it, and at least ``max(MIN_FREE_MB, writes_mb)`` MB must be free — so that the lab's setup cell
     (``notebooks/08_lab.ipynb`` calls this) stops before any training when its results could not be saved.
@@ -172,14 +173,22 @@ def prepare_results_dir(
     checked = check_folder(chosen, what, fix, writes_mb)
     earlier = [n for n in held if Path(n).suffix in (".csv", ".png")]  # what the labs write
     if overwrite and earlier:
-        shown = ", ".join(earlier[:4]) + (
-            f", … ({len(earlier)} in all)" if len(earlier) > 4 else ""
-        )
         print(
-            f"overwrite=True: {path} already holds results files or plots ({shown}); those this run "
-            "writes again are replaced"
+            f"overwrite=True: {path} already holds results files or plots ({_names(earlier)}); those "
+            "this run writes again are replaced"
+        )
+    elif checked != path:
+        print(
+            f"the {what} {path} already holds files ({_names(held)}); nothing there is overwritten: "
+            f"this run writes to {checked} instead",
+            flush=True,
         )
     return checked
+
+
+def _names(names: list[str]) -> str:
+    """The first four of ``names``, and how many there are when more."""
+    return ", ".join(names[:4]) + (f", … ({len(names)} in all)" if len(names) > 4 else "")
 
 
 def _sibling(path: Path) -> Path:

@@ -9,6 +9,7 @@ final parameters within 1e-5 absolute (measured: ~1e-7), over 3 SGD steps of the
 """
 
 import os
+import re
 import signal
 import sys
 import time
@@ -112,7 +113,7 @@ def test_every_worker_builds_the_hybrid_mesh_and_restores_the_groups_checkpoint(
         assert c["restored"]["w"] == str(jax.P("model", "data"))
 
 
-def test_failing_worker_is_named_and_nothing_is_left(inputs, tmp_path):
+def test_failing_worker_is_named_and_nothing_is_left(inputs, tmp_path, capsys):
     with pytest.raises(launcher.WorkerFailed) as info:
         launcher.launch(
             2,
@@ -123,7 +124,11 @@ def test_failing_worker_is_named_and_nothing_is_left(inputs, tmp_path):
             fail_stage="train",
             timeout_s=120,
             out_dir=tmp_path,
+            progress=True,
         )
+    assert re.search(
+        r"^process 1 of 2 exited \(exit status 1\) after \d+\.\d s$", capsys.readouterr().out, re.M
+    )
     err = info.value
     assert err.process_id == 1 and err.returncode == 1
     assert "process 1 of 2 failed" in str(err) and "failing on purpose" in str(
@@ -306,6 +311,35 @@ def test_a_jax_option_that_changes_the_numbers_stops_the_launch(inputs, tmp_path
     finally:
         jax.config.update("jax_debug_key_reuse", False)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_command_says_what_it_starts_and_when_each_process_ends(tmp_path, capsys):
+    # a launch runs for up to timeout_s: the command says at once what it started and where the logs go,
+    # then a line as each process exits; a used --out folder is kept, and the command says where it wrote
+    used = tmp_path / "run"
+    used.mkdir()
+    (used / "process_0.log").write_text("an earlier launch")
+    assert (
+        launcher_cli.main(["launch", "-P", "2", "-D", "2", "--check-only", "--out", str(used)]) == 0
+    )
+    out, err = capsys.readouterr()
+    new = tmp_path / "run-2"
+    lines = out.splitlines()
+    assert lines[:2] == [
+        f"the output folder {used} already holds files (process_0.log); nothing there is overwritten: "
+        f"this run writes to {new} instead",
+        f"starting 2 process(es) x 2 simulated CPU devices (4 in all, check only); timeout 240 s; "
+        f"logs in {new}/process_<i>.log",
+    ], out
+    ended = [
+        line for line in lines if re.fullmatch(r"process [01] of 2 exited .* after \d+\.\d s", line)
+    ]
+    assert sorted(ended)[0].startswith("process 0 of 2 exited (exit status 0)"), out
+    assert sorted(ended)[1].startswith("process 1 of 2 exited (exit status 0)"), out
+    assert lines.index(ended[-1]) < lines.index(
+        next(x for x in lines if x.startswith("process 0: local"))
+    )
+    assert (used / "process_0.log").read_text() == "an earlier launch" and err == ""
 
 
 def test_the_losses_printed_say_what_they_are(capsys, tmp_path):

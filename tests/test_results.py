@@ -10,8 +10,16 @@ def test_results_dir_is_never_silently_overwritten(tmp_path, capsys):
     first = results.prepare_results_dir(tmp_path / "lab")
     assert first == tmp_path / "lab"
     results.write_csv([{"a": 1}], first / results.RESULTS_FILE)
+    assert capsys.readouterr().out == ""  # a new folder: nothing to say
     second = results.prepare_results_dir(tmp_path / "lab")
     assert second == tmp_path / "lab-2" and second.is_dir()
+    assert (
+        capsys.readouterr().out
+        == (  # one line: the folder in use, and where the run writes instead
+            f"the results folder {first} already holds files ({results.RESULTS_FILE}); nothing there is "
+            f"overwritten: this run writes to {second} instead\n"
+        )
+    )
     results.write_csv([{"a": 2}], second / results.RESULTS_FILE)
     assert results.prepare_results_dir(tmp_path / "lab") == tmp_path / "lab-3"
     capsys.readouterr()

@@ -221,8 +221,15 @@ def test_runs_started_at_the_same_moment_get_separate_folders(tmp_path):
     ):
         time.sleep(0.01)
     go.touch()
-    folders = {p.communicate(timeout=60)[0].strip() for p in procs}
+    said = [p.communicate(timeout=60)[0].strip().splitlines() for p in procs]
+    folders = {lines[-1] for lines in said}
     assert folders == {str(tmp_path / "course"), str(tmp_path / "course-2")}
+    # the run sent to course-2 says why, in one line
+    notes = [line for lines in said for line in lines[:-1]]
+    assert notes == [
+        f"the results folder {tmp_path / 'course'} already holds files ({run.CLAIM_FILE}); "
+        f"nothing there is overwritten: this run writes to {tmp_path / 'course-2'} instead"
+    ], said
 
 
 # --- Ctrl-C, SIGTERM, a kernel killed: one message, the notebook kept, nothing left running ------------

@@ -340,8 +340,14 @@ def one_lesson(tmp_path, monkeypatch):
 def test_the_book_is_built_into_a_new_folder_each_time(one_lesson, tmp_path, capsys):
     out = tmp_path / "site"
     assert site.main(["--student", str(one_lesson), str(out)]) == 0
+    capsys.readouterr()
     assert site.main(["--student", str(one_lesson), str(out)]) == 0
     assert (out / "index.html").exists() and (tmp_path / "site-2" / "index.html").exists()
+    said = capsys.readouterr().out.splitlines()[
+        0
+    ]  # the folder in use is named, and where the book went
+    assert said.startswith(f"the book folder {out} already holds files (")
+    assert said.endswith(f"; nothing there is overwritten: this run writes to {out}-2 instead")
 
 
 def test_a_disk_that_fills_while_the_book_is_moved_leaves_no_half_book(
