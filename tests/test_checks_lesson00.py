@@ -6,6 +6,7 @@ import concurrent.futures
 import copy
 import functools
 import os
+import subprocess
 import sys
 
 import jax
@@ -189,6 +190,35 @@ def test_cpu_env_accepts_correct_forms():
 
 def test_cpu_env_stub(monkeypatch, capsys):
     not_written(lesson00.check_cpu_env, _stub, monkeypatch=monkeypatch, capsys=capsys)
+
+
+NOTEBOOK_CELLS = """
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance(colors="nocolor")
+shell.run_cell("from course_tools.checks import lesson00")
+for answer in ("lambda n, env: dict(env)", "lambda n, env: 1 / 0"):
+    failed = shell.run_cell(f"lesson00.check_cpu_env({answer})").error_in_exec
+    print("the cell raised", type(failed).__name__)
+"""
+
+
+def test_a_wrong_answer_shows_its_hint_not_the_checkers_traceback_in_a_notebook():
+    # what a notebook shows under a wrong answer is IPython's display of the error: the message and its
+    # hint, not the checker's frames (nor those of a learner's error it wraps) above them
+    r = subprocess.run(
+        [sys.executable, "-c", NOTEBOOK_CELLS], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    shown = r.stdout.splitlines()
+    assert len(shown) == 6 and "Traceback" not in r.stdout and "File " not in r.stdout, r.stdout
+    assert shown[0] == "ExerciseError: ✗ JAX_PLATFORMS is None", r.stdout
+    assert shown[1].startswith("  hint: set JAX_PLATFORMS=cpu")
+    assert (
+        shown[3].startswith("ExerciseError: ✗ cpu_env(") and "raised ZeroDivisionError" in shown[3]
+    )
+    assert shown[4] == "  hint: run it on a small input in a cell and read the error"
+    # the cell still fails: a run of the notebook (papermill) stops at a wrong answer
+    assert shown[2] == shown[5] == "the cell raised ExerciseError"
 
 
 def test_cpu_env_wrong_answers():

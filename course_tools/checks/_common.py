@@ -1,11 +1,11 @@
 """Shared pieces of the exercise checkers.
 
 Every checker is decorated with :func:`checker`. A written answer that is wrong raises
-:class:`ExerciseError` (the notebook stops there, with the hint). An answer that is not written yet — the
-student version's stub, ``raise NotImplementedError("Exercise: …")`` or a prediction left at ``None`` —
-only prints "not written yet" and the hint, and the checker returns False, so the student version of a
-lesson runs top to bottom. With ``COURSE_STRICT_CHECKS=1`` in the environment (the test suite sets it for
-the solution notebooks) an unwritten answer raises too.
+:class:`ExerciseError` (the notebook stops there, showing its message and hint, not a traceback). An
+answer that is not written yet — the student version's stub, ``raise NotImplementedError("Exercise: …")``
+or a prediction left at ``None`` — only prints "not written yet" and the hint, and the checker returns
+False, so the student version of a lesson runs top to bottom. With ``COURSE_STRICT_CHECKS=1`` in the
+environment (the test suite sets it for the solution notebooks) an unwritten answer raises too.
 """
 
 from __future__ import annotations
@@ -22,7 +22,17 @@ STUB_MESSAGE = "Exercise: write this part"
 
 
 class ExerciseError(AssertionError):
-    """An exercise answer is wrong; the message says what is wrong and how to fix it."""
+    """An exercise answer is wrong; the message says what is wrong and how to fix it.
+
+    In a notebook (IPython) it shows as its message alone, ``ExerciseError: ✗ … hint: …``: the checker's
+    own frames and a learner's error it wraps would bury the hint under their source lines (the hint of
+    such an error says to run the answer in a cell, where its traceback is the learner's). The cell still
+    fails, so a run (papermill) stops there as before; outside IPython the traceback is Python's.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows for this error instead of its traceback: the message, hint last."""
+        return f"{type(self).__name__}: {self}".splitlines()
 
 
 class NotWritten(ExerciseError):
