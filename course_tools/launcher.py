@@ -170,8 +170,7 @@ def launch(
         ``$COURSE_BUILD_DIR`` when set).
       check_only: join the group and report devices without training.
       tail_lines: output lines quoted in an error.
-      progress: print a line as the workers start (processes, devices, timeout, where the logs go) and one
-        as each exits (its index, exit status and seconds since the start); the command line does.
+      progress: print a line as the workers start (counts, timeout, logs) and one as each exits (the CLI).
 
     Returns:
       A :class:`MultiProcessRun`.
@@ -186,13 +185,7 @@ def launch(
     opts = _validate(locals())
     out, procs, logs = opts["out"], [], []
     if progress:
-        n, d = opts["n_processes"], opts["local_devices"]
-        print(
-            f"starting {n} process(es) x {d} simulated CPU devices ({n * d} in all"
-            f"{', check only' if check_only else ''}); timeout {opts['timeout_s']:g} s; "
-            f"logs in {out}/process_<i>.log",
-            flush=True,
-        )
+        _say_start(opts)
     t0 = time.perf_counter()
     try:
         _spawn(opts, procs, logs)
@@ -258,6 +251,18 @@ def _validate(args: dict) -> dict:
             )
     opts["inputs"] = inputs
     return opts
+
+
+def _say_start(opts: dict) -> None:
+    """The line a launch with ``progress`` prints before it starts the workers: how many processes and
+    devices, the timeout, and where each process's log goes."""
+    n, d, out = opts["n_processes"], opts["local_devices"], opts["out"]
+    print(
+        f"starting {n} process(es) x {d} simulated CPU devices ({n * d} in all"
+        f"{', check only' if opts['check_only'] else ''}); timeout {opts['timeout_s']:g} s; "
+        f"logs in {out}/process_<i>.log",
+        flush=True,
+    )
 
 
 def _output_folder(out_dir) -> Path:
