@@ -511,10 +511,14 @@ def test_a_course_run_twice_goes_to_two_folders_and_the_book_reads_the_newest(
     quick_course, tmp_path, capsys
 ):
     build = tmp_path / "build"
-    assert run.main(quick_course) == 0 and run.main(quick_course) == 0
+    assert run.main(quick_course) == 0
+    assert "already holds files" not in capsys.readouterr().out
+    assert run.main(quick_course) == 0
+    said = capsys.readouterr().out  # the used folder is named, and where the second run went
+    assert f"the results folder {build / 'course'} already holds files (" in said, said
+    assert f"nothing there is overwritten: this run writes to {build / 'course-2'} instead" in said
     first, second = (folders.read_run(build / n) for n in ("course", "course-2"))
     assert first.status == second.status == "ok" and first.started <= second.started
-    capsys.readouterr()
     import argparse
 
     newest = site._source(argparse.Namespace(source=None, newest_in=str(build), student=False))
