@@ -262,6 +262,38 @@ def step_time(
     }
 
 
+def comm_split(transfers: Any, fabric: Fabric) -> tuple[float, float]:
+    """The communication time of :func:`step_time` split into its two parts: ``steps × α`` and ``bytes ÷
+    bandwidth``.
+
+    Each collective's :func:`collective_time` is taken on the link of its axes, once as it is and once with
+    that link's latency set to 0; the difference is the latency part. Taught in
+    ``notebooks/11_pipeline_experts.ipynb`` (section 9.4: at a few kB per collective, α dominates);
+    ``tests/test_costs.py``.
+
+    Args:
+      transfers: the collectives, as for :func:`step_time` (``kind``, ``group_size``, ``size_bytes``,
+        ``axes``/``axis``, an optional ``times``).
+      fabric: the chip and its links (:data:`FABRICS`).
+
+    Returns:
+      ``(latency_s, bandwidth_s)`` in seconds per device and step; their sum is ``step_time(...)["comm_s"]``.
+
+    Raises:
+      ValueError: an unknown collective kind or link topology (from :func:`collective_time`).
+    """
+    latency = bandwidth = 0.0
+    for t in transfers:
+        link = fabric.link_of(getattr(t, "axes", None) or (getattr(t, "axis", "?"),))
+        whole = collective_time(t.kind, t.group_size, t.size_bytes, link)
+        no_alpha = collective_time(
+            t.kind, t.group_size, t.size_bytes, dataclasses.replace(link, latency_s=0.0)
+        )
+        latency += getattr(t, "times", 1) * (whole - no_alpha)
+        bandwidth += getattr(t, "times", 1) * no_alpha
+    return latency, bandwidth
+
+
 def critical_size(size: float, timing: dict[str, Any]) -> float:
     """The size (per-device batch, tokens …) at which compute time equals communication time, when compute
     grows in proportion to the size and communication does not (data parallelism's gradients, FSDP's

@@ -271,7 +271,7 @@ def load_balancing_loss(logits: jax.Array, k: int = 1) -> jax.Array:
     Raises:
       ValueError: ``k`` outside ``[1, E]``.
 
-    Taught in ``notebooks/11_pipeline_experts.ipynb`` (section 6); ``tests/test_moe.py``.
+    Taught in ``notebooks/11_pipeline_experts.ipynb`` (section 9); ``tests/test_moe.py``.
     """
     n_experts = logits.shape[-1]
     if not 1 <= k <= n_experts:

@@ -19,7 +19,7 @@ device by :func:`global_balancing_loss`); :func:`predict_transfers` every collec
 from shapes (the ``expert`` axis carries three all-to-alls — four in a layer whose input needs a gradient —,
 the ``data`` axis the experts' gradients, both axes together the router's gradient and the loss),
 compared with the compiled program's in
-``notebooks/11_pipeline_experts.ipynb`` (section 6) and ``tests/test_moe_layout.py``; :func:`mesh_shape`
+``notebooks/11_pipeline_experts.ipynb`` (section 9) and ``tests/test_moe_layout.py``; :func:`mesh_shape`
 picks the mesh for a device count. The one-device reference is :func:`course_lib.moe.moe_mlp` with
 ``n_groups`` = the device count (each group one device's tokens).
 """

@@ -166,6 +166,30 @@ def _flops(compiled) -> float:
     return float(cost["flops"])
 
 
+def lowered_flops(fn: Callable, *args: Any) -> float:
+    """FLOPs of ``jax.jit(fn)`` on ``args``, from the lowered program's cost analysis (the HLO before XLA's
+    optimisations: nothing is compiled where the platform answers there, as XLA:CPU does).
+
+    Where the lowered program gives no cost analysis (XLA:TPU under JAX 0.10.2 returns None), the compiled
+    program's is used. Taught in ``notebooks/11_pipeline_experts.ipynb`` (section 4: the head on every
+    stage); ``tests/test_pipeline_measure.py``.
+
+    Args:
+      fn: a function of arrays (any shapes and dtypes ``jax.jit`` takes).
+      *args: its arguments, arrays or pytrees of arrays.
+
+    Returns:
+      The program's ``cost_analysis()["flops"]`` (a loop body counts once), as a float.
+
+    Raises:
+      KeyError: the cost analysis has no ``"flops"`` entry.
+    """
+    lowered = jax.jit(fn).lower(*args)
+    cost = lowered.cost_analysis()
+    cost = lowered.compile().cost_analysis() if cost is None else cost
+    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+
 def lane_flops(stage_fn: Callable, chunk: Any, x: jax.Array) -> tuple[float, float]:
     """FLOPs of one F cell (the chunk's forward) and one B cell (its recomputed forward and the vjp), each
     compiled alone on one device: ``(f, b)``. (:func:`flops_bubble` keeps them per shape.)"""

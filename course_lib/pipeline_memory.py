@@ -11,7 +11,7 @@ The counting rules (read from :func:`course_lib.pipeline_ops.plan`):
 - the program is SPMD: every device allocates the step's slots (the most any stage needs, and a spare),
   whatever its own stage uses.
 
-Taught in ``notebooks/11_pipeline_experts.ipynb`` (section 5b, "Memory held"); checked in
+Taught in ``notebooks/11_pipeline_experts.ipynb`` (section 6.4, "Memory held"); checked in
 ``tests/test_pipeline_memory.py``.
 """
 

@@ -15,7 +15,7 @@ their gradients summed over ``model`` too (four ``[D]`` vectors per layer applic
 :func:`pp_tp_loss` runs GPipe's forward with this block and a sum of squares as the head; its gradient
 program's collectives per axis are predicted from the schedule and the shapes by :func:`predict` and read
 by :func:`measured` (each instruction times its loop's trip count). Taught in
-``notebooks/11_pipeline_experts.ipynb`` (end of section 6); ``tests/test_pipeline_tp.py``.
+``notebooks/11_pipeline_experts.ipynb`` (section 8); ``tests/test_pipeline_tp.py``.
 """
 
 from __future__ import annotations

@@ -201,3 +201,16 @@ def test_step_time_reads_a_compiled_programs_collectives():
                         costs.FABRICS["TPU v5e"], "float32", matmul_precision="default")  # fmt: skip
     expected = costs.collective_time("all-reduce", 8, 256 * 256 * 4, costs.LINKS["ICI v5e"])
     assert math.isclose(t["comm_s"], expected)
+
+
+def test_comm_split_sums_to_the_step_times_communication():
+    ici = costs.FABRICS["TPU v5e"]
+    ts = [
+        comms.transfer("all-to-all", "expert", 4, 4096, "dispatch"),
+        comms.transfer("all-reduce", "data", 2, 1 << 20, "grads"),
+    ]
+    latency, bandwidth = costs.comm_split(ts, ici)
+    whole = costs.step_time(1e9, None, ts, ici)["comm_s"]
+    assert latency > 0 and bandwidth > 0
+    assert math.isclose(latency + bandwidth, whole, rel_tol=1e-12)
+    assert costs.comm_split([], ici) == (0.0, 0.0)

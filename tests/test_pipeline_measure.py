@@ -89,3 +89,13 @@ def test_median_ratio_pairs_rounds():
     assert PM.median_ratio(samples, "gpipe", "busy") == pytest.approx(1.25)
     with pytest.raises(ValueError, match="time them together"):
         PM.median_ratio({"a": [1.0], "b": [1.0, 2.0]}, "a", "b")
+
+
+def test_lowered_flops_counts_a_matmul_and_a_loop_body_once():
+    x = jnp.ones((8, 16), jnp.float32)
+    w = jnp.ones((16, 4), jnp.float32)
+    assert PM.lowered_flops(lambda a, b: a @ b, x, w) == 2 * 8 * 16 * 4
+    # a fori_loop of 5 matmuls: the body counts once (plus the loop's own few operations), not 5 times
+    looped = lambda a: jax.lax.fori_loop(0, 5, lambda i, h: h @ jnp.eye(16), a)
+    one_body = 2 * 8 * 16 * 16
+    assert one_body <= PM.lowered_flops(looped, x) < 2 * one_body

@@ -1,5 +1,5 @@
 """course_lib.pipeline_memory: the slots of the one-operation tables per stage, the bytes a split B saves,
-and the compiled step's temporaries (notebook 11, section 5b's "Memory held")."""
+and the compiled step's temporaries (notebook 11, section 6.4, "Memory held")."""
 
 import jax
 import jax.numpy as jnp
