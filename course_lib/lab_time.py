@@ -224,3 +224,63 @@ def against_measured(rows: Any) -> Any:
             mfu=float(row["mfu"]), mfu_roofline=float(row["mfu"]) * measured / t["roofline_s"],
         )  # fmt: skip
     return pd.DataFrame.from_dict(out, orient="index").rename_axis("strategy")
+
+
+def mxu_width(device_kind: str) -> int:
+    """The width of a TPU's matrix unit (MXU, a systolic array): 256 on a v6e (``device_kind`` containing
+    ``"v6"``), else 128 (TPU v4, v5e, v5p). ``notebooks/08_lab.ipynb`` sets the CNN's channels against it."""
+    return 256 if "v6" in device_kind else 128
+
+
+def explain_step(
+    row: Mapping[str, Any],
+    cfg: Any,
+    global_batch: int,
+    peak_flops_per_s: float,
+    hbm_bytes_per_s: float,
+    device_kind: str,
+    platform: str,
+    precision: str,
+) -> str:
+    """The roofline of one measured step set beside it, in words (section 6.5 of ``notebooks/08_lab.ipynb``).
+
+    Prints compute (FLOPs ÷ peak), memory (bytes accessed ÷ HBM bandwidth), the roofline and its error
+    against the measured median. Outside 30 % on a TPU it adds the narrow-channel estimate
+    (:func:`narrow_matmul_s` at :func:`mxu_width`); on another chip it says the estimate is a TPU's.
+
+    Args:
+      row: a results row of one chip (a ``pandas.Series`` or dict) with ``flops_per_device``,
+        ``bytes_accessed_per_device`` (bytes), ``model_compute_s``, ``model_memory_s``, ``model_roofline_s``,
+        ``step_time_s`` (seconds), ``model_bound`` and ``model_error`` (measured ÷ model − 1).
+      cfg: the CNN (:class:`course_lib.model.CNNConfig`); global_batch: images per step.
+      peak_flops_per_s: the chip's rate at this precision; hbm_bytes_per_s: its HBM bandwidth.
+      device_kind, platform, precision: as the run's report and parameters name them.
+
+    Returns:
+      Lines of text, ``\\n``-joined, times in ms.
+    """
+    ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
+    lines = [
+        f"A on one {device_kind} ({precision}, batch {global_batch}):",
+        f"  compute  {row['flops_per_device'] / 1e9:.1f} GFLOP / {peak_flops_per_s / 1e12:.0f} TFLOP/s = "
+        + ms(row["model_compute_s"]),
+        f"  memory   {row['bytes_accessed_per_device'] / 1e9:.2f} GB / {hbm_bytes_per_s / 1e9:.0f} GB/s = "
+        + ms(row["model_memory_s"]),
+        f"  model (roofline, {row['model_bound']}-bound): {ms(row['model_roofline_s'])}; measured median "
+        f"{ms(row['step_time_s'])}: error {row['model_error']:+.0%}",
+    ]
+    if abs(row["model_error"]) <= 0.3:
+        lines.append("  within 30 %: the roofline explains A's step")
+    elif platform != "tpu":  # the estimate models a TPU's matrix unit, no GPU's
+        lines.append("  outside 30 %: not explained here (the narrow-matmul estimate is a TPU's)")
+    else:
+        mxu = mxu_width(device_kind)
+        narrow = narrow_matmul_s(cfg, global_batch, peak_flops_per_s, mxu)
+        lines.append(
+            f"  outside 30 %. Narrow channels: the model FLOPs at the share of a {mxu}-wide matrix unit "
+            f"each matmul's output width fills ({cfg.channels} channels) take {ms(narrow)} (an estimate); "
+            f"with the HBM term, max = {ms(max(narrow, row['model_memory_s']))} of the measured "
+            f"{ms(row['step_time_s'])}; the rest is the pools, ReLUs, loss and optimizer on the vector unit "
+            "and the contraction's own narrowness (3 input channels in conv1)"
+        )
+    return "\n".join(lines)
