@@ -284,3 +284,52 @@ def explain_step(
             "and the contraction's own narrowness (3 input channels in conv1)"
         )
     return "\n".join(lines)
+
+
+def describe_mfu(
+    row: Mapping[str, Any],
+    ceiling_flops_per_s: float,
+    bf16_peak_flops_per_s: float | None,
+    device_kind: str,
+    platform: str,
+    precision: str,
+    channels: Sequence[int],
+) -> str:
+    """A's MFU beside the chip's matmul ceiling, in words (section 6.3 of ``notebooks/08_lab.ipynb``).
+
+    Args:
+      row: A's results row with ``model_flops_per_step`` (FLOPs), ``step_time_s`` (s), ``mfu`` (0–1),
+        ``peak_flops_per_device`` (FLOP/s) and ``matmul_precision``.
+      ceiling_flops_per_s: what a large bfloat16 matmul reaches on the chip
+        (:func:`course_lib.measure.matmul_ceiling`).
+      bf16_peak_flops_per_s: the chip's datasheet bf16 peak, or None where no table names the chip.
+      device_kind, platform, precision: as the run's report and parameters name them.
+      channels: the CNN's conv output channels (``cfg.channels``); on a TPU set against :func:`mxu_width`.
+
+    Returns:
+      Lines of text, ``\\n``-joined (TFLOP/s; shares in %).
+    """
+    flops, step = row["model_flops_per_step"], row["step_time_s"]
+    lines = [
+        f"A: {flops / 1e9:.1f} GFLOP of model FLOPs per step in {step * 1e3:.2f} ms = "
+        f"{flops / step / 1e12:.1f} TFLOP/s; MFU {row['mfu']:.1%} of "
+        f"{row['peak_flops_per_device'] / 1e12:.0f} TFLOP/s ({precision}, matmul precision "
+        f"{row['matmul_precision']!r})",
+        f"matmul ceiling on {device_kind}: a 4096 x 4096 bfloat16 matmul runs at "
+        f"{ceiling_flops_per_s / 1e12:.0f} TFLOP/s"
+        + (
+            f", {ceiling_flops_per_s / bf16_peak_flops_per_s:.0%} of the "
+            f"{bf16_peak_flops_per_s / 1e12:.0f} TFLOP/s bf16 peak"
+            if bf16_peak_flops_per_s
+            else ""
+        ),
+    ]
+    if platform == "tpu":
+        mxu = mxu_width(device_kind)
+        fill = ", ".join(f"{min(c, mxu) / mxu:.0%}" for c in channels)
+        lines.append(
+            f"why A's MFU is low: a conv is a matmul as wide as its output channels, {list(channels)} "
+            f"here: they fill {fill} of a {mxu} x {mxu} matrix unit's columns; the pools, ReLUs and the "
+            "optimizer run on the vector unit"
+        )
+    return "\n".join(lines)

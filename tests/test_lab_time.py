@@ -155,3 +155,15 @@ def test_explain_step_in_words():
     gpu = lab_time.explain_step(far, *args, "NVIDIA H100", "gpu", "bfloat16")
     assert "Narrow" not in gpu and "estimate is a TPU's" in gpu
     assert lab_time.mxu_width("TPU v6e") == 256 and lab_time.mxu_width("TPU v5 lite") == 128
+
+
+def test_describe_mfu_in_words():
+    row = {"model_flops_per_step": 2e11, "step_time_s": 0.01, "mfu": 0.1, "peak_flops_per_device": 197e12,
+           "matmul_precision": "default"}  # fmt: skip
+    text = lab_time.describe_mfu(
+        row, 150e12, 197e12, "TPU v5 lite", "tpu", "bfloat16", (32, 64, 128)
+    )
+    assert "20.0 TFLOP/s; MFU 10.0%" in text and "76% of the 197 TFLOP/s" in text
+    assert "fill 25%, 50%, 100% of a 128 x 128" in text
+    gpu = lab_time.describe_mfu(row, 150e12, None, "NVIDIA H100", "gpu", "bfloat16", (32, 64, 128))
+    assert "matrix unit" not in gpu and "bf16 peak" not in gpu
