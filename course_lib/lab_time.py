@@ -224,3 +224,112 @@ def against_measured(rows: Any) -> Any:
             mfu=float(row["mfu"]), mfu_roofline=float(row["mfu"]) * measured / t["roofline_s"],
         )  # fmt: skip
     return pd.DataFrame.from_dict(out, orient="index").rename_axis("strategy")
+
+
+def mxu_width(device_kind: str) -> int:
+    """The width of a TPU's matrix unit (MXU, a systolic array): 256 on a v6e (``device_kind`` containing
+    ``"v6"``), else 128 (TPU v4, v5e, v5p). ``notebooks/08_lab.ipynb`` sets the CNN's channels against it."""
+    return 256 if "v6" in device_kind else 128
+
+
+def explain_step(
+    row: Mapping[str, Any],
+    cfg: Any,
+    global_batch: int,
+    peak_flops_per_s: float,
+    hbm_bytes_per_s: float,
+    device_kind: str,
+    platform: str,
+    precision: str,
+) -> str:
+    """The roofline of one measured step set beside it, in words (section 6.5 of ``notebooks/08_lab.ipynb``).
+
+    Prints compute (FLOPs ÷ peak), memory (bytes accessed ÷ HBM bandwidth), the roofline and its error
+    against the measured median. Outside 30 % on a TPU it adds the narrow-channel estimate
+    (:func:`narrow_matmul_s` at :func:`mxu_width`); on another chip it says the estimate is a TPU's.
+
+    Args:
+      row: a results row of one chip (a ``pandas.Series`` or dict) with ``flops_per_device``,
+        ``bytes_accessed_per_device`` (bytes), ``model_compute_s``, ``model_memory_s``, ``model_roofline_s``,
+        ``step_time_s`` (seconds), ``model_bound`` and ``model_error`` (measured ÷ model − 1).
+      cfg: the CNN (:class:`course_lib.model.CNNConfig`); global_batch: images per step.
+      peak_flops_per_s: the chip's rate at this precision; hbm_bytes_per_s: its HBM bandwidth.
+      device_kind, platform, precision: as the run's report and parameters name them.
+
+    Returns:
+      Lines of text, ``\\n``-joined, times in ms.
+    """
+    ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
+    lines = [
+        f"A on one {device_kind} ({precision}, batch {global_batch}):",
+        f"  compute  {row['flops_per_device'] / 1e9:.1f} GFLOP / {peak_flops_per_s / 1e12:.0f} TFLOP/s = "
+        + ms(row["model_compute_s"]),
+        f"  memory   {row['bytes_accessed_per_device'] / 1e9:.2f} GB / {hbm_bytes_per_s / 1e9:.0f} GB/s = "
+        + ms(row["model_memory_s"]),
+        f"  model (roofline, {row['model_bound']}-bound): {ms(row['model_roofline_s'])}; measured median "
+        f"{ms(row['step_time_s'])}: error {row['model_error']:+.0%}",
+    ]
+    if abs(row["model_error"]) <= 0.3:
+        lines.append("  within 30 %: the roofline explains A's step")
+    elif platform != "tpu":  # the estimate models a TPU's matrix unit, no GPU's
+        lines.append("  outside 30 %: not explained here (the narrow-matmul estimate is a TPU's)")
+    else:
+        mxu = mxu_width(device_kind)
+        narrow = narrow_matmul_s(cfg, global_batch, peak_flops_per_s, mxu)
+        lines.append(
+            f"  outside 30 %. Narrow channels: the model FLOPs at the share of a {mxu}-wide matrix unit "
+            f"each matmul's output width fills ({cfg.channels} channels) take {ms(narrow)} (an estimate); "
+            f"with the HBM term, max = {ms(max(narrow, row['model_memory_s']))} of the measured "
+            f"{ms(row['step_time_s'])}; the rest is the pools, ReLUs, loss and optimizer on the vector unit "
+            "and the contraction's own narrowness (3 input channels in conv1)"
+        )
+    return "\n".join(lines)
+
+
+def describe_mfu(
+    row: Mapping[str, Any],
+    ceiling_flops_per_s: float,
+    bf16_peak_flops_per_s: float | None,
+    device_kind: str,
+    platform: str,
+    precision: str,
+    channels: Sequence[int],
+) -> str:
+    """A's MFU beside the chip's matmul ceiling, in words (section 6.3 of ``notebooks/08_lab.ipynb``).
+
+    Args:
+      row: A's results row with ``model_flops_per_step`` (FLOPs), ``step_time_s`` (s), ``mfu`` (0–1),
+        ``peak_flops_per_device`` (FLOP/s) and ``matmul_precision``.
+      ceiling_flops_per_s: what a large bfloat16 matmul reaches on the chip
+        (:func:`course_lib.measure.matmul_ceiling`).
+      bf16_peak_flops_per_s: the chip's datasheet bf16 peak, or None where no table names the chip.
+      device_kind, platform, precision: as the run's report and parameters name them.
+      channels: the CNN's conv output channels (``cfg.channels``); on a TPU set against :func:`mxu_width`.
+
+    Returns:
+      Lines of text, ``\\n``-joined (TFLOP/s; shares in %).
+    """
+    flops, step = row["model_flops_per_step"], row["step_time_s"]
+    lines = [
+        f"A: {flops / 1e9:.1f} GFLOP of model FLOPs per step in {step * 1e3:.2f} ms = "
+        f"{flops / step / 1e12:.1f} TFLOP/s; MFU {row['mfu']:.1%} of "
+        f"{row['peak_flops_per_device'] / 1e12:.0f} TFLOP/s ({precision}, matmul precision "
+        f"{row['matmul_precision']!r})",
+        f"matmul ceiling on {device_kind}: a 4096 x 4096 bfloat16 matmul runs at "
+        f"{ceiling_flops_per_s / 1e12:.0f} TFLOP/s"
+        + (
+            f", {ceiling_flops_per_s / bf16_peak_flops_per_s:.0%} of the "
+            f"{bf16_peak_flops_per_s / 1e12:.0f} TFLOP/s bf16 peak"
+            if bf16_peak_flops_per_s
+            else ""
+        ),
+    ]
+    if platform == "tpu":
+        mxu = mxu_width(device_kind)
+        fill = ", ".join(f"{min(c, mxu) / mxu:.0%}" for c in channels)
+        lines.append(
+            f"why A's MFU is low: a conv is a matmul as wide as its output channels, {list(channels)} "
+            f"here: they fill {fill} of a {mxu} x {mxu} matrix unit's columns; the pools, ReLUs and the "
+            "optimizer run on the vector unit"
+        )
+    return "\n".join(lines)

@@ -388,3 +388,53 @@ def save(fig, path) -> str:
         Path(tmp).unlink(missing_ok=True)
         raise
     return str(path)
+
+
+def save_lab_plots(
+    out_dir,
+    table: pd.DataFrame,
+    curves: pd.DataFrame,
+    *,
+    scaling_rows=(),
+    reference: pd.DataFrame | None = None,
+    reference_label: str = "reference",
+    simulated: bool | None = None,
+) -> list[str]:
+    """Save the lab's pictures in ``out_dir`` (``notebooks/08_lab.ipynb``, section 11) and close them.
+
+    Writes ``scaling.png`` (only with ``scaling_rows``), ``loss_curves.png``, ``comparison.png``,
+    ``collective_bytes.png`` and ``memory_by_kind.png``, each whole or not at all (:func:`save`).
+
+    Args:
+      out_dir: the results folder (``course_tools.results.prepare_results_dir``).
+      table: the results rows, one per strategy (``lab_results.csv``'s columns).
+      curves: ``{strategy, step, loss}`` rows (``course_tools.results.curves_rows``).
+      scaling_rows: the scaling sweep's rows (:func:`course_lib.lab.scaling_sweep`), or none.
+      reference, reference_label: a reference run drawn beside ``table`` in ``comparison.png``, or None.
+      simulated: whether the devices were simulated (relative times, labelled so).
+
+    Returns:
+      The paths written, in that order.
+
+    Raises:
+      OSError: a picture could not be written (a full disk, a read-only folder).
+    """
+    out_dir = Path(out_dir)
+    figures = []
+    if len(scaling_rows):
+        figures.append(("scaling.png", scaling(pd.DataFrame(scaling_rows), simulated=simulated)))
+    figures += [
+        ("loss_curves.png", loss_curves(curves)),
+        (
+            "comparison.png",
+            comparison(
+                table, reference=reference, simulated=simulated, reference_label=reference_label
+            ),
+        ),
+        ("collective_bytes.png", collective_bytes(table)),
+        ("memory_by_kind.png", memory_by_kind(table)),
+    ]
+    try:
+        return [save(fig, out_dir / name) for name, fig in figures]
+    finally:
+        plt.close("all")

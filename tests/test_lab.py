@@ -204,3 +204,15 @@ def test_float64_is_refused_on_a_tpu_before_anything_compiles():
     for run in (lab.run_strategy, lab.lower_strategy):
         with pytest.raises(ValueError, match="does not run on XLA:TPU"):
             run("jit", tpu, cfg, precision="float64")
+
+
+def test_repeat_steps_feeds_each_donated_state_back(report):
+    cfg = config.resolve_profile("tiny", "cpu")
+    a = lab.run_strategy("jit", report.devices, cfg, keep_states=True, progress=False)
+    twice = lab.repeat_steps(a, a.states[0], a.batches[0], calls=2)
+    first, second = float(twice()["loss"]), float(twice()["loss"])  # steps 2 and 4 from states[0]
+    assert first != second  # the second call continues from the first's state
+    once = lab.repeat_steps(a, a.states[0], a.batches[0])
+    assert float(once()["loss"]) == pytest.approx(a.losses[0], rel=1e-5)  # step 1's loss: A's first
+    with pytest.raises(ValueError, match="calls=0"):
+        lab.repeat_steps(a, a.states[0], a.batches[0], calls=0)

@@ -138,3 +138,32 @@ def test_against_measured_refuses_a_cpu_time_or_several_devices():
 def test_the_committed_tpu_run_is_hbm_bound_within_30_percent():
     t = lab_time.against_measured(pd.read_csv(lab_time.TPU_LAB_RESULTS))
     assert len(t) == 8 and (t["bound"] == "HBM").all() and (t["error"].abs() < 0.3).all()
+
+
+def test_explain_step_in_words():
+    cfg = PROFILES["gpu"].model
+    row = {
+        "flops_per_device": 2e11, "bytes_accessed_per_device": 4e9, "model_compute_s": 1e-3,
+        "model_memory_s": 5e-3, "model_roofline_s": 5e-3, "step_time_s": 6e-3, "model_bound": "HBM",
+        "model_error": 0.2,
+    }  # fmt: skip
+    args = (cfg, 512, 197e12, 819e9)
+    text = lab_time.explain_step(row, *args, "TPU v5 lite", "tpu", "bfloat16")
+    assert "5.00 ms" in text and "+20%" in text and "within 30 %" in text
+    far = {**row, "step_time_s": 1e-2, "model_error": 1.0}
+    assert "Narrow channels" in lab_time.explain_step(far, *args, "TPU v5 lite", "tpu", "bfloat16")
+    gpu = lab_time.explain_step(far, *args, "NVIDIA H100", "gpu", "bfloat16")
+    assert "Narrow" not in gpu and "estimate is a TPU's" in gpu
+    assert lab_time.mxu_width("TPU v6e") == 256 and lab_time.mxu_width("TPU v5 lite") == 128
+
+
+def test_describe_mfu_in_words():
+    row = {"model_flops_per_step": 2e11, "step_time_s": 0.01, "mfu": 0.1, "peak_flops_per_device": 197e12,
+           "matmul_precision": "default"}  # fmt: skip
+    text = lab_time.describe_mfu(
+        row, 150e12, 197e12, "TPU v5 lite", "tpu", "bfloat16", (32, 64, 128)
+    )
+    assert "20.0 TFLOP/s; MFU 10.0%" in text and "76% of the 197 TFLOP/s" in text
+    assert "fill 25%, 50%, 100% of a 128 x 128" in text
+    gpu = lab_time.describe_mfu(row, 150e12, None, "NVIDIA H100", "gpu", "bfloat16", (32, 64, 128))
+    assert "matrix unit" not in gpu and "bf16 peak" not in gpu

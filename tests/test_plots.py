@@ -57,3 +57,13 @@ def test_save_replaces_a_picture_whole_or_leaves_the_old_one(tmp_path, monkeypat
     with pytest.raises(OSError, match="No space"):
         plots.save(fig, path)
     assert path.read_bytes() == first and [p.name for p in tmp_path.iterdir()] == ["p.png"]
+
+
+def test_save_lab_plots_writes_the_lab_pictures(tmp_path):
+    table = results.load_reference("cpu")
+    curves = pd.DataFrame(results.curves_rows({k: [3.0, 2.0] for k in table["strategy"]}))
+    written = plots.save_lab_plots(tmp_path, table, curves, simulated=True)
+    names = ["loss_curves.png", "comparison.png", "collective_bytes.png", "memory_by_kind.png"]
+    assert [p.split("/")[-1] for p in written] == names
+    assert all((tmp_path / n).read_bytes().startswith(b"\x89PNG") for n in names)
+    assert not matplotlib.pyplot.get_fignums()  # closed
