@@ -12,7 +12,8 @@ every device then holds an early and a late chunk, and the unmasked scores are t
 - :func:`ring_attention_at`: ring attention whose causal mask reads each token's global position,
   passed round the ring with its K and V (so any layout works).
 - :func:`block_masks`, :func:`visible_blocks`, :func:`visible_scores`, :func:`visible_chunks`: the causal
-  mask each device applies at each step of the ring, and what is unmasked in it, counted from the masks.
+  mask each device applies at each step of the ring, and what is unmasked in it, counted from the masks;
+  :func:`layout_counts`: the three counts of one layout at once.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "visible_blocks",
     "visible_scores",
     "visible_chunks",
+    "layout_counts",
 ]
 
 
@@ -144,3 +146,28 @@ def visible_chunks(masks: np.ndarray) -> np.ndarray:
         )
     quarters = masks.reshape(n, n, 2, b // 2, 2, b // 2)
     return quarters.any(axis=(3, 5)).sum(axis=(2, 3))
+
+
+def layout_counts(order: np.ndarray, n: int) -> dict[str, np.ndarray]:
+    """The three counts of a layout on a ring of ``n``, from the masks its devices apply
+    (:func:`block_masks`), as ``notebooks/10_transformers.ipynb`` (section 3, the zig-zag layout) prints them.
+
+    Args:
+      order: the global positions in the layout's order, int [S] (:func:`zigzag_order`,
+        :func:`contiguous_order`).
+      n: devices on the ring.
+
+    Returns:
+      ``{"blocks": int [n], "scores": int [n], "quarters": int [n, n]}``: per device the key blocks with an
+      unmasked score (:func:`visible_blocks`), the unmasked scores over all steps (:func:`visible_scores`),
+      and per device and step the quarters of the block holding one (:func:`visible_chunks`).
+
+    Raises:
+      ValueError: ``len(order)`` not divisible by ``n``, or blocks of an odd number of positions.
+    """
+    masks = block_masks(order, n)
+    return {
+        "blocks": visible_blocks(masks),
+        "scores": visible_scores(masks),
+        "quarters": visible_chunks(masks),
+    }

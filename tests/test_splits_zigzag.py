@@ -37,6 +37,17 @@ def test_counts_from_the_masks(n):
     assert set(zz.visible_chunks(zig)[:, 1:].ravel().tolist()) == {2}
 
 
+def test_layout_counts_are_the_three_counts_of_the_masks():
+    order = zz.zigzag_order(16, 4)
+    got, masks = zz.layout_counts(order, 4), zz.block_masks(order, 4)
+    assert set(got) == {"blocks", "scores", "quarters"}
+    assert (got["blocks"] == zz.visible_blocks(masks)).all()
+    assert (got["scores"] == zz.visible_scores(masks)).all()
+    assert got["quarters"].shape == (4, 4) and (got["quarters"] == zz.visible_chunks(masks)).all()
+    with pytest.raises(ValueError, match="do not halve"):
+        zz.layout_counts(zz.contiguous_order(12, 4), 4)  # blocks of 3 positions
+
+
 def test_ring_at_positions_equals_causal_attention_in_both_layouts(report):
     n, s = 4, 16
     mesh = mesh_of({CONTEXT: n}, report.devices[:n], axis_type="auto")
