@@ -68,6 +68,23 @@ def test_run_parity_matches_the_one_device_reference(report):
     assert run["rel"] < 1e-5 and run["worst"] < 1e-4 and len(run["losses"]) == 2
     assert np.allclose(run["losses"], [loss for loss, _ in refs["dense"]], rtol=1e-5)
     assert run["compile_s"] > 0 and run["run_s"] > 0
+    # the results table's row: bytes from the transfers, memory from the program, no MFU without a peak
+    sizes = run["built"].sizes
+    predicted = lm_costs.predict_bytes("dp", CFG, 16, sizes, itemsize=4)
+    measured = comms.collectives(run["compiled"].as_text(), sizes)
+    row = lm_lab.results_row("dp", run, {"worst": float("nan")}, predicted, measured,
+                             len(report.devices), 1e6, None, "cpu")  # fmt: skip
+    assert row["predicted_bytes"] == comms.total_sent(predicted) and row["collectives"] == len(
+        measured
+    )
+    assert row["temp_bytes"] == run["compiled"].memory_analysis().temp_size_in_bytes
+    assert (
+        np.isnan(row["mfu"])
+        and np.isnan(row["parity_f64"])
+        and row["final_loss"] == run["losses"][-1]
+    )
+    with pytest.raises(KeyError):
+        lm_lab.results_row("dp", run, {}, predicted, measured, 1, 1e6, None, "cpu")
     with pytest.raises(KeyError):  # ep_dp needs the "moe" model
         lm_lab.run_parity(["ep_dp"], models, batches, CFG, report.devices, jnp.float32, pool=None)
 
@@ -149,6 +166,16 @@ def test_step_table_in_ms_and_gb():
     assert table.loc[0, "step_ms"] == pytest.approx(row["step_s"] * 1e3, abs=0.01)
     assert table.loc[0, "comm_ms"] == pytest.approx(sum(row["comm_s"].values()) * 1e3, abs=0.01)
     assert {"compute_ms", "sent_GB", "memory_GB"} <= set(table.columns)
+
+
+def test_model_table_one_row_per_profile_and_layout():
+    rows = lm_costs.rank_layouts(transformer.GPU, 64, lm_costs.FABRICS["H100"], 8)
+    table = lm_lab.model_table({"H100": rows, "H200": rows[:1]})
+    assert len(table) == len(rows) + 1 and all(r["is_model"] for r in table)
+    assert table[0]["profile"] == "H100" and table[-1]["profile"] == "H200"
+    assert table[0]["comm_s"] == pytest.approx(sum(rows[0]["comm_s"].values()))
+    with pytest.raises(KeyError):
+        lm_lab.model_table({"H100": [{"layout": "dp"}]})
 
 
 def test_gathered_weights_are_the_all_gathers_of_a_parameters_shape():

@@ -135,6 +135,23 @@ def test_the_reference_is_none_until_measured(tmp_path):
     ]
 
 
+def test_the_committed_reference_is_described_row_by_row():
+    committed = lm_mfu.reference()
+    if committed is None:
+        pytest.skip("no committed measurement")
+    lines = lm_mfu.describe_reference(committed)
+    assert committed.iloc[0]["device_kind"] in lines[0]
+    assert len(lines) == 1 + len(committed) + 1 + committed["ceiling_flops"].notna().any()
+    assert any("allocator peak" in line for line in lines)
+    need = lm_mfu.program_bytes(committed)
+    first = committed.iloc[0]
+    assert need.iloc[0] == (
+        first["argument_bytes"] + first["output_bytes"] + first["temp_bytes"] - first["alias_bytes"]
+    )
+    with pytest.raises(KeyError):
+        lm_mfu.program_bytes(committed.drop(columns="alias_bytes"))
+
+
 def tool(*args):
     return subprocess.run(
         [sys.executable, str(ROOT / "tools" / "lm_mfu.py"), *args], capture_output=True, text=True
