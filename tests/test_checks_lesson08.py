@@ -232,6 +232,75 @@ def test_zero2_rejects_gathering_gradients_and_momentum(report):
     )
 
 
+def _zero2_variant(state, batch, apply_fn, optimizer, specs, axis_name, whole_local, n_written):
+    images, labels = batch
+    n = n_written or lax.axis_size(axis_name)
+    params = lax.pcast(state.params, axis_name, to="varying")
+    loss, grads = jax.value_and_grad(lambda p: steps.cross_entropy(apply_fn(p, images), labels))(
+        params
+    )
+
+    def my_grad(g, spec):
+        d = _dim(spec, axis_name)
+        if d is None:
+            return g if whole_local else lax.pmean(g, axis_name)
+        return lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True) / n
+
+    def my_slice(p, spec):
+        d = _dim(spec, axis_name)
+        if d is None:
+            return p
+        size = p.shape[d] // n
+        return lax.dynamic_slice_in_dim(p, lax.axis_index(axis_name) * size, size, axis=d)
+
+    g = jax.tree.map(my_grad, grads, specs, is_leaf=_is_spec)
+    mine = jax.tree.map(my_slice, state.params, specs, is_leaf=_is_spec)
+    updates, opt_state = optimizer.update(g, state.opt_state, mine)
+    new = jax.tree.map(
+        lambda p, s: (
+            lax.pmean(p, axis_name) if _dim(s, axis_name) is None else _gather(p, s, axis_name)
+        ),
+        optax.apply_updates(mine, updates),
+        specs,
+        is_leaf=_is_spec,
+    )
+    return steps.TrainState(new, opt_state), {"loss": lax.pmean(loss, axis_name)}
+
+
+def whole_leaves_local_zero2(state, batch, *, apply_fn, optimizer, specs, axis_name):
+    """Wrong: a whole leaf's momentum from this device's own gradient (its parameters averaged after)."""
+    return _zero2_variant(state, batch, apply_fn, optimizer, specs, axis_name, True, None)
+
+
+def eight_written_in_zero2(state, batch, *, apply_fn, optimizer, specs, axis_name):
+    """Wrong: the device count written in (8), not read from the mesh."""
+    return _zero2_variant(state, batch, apply_fn, optimizer, specs, axis_name, False, 8)
+
+
+def test_zero2_hints_name_what_is_wrong(report):
+    # shard_map refuses the momentum of a leaf kept whole: the hint names the optimizer state, not the
+    # parameters' all_gather or the loss (both right in this answer)
+    with pytest.raises(ExerciseError) as e:
+        lesson08.check_zero2(whole_leaves_local_zero2, report.devices[:4])
+    text = str(e.value)
+    assert "out_specs[0].opt_state" in text and "mean of the devices' gradients" in text, text
+    assert "all_gather each updated" not in text and "lax.pmean it" not in text, text
+    # the parameters left unsliced still get the all_gather hint
+    rejects(
+        lesson08.check_zero2,
+        make_zero2(gather=False),
+        report.devices[:4],
+        match="out_specs\\[0\\].params.*all_gather each updated",
+    )
+    # on 4 devices the slices of a count written in do not fit the state: the hint says where n comes from
+    rejects(
+        lesson08.check_zero2,
+        eight_written_in_zero2,
+        report.devices[:4],
+        match="does not match.*lax.axis_size\\(axis_name\\) long.*not written in",
+    )
+
+
 def test_zero2_on_one_device_says_it_cannot_judge_a_closure(report, capsys, monkeypatch):
     """One device hides ZeRO-2's mistakes (its slice is the whole), and a body made inside a function
     cannot be sent to a process with 8 devices: no ✓, and how to have it judged (a body written at a
