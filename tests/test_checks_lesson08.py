@@ -384,6 +384,20 @@ def test_fsdp_prediction_says_how_many_cases_are_wrong_not_which():
     assert "of 8 cases" in str(e.value) and "sharded bytes / n" not in str(e.value)
 
 
+def test_fsdp_prediction_holds_at_one_device():
+    # right at every n >= 2, wrong at n = 1 (the momentum forgotten there): the drawn cases start at 2
+    def state_one_off(p, r, n):
+        return state_right(p, r, n) if n > 1 else p
+
+    rejects(
+        lesson08.check_fsdp_prediction,
+        sent_right,
+        state_one_off,
+        match="on one device \\(n = 1\\).*every n, 1 included",
+    )
+    assert lesson08.check_fsdp_prediction(sent_right, state_right)
+
+
 def test_fsdp_prediction_refuses_answers_that_only_fit_one_run():
     check = lesson08.check_fsdp_prediction
     measured = ROW["collective_bytes_per_device"]  # the measurement copied in as the prediction
