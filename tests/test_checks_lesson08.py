@@ -301,6 +301,45 @@ def test_zero2_hints_name_what_is_wrong(report):
     )
 
 
+def gathered_in_bfloat16_zero2(state, batch, *, apply_fn, optimizer, specs, axis_name):
+    """Wrong: the updated slices all-gathered in bfloat16 (the parameters rounded), cast back."""
+    images, labels = batch
+    n = lax.axis_size(axis_name)
+    params = lax.pcast(state.params, axis_name, to="varying")
+    loss, grads = jax.value_and_grad(lambda p: steps.cross_entropy(apply_fn(p, images), labels))(
+        params
+    )
+
+    def my_grad(g, spec):
+        d = _dim(spec, axis_name)
+        if d is None:
+            return lax.pmean(g, axis_name)
+        return lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True) / n
+
+    def put(p, spec):
+        d = _dim(spec, axis_name)
+        if d is None:
+            return p
+        q = lax.all_gather(p.astype(jnp.bfloat16), axis_name, axis=d, tiled=True, to="invarying")
+        return q.astype(p.dtype)
+
+    g = jax.tree.map(my_grad, grads, specs, is_leaf=_is_spec)
+    mine = jax.tree.map(lambda p, s: _slice(p, s, axis_name), state.params, specs, is_leaf=_is_spec)
+    updates, opt_state = optimizer.update(g, state.opt_state, mine)
+    new = jax.tree.map(put, optax.apply_updates(mine, updates), specs, is_leaf=_is_spec)
+    return steps.TrainState(new, opt_state), {"loss": lax.pmean(loss, axis_name)}
+
+
+def test_zero2_bfloat16_gather_hint_speaks_of_the_parameters(report):
+    # an all-gather reduces nothing: its hint names what it rounds, the parameters it rebuilds
+    rejects(
+        lesson08.check_zero2,
+        gathered_in_bfloat16_zero2,
+        report.devices[:4],
+        match="all-gather in bfloat16.*an all-gather, the parameters it rebuilds",
+    )
+
+
 def test_zero2_on_one_device_says_it_cannot_judge_a_closure(report, capsys, monkeypatch):
     """One device hides ZeRO-2's mistakes (its slice is the whole), and a body made inside a function
     cannot be sent to a process with 8 devices: no ✓, and how to have it judged (a body written at a
@@ -524,7 +563,7 @@ def test_zero2_refuses_what_only_the_parameters_hide(report):
         lesson08.check_zero2,
         zero2_variant(grad_dtype=jax.numpy.bfloat16),
         report.devices[:4],
-        match="reduce-scatter in bfloat16.*rounds what it reduces",
+        match="reduce-scatter in bfloat16.*rounds what it carries",
     )
     rejects(
         lesson08.check_zero2,

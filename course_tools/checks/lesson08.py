@@ -378,8 +378,9 @@ def _judge_dtypes(body: Callable, model_config, n: int) -> None:
     if narrow:
         fail(
             f"the program runs {', '.join(narrow)}: the parameters, gradients and loss are float32",
-            "a collective in a narrower dtype sends fewer bytes but rounds what it reduces: the update is "
-            "no longer single-device training's",
+            "a collective in a narrower dtype sends fewer bytes but rounds what it carries (a reduction "
+            "rounds what it reduces; an all-gather, the parameters it rebuilds): the update is no longer "
+            "single-device training's",
         )
 
 
