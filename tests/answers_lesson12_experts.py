@@ -6,11 +6,11 @@ from course_lib import costs, lm_costs, lm_experts, moe  # noqa: F401  (lm_costs
 
 
 def _seconds(cfg, global_batch, sizes, fabric, capacity_factor, *, itemsize=2, share=True,
-             per_layer=4, whole_batch=False):  # fmt: skip
+             per_layer=4, whole_batch=False, top_k=None):  # fmt: skip
     n_e = sizes["expert"]
     sequences = global_batch if whole_batch else global_batch // (sizes["data"] * n_e)
     cap = moe.capacity(
-        sequences * cfg.seq_len, lm_experts.N_EXPERTS, lm_experts.TOP_K, capacity_factor
+        sequences * cfg.seq_len, lm_experts.N_EXPERTS, top_k or lm_experts.TOP_K, capacity_factor
     )
     buffer = lm_experts.N_EXPERTS * cap * cfg.d_model * itemsize
     link = fabric.link_of("expert")
@@ -54,6 +54,11 @@ def two_per_layer(*args):
 def whole_batch_capacity(*args):
     """Wrong: the capacity of the whole batch's tokens, not of the tokens one device routes."""
     return _seconds(*args, whole_batch=True)
+
+
+def top_one(*args):
+    """Wrong: the capacity of top-1 routing, each token one place, not TOP_K."""
+    return _seconds(*args, top_k=1)
 
 
 def in_milliseconds(*args):

@@ -232,6 +232,114 @@ def test_zero2_rejects_gathering_gradients_and_momentum(report):
     )
 
 
+def _zero2_variant(state, batch, apply_fn, optimizer, specs, axis_name, whole_local, n_written):
+    images, labels = batch
+    n = n_written or lax.axis_size(axis_name)
+    params = lax.pcast(state.params, axis_name, to="varying")
+    loss, grads = jax.value_and_grad(lambda p: steps.cross_entropy(apply_fn(p, images), labels))(
+        params
+    )
+
+    def my_grad(g, spec):
+        d = _dim(spec, axis_name)
+        if d is None:
+            return g if whole_local else lax.pmean(g, axis_name)
+        return lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True) / n
+
+    def my_slice(p, spec):
+        d = _dim(spec, axis_name)
+        if d is None:
+            return p
+        size = p.shape[d] // n
+        return lax.dynamic_slice_in_dim(p, lax.axis_index(axis_name) * size, size, axis=d)
+
+    g = jax.tree.map(my_grad, grads, specs, is_leaf=_is_spec)
+    mine = jax.tree.map(my_slice, state.params, specs, is_leaf=_is_spec)
+    updates, opt_state = optimizer.update(g, state.opt_state, mine)
+    new = jax.tree.map(
+        lambda p, s: (
+            lax.pmean(p, axis_name) if _dim(s, axis_name) is None else _gather(p, s, axis_name)
+        ),
+        optax.apply_updates(mine, updates),
+        specs,
+        is_leaf=_is_spec,
+    )
+    return steps.TrainState(new, opt_state), {"loss": lax.pmean(loss, axis_name)}
+
+
+def whole_leaves_local_zero2(state, batch, *, apply_fn, optimizer, specs, axis_name):
+    """Wrong: a whole leaf's momentum from this device's own gradient (its parameters averaged after)."""
+    return _zero2_variant(state, batch, apply_fn, optimizer, specs, axis_name, True, None)
+
+
+def eight_written_in_zero2(state, batch, *, apply_fn, optimizer, specs, axis_name):
+    """Wrong: the device count written in (8), not read from the mesh."""
+    return _zero2_variant(state, batch, apply_fn, optimizer, specs, axis_name, False, 8)
+
+
+def test_zero2_hints_name_what_is_wrong(report):
+    # shard_map refuses the momentum of a leaf kept whole: the hint names the optimizer state, not the
+    # parameters' all_gather or the loss (both right in this answer)
+    with pytest.raises(ExerciseError) as e:
+        lesson08.check_zero2(whole_leaves_local_zero2, report.devices[:4])
+    text = str(e.value)
+    assert "out_specs[0].opt_state" in text and "mean of the devices' gradients" in text, text
+    assert "all_gather each updated" not in text and "lax.pmean it" not in text, text
+    # the parameters left unsliced still get the all_gather hint
+    rejects(
+        lesson08.check_zero2,
+        make_zero2(gather=False),
+        report.devices[:4],
+        match="out_specs\\[0\\].params.*all_gather each updated",
+    )
+    # on 4 devices the slices of a count written in do not fit the state: the hint says where n comes from
+    rejects(
+        lesson08.check_zero2,
+        eight_written_in_zero2,
+        report.devices[:4],
+        match="does not match.*lax.axis_size\\(axis_name\\) long.*not written in",
+    )
+
+
+def gathered_in_bfloat16_zero2(state, batch, *, apply_fn, optimizer, specs, axis_name):
+    """Wrong: the updated slices all-gathered in bfloat16 (the parameters rounded), cast back."""
+    images, labels = batch
+    n = lax.axis_size(axis_name)
+    params = lax.pcast(state.params, axis_name, to="varying")
+    loss, grads = jax.value_and_grad(lambda p: steps.cross_entropy(apply_fn(p, images), labels))(
+        params
+    )
+
+    def my_grad(g, spec):
+        d = _dim(spec, axis_name)
+        if d is None:
+            return lax.pmean(g, axis_name)
+        return lax.psum_scatter(g, axis_name, scatter_dimension=d, tiled=True) / n
+
+    def put(p, spec):
+        d = _dim(spec, axis_name)
+        if d is None:
+            return p
+        q = lax.all_gather(p.astype(jnp.bfloat16), axis_name, axis=d, tiled=True, to="invarying")
+        return q.astype(p.dtype)
+
+    g = jax.tree.map(my_grad, grads, specs, is_leaf=_is_spec)
+    mine = jax.tree.map(lambda p, s: _slice(p, s, axis_name), state.params, specs, is_leaf=_is_spec)
+    updates, opt_state = optimizer.update(g, state.opt_state, mine)
+    new = jax.tree.map(put, optax.apply_updates(mine, updates), specs, is_leaf=_is_spec)
+    return steps.TrainState(new, opt_state), {"loss": lax.pmean(loss, axis_name)}
+
+
+def test_zero2_bfloat16_gather_hint_speaks_of_the_parameters(report):
+    # an all-gather reduces nothing: its hint names what it rounds, the parameters it rebuilds
+    rejects(
+        lesson08.check_zero2,
+        gathered_in_bfloat16_zero2,
+        report.devices[:4],
+        match="all-gather in bfloat16.*an all-gather, the parameters it rebuilds",
+    )
+
+
 def test_zero2_on_one_device_says_it_cannot_judge_a_closure(report, capsys, monkeypatch):
     """One device hides ZeRO-2's mistakes (its slice is the whole), and a body made inside a function
     cannot be sent to a process with 8 devices: no ✓, and how to have it judged (a body written at a
@@ -313,6 +421,20 @@ def test_fsdp_prediction_says_how_many_cases_are_wrong_not_which():
     with pytest.raises(ExerciseError) as e:
         check(sent_right, lambda p, r, n: 2 * p / n)  # right where nothing stays whole
     assert "of 8 cases" in str(e.value) and "sharded bytes / n" not in str(e.value)
+
+
+def test_fsdp_prediction_holds_at_one_device():
+    # right at every n >= 2, wrong at n = 1 (the momentum forgotten there): the drawn cases start at 2
+    def state_one_off(p, r, n):
+        return state_right(p, r, n) if n > 1 else p
+
+    rejects(
+        lesson08.check_fsdp_prediction,
+        sent_right,
+        state_one_off,
+        match="on one device \\(n = 1\\).*every n, 1 included",
+    )
+    assert lesson08.check_fsdp_prediction(sent_right, state_right)
 
 
 def test_fsdp_prediction_refuses_answers_that_only_fit_one_run():
@@ -441,7 +563,7 @@ def test_zero2_refuses_what_only_the_parameters_hide(report):
         lesson08.check_zero2,
         zero2_variant(grad_dtype=jax.numpy.bfloat16),
         report.devices[:4],
-        match="reduce-scatter in bfloat16.*rounds what it reduces",
+        match="reduce-scatter in bfloat16.*rounds what it carries",
     )
     rejects(
         lesson08.check_zero2,

@@ -376,6 +376,10 @@ def test_expert_a2a_accepts_correct_forms(seed):
         (x.whole_buffer, "too slow: .*sends \\(n_e - 1\\)/n_e"),
         (x.two_per_layer, "too fast: .*4 all-to-alls per layer"),
         (x.whole_batch_capacity, "too slow: .*tokens ONE device routes"),
+        (
+            x.top_one,
+            "too fast: .*lm_experts.TOP_K, capacity_factor\\) \\(each token takes k places\\)",
+        ),
     ],
 )
 def test_expert_a2a_rejects(answer, hint, seed):

@@ -98,9 +98,24 @@ def check_fsdp_prediction(
             "models the checker tries)",
             _pattern_hint(state_wrong, _STATE_PATTERNS, _STATE_HINT),
         )
+    _judge_one_device(sent_fn, state_fn, fsdp_case(_random_model(rng), 1))
     if measured_row is not None and "profile" in measured_row:
         return _judge_measured(sent_fn, state_fn, measured_row)
     return passed(f"E's bytes sent and held match at {len(cases)} device counts and layouts")
+
+
+def _judge_one_device(sent_fn: Callable, state_fn: Callable, case: dict) -> None:
+    """The functions at ``n = 1`` (a drawn CNN): nothing sent, every parameter and its momentum held. The
+    cases above start at 2 devices, so a function wrong only at ``n = 1`` would pass them."""
+    args = (case["param_bytes"], case["replicated_bytes"], 1)
+    sent = _number("fsdp_sent_bytes", call_answer("fsdp_sent_bytes", sent_fn, *args))
+    state = _number("fsdp_state_bytes", call_answer("fsdp_state_bytes", state_fn, *args))
+    if not (_close(sent, case["sent"], 0.02) and _close(state, case["state"], 0.02)):
+        fail(
+            f"on one device (n = 1) fsdp_sent_bytes returned {sent:,.0f} and fsdp_state_bytes {state:,.0f}",
+            "one device sends nothing and holds every parameter and its momentum: the functions must hold "
+            "at every n, 1 included",
+        )
 
 
 def _judge_measured(sent_fn: Callable, state_fn: Callable, row) -> bool:

@@ -122,7 +122,8 @@ def check_expert_a2a_seconds(expert_a2a_seconds: Callable, *, seed: int | None =
             hints.append(
                 "too fast: the model charges more — 4 all-to-alls per layer (dispatch and return, forward "
                 "and backward), each n_e - 1 steps of α, the buffer [E, C, D] with E all the experts "
-                "(lm_experts.N_EXPERTS, not E / n_e) at 2 bytes (bfloat16), and the expert axis's own "
+                "(lm_experts.N_EXPERTS, not E / n_e) and C = moe.capacity(tokens, E, lm_experts.TOP_K, "
+                "capacity_factor) (each token takes k places) at 2 bytes (bfloat16), and the expert axis's own "
                 'link (fabric.link_of("expert"): it may be the slow one)'
             )
         if slow:

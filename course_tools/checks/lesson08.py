@@ -7,6 +7,7 @@ from the same states, bytes held per device, compiled collectives, values at its
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -109,13 +110,44 @@ def _zero2_program(body: Callable, devices: Sequence[Any], model_config):
     )
 
 
+_PARAMS_HINT = (
+    "the new parameters must be the same on every device (out_specs P()): all_gather each updated "
+    "slice with lax.all_gather(…, axis=d, tiled=True, to='invarying')"
+)
+_STATE_HINT = (
+    "the optimizer state of a leaf kept whole (P()) must be the same on every device: update it with "
+    "the mean of the devices' gradients (lax.pmean), not this device's own gradient"
+)
+_LOSS_HINT = "the loss must be the same on every device: lax.pmean it"
+
+
+def _refused_outputs(text: str) -> list[str]:
+    """The outputs shard_map names in a refusal of replication (``out_specs[0].params['conv1']…``)."""
+    return list(dict.fromkeys(re.findall(r"out_specs(\S*) is P\(", text)))
+
+
+def _refusal_hint(paths: list[str]) -> str:
+    """The hint for the outputs shard_map could not prove replicated: parameters, state or loss."""
+    parts = []
+    if not paths or any(".params" in q for q in paths):
+        parts.append(_PARAMS_HINT)
+    if any(".opt_state" in q for q in paths):
+        parts.append(_STATE_HINT)
+    if not paths or any(q.startswith("[1]") for q in paths):
+        parts.append(_LOSS_HINT)
+    return "; ".join(parts or [_PARAMS_HINT, _LOSS_HINT])
+
+
 def _explain(e: Exception):
     text = str(e)
     if any(w in text for w in ("vma", "varying", "out_specs", "replicat")):
+        paths = _refused_outputs(text)
+        named = ", ".join(f"out_specs{q}" for q in paths[:3])
         return (
-            f"shard_map refused the result ({type(e).__name__}: {text[:160]})",
-            "the new parameters must be the same on every device (out_specs P()): all_gather each updated "
-            "slice with lax.all_gather(…, axis=d, tiled=True, to='invarying'); and the loss: lax.pmean it",
+            f"shard_map refused the result: {named} not the same on every device"
+            if paths
+            else f"shard_map refused the result ({type(e).__name__}: {text[:160]})",
+            _refusal_hint(paths),
         )
     if "params" in text and "update" in text:
         return (
@@ -127,7 +159,9 @@ def _explain(e: Exception):
         return (
             f"a shape does not match ({type(e).__name__}: {text[:160]})",
             "the optimizer state holds only this device's slice of each sharded leaf: give optimizer.update "
-            "the slices of the gradients and of the parameters (lax.dynamic_slice_in_dim at lax.axis_index)",
+            "the slices of the gradients and of the parameters (lax.dynamic_slice_in_dim at lax.axis_index), "
+            "each p.shape[d] // lax.axis_size(axis_name) long: the device count read from the mesh, not "
+            "written in",
         )
     return None
 
@@ -344,8 +378,9 @@ def _judge_dtypes(body: Callable, model_config, n: int) -> None:
     if narrow:
         fail(
             f"the program runs {', '.join(narrow)}: the parameters, gradients and loss are float32",
-            "a collective in a narrower dtype sends fewer bytes but rounds what it reduces: the update is "
-            "no longer single-device training's",
+            "a collective in a narrower dtype sends fewer bytes but rounds what it carries (a reduction "
+            "rounds what it reduces; an all-gather, the parameters it rebuilds): the update is no longer "
+            "single-device training's",
         )
 
 
