@@ -142,6 +142,9 @@ def test_predict_tp_sp():
     for seed in (0, 1):
         assert lesson10.check_predict_tp_sp(a.predict, seed=seed)
         assert lesson10.check_predict_tp_sp(a.predict_dict, seed=seed)
+        assert lesson10.check_predict_tp_sp(
+            a.predict_comms_ring_bytes, seed=seed
+        )  # the named model
     assert lesson10.check_predict_tp_sp(a.predict)  # cases drawn afresh
 
 
@@ -149,6 +152,7 @@ def test_predict_tp_sp():
     "answer, match",
     [
         (a.predict_library, "calls splits.predict_tp_sp"),
+        (a.predict_split_cost, "calls split_time.split_cost.*comms.ring_bytes"),
         # XLA:CPU's program taken for XLA:TPU's: SP's bytes equal to TP's there too
         (a.predict_cpu_only, r"4 of 20 cases are wrong \(0 TP bytes, 0 SP bytes on XLA:CPU, 4 SP "
          r"bytes on XLA:TPU, 0 LayerNorm.*hint: SP's bytes on XLA:TPU: per sub-layer"),
