@@ -338,6 +338,22 @@ def predict_reads_tables(name, p, m, v):
     return schedules.bubble_fraction(sched), int(sched.in_flight().max())
 
 
+def predict_closed_forms(name, p, m, v):
+    """Wrong (no prediction): the library's closed forms of section 5b (op_schedules.predicted_bubble and
+    predicted_in_flight), 1F1B's lockstep stash by hand."""
+    from course_lib import op_schedules
+
+    if name == "circular":
+        return (
+            op_schedules.predicted_bubble("interleaved", p, m, v),
+            op_schedules.predicted_in_flight("breadth_first", p, m, v)[0],
+        )
+    bubble = op_schedules.predicted_bubble("gpipe", p, m)
+    return bubble, op_schedules.predicted_in_flight("gpipe", p, m)[0] if name == "gpipe" else min(
+        m, 2 * p - 1
+    )
+
+
 def predict_reads_tables_unhooked(name, p, m, v):
     """Wrong (no prediction): switches off the checker's profile hook, then reads the library's table."""
     import sys

@@ -141,6 +141,12 @@ def test_predict_pipeline_draws_more_micro_batches_than_stages():
 def test_predict_pipeline_refuses_answers_that_read_or_fit_the_tables():
     check = lesson11.check_predict_pipeline
     rejects(check, a.predict_reads_tables, match="calls course_lib's schedules .*reads the tables")
+    # the closed forms of the one-operation schedules give the same bubbles and stashes: refused too
+    rejects(
+        check,
+        a.predict_closed_forms,
+        match=r"calls course_lib's schedules \(op_schedules\.predicted_",
+    )
     rejects(
         check, a.predict_reads_tables_unhooked, match=r"switched off or replaced .*sys\.setprofile"
     )
