@@ -334,6 +334,16 @@ def critical_ref(cfg, batch, fabric):
     )
 
 
+def critical_block_flops(cfg, batch, fabric):
+    """Right values, but the block's FLOPs read from split_time.block_flops instead of counted."""
+    from course_lib import split_time
+
+    compute_s = split_time.block_flops(cfg, batch) / (fabric.chip.bf16 * 1e12)
+    ways = 2 if fabric.link.topology == "ring" else 1
+    comm_s = 2 * 2 * batch * cfg.seq_len * cfg.d_model * 2 / (ways * fabric.link.bytes_per_s)
+    return 1 + compute_s / comm_s
+
+
 def critical_from_times(cfg, batch, fabric):
     # solve compute(n) = comm(n) from the two times per device at n = 2 (both are a / n and b (n - 1) / n)
     t, d = batch * cfg.seq_len, cfg.d_model
@@ -391,6 +401,7 @@ def test_critical_degree_wrong_answers():
         lambda c, b, fab: costs.critical_size(
             1, split_time.timing(split_time.split_cost("tp", c, b, 2), fab)
         ),
+        critical_block_flops,  # the FLOPs, a piece of the model, read from split_time
     ):
         rejects(
             lesson10.check_tp_critical_degree, library, match="do not call course_lib.split_time"
