@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from course_lib import comms, split_time, splits, transformer
+from course_lib import comms, split_time, splits, splits_zigzag, transformer
 
 # ---- ring attention -----------------------------------------------------------------------------------------
 
@@ -45,6 +45,13 @@ def ring_unrolled(q, k, v, axis):
     """Right values and gradients, written unrolled (a Python for): XLA:CPU issues every ppermute early and
     holds every block, so the compiled temporaries grow with the ring."""
     return _ring(q, k, v, axis)
+
+
+def ring_zigzag_library(q, k, v, axis):
+    """Wrong (the library's ring): splits_zigzag.ring_attention_at with the contiguous positions."""
+    blk = q.shape[1]
+    pos = lax.axis_index(axis) * blk + jnp.arange(blk, dtype=jnp.int32)
+    return splits_zigzag.ring_attention_at(q, k, v, pos, axis)
 
 
 def ring_library(q, k, v, axis):

@@ -56,6 +56,10 @@ def test_ring_accepts_masked_scores_filled_finite(report):
     "answer, match",
     [
         (a.ring_library, "calls course_lib.splits.ring_attention.*without course_lib.splits"),
+        (
+            a.ring_zigzag_library,
+            "calls course_lib.splits_zigzag.ring_attention_at.*without course_lib",
+        ),
         (a.ring_no_max, "scores near 1,000 the result is not finite.*running maximum"),
         (
             a.ring_max_from_zero,
