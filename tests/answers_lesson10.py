@@ -775,6 +775,17 @@ def tp_mlp_gather_hidden(x, p, axis):
     return lax.pmean(h @ w2, axis) + p["w2"]["bias"]
 
 
+def tp_mlp_scatter_gather(x, p, axis):
+    """Right values, wrong traffic: the partial outputs reduce-scattered over D (padded to a multiple of
+    n) and gathered again, instead of one psum. Activations are gathered, not weights."""
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    part = h @ p["w2"]["kernel"]
+    n, d = lax.axis_size(axis), part.shape[1]
+    part = jnp.pad(part, ((0, 0), (0, (-d) % n)))
+    piece = lax.psum_scatter(part, axis, scatter_dimension=1, tiled=True)
+    return lax.all_gather(piece, axis, axis=1, tiled=True)[:, :d] + p["w2"]["bias"]
+
+
 def tp_mlp_two_psums(x, p, axis):
     """Splits this device's rows of w2 in two and sums each half's [T, D] product: two all-reduces."""
     h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])

@@ -225,6 +225,12 @@ def test_tp_mlp(report):
     )
     rejects(check, a.tp_mlp_psum_weights, devices, match=r"calls psum\w* of \[16, 48\];.*" + moves)
     rejects(check, a.tp_mlp_gather_hidden, devices, match=r"calls all_gather\w* of \[5, 6\];")
+    rejects(  # activations gathered, not weights: the message says so
+        check,
+        a.tp_mlp_scatter_gather,
+        devices,
+        match=r"all-gathers \[5, 2\]: gathered activations: .*summed whole by one lax.psum",
+    )
     rejects(check, a.tp_mlp_no_return, devices, match=r"returned None \(is a return missing\?\)")
     rejects(
         check, a.tp_mlp_dict, devices, match="returned a dict; want .* one \\[T, D\\] = \\[5, 16\\]"
