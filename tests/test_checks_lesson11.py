@@ -34,6 +34,16 @@ def test_gpipe_accepts_correct_forms(report, n):
     assert lesson11.check_gpipe(a.gpipe_tagged, report.devices[:n])
 
 
+def test_gpipe_judges_two_devices_on_four_stages(report):
+    """On 2 devices the values at 2 stages cannot show a row off only on more stages: judged in a
+    process of 8, where p = 4 shows it."""
+    rejects(
+        partial(lesson11.check_gpipe, devices=report.devices[:2]),
+        a.gpipe_rows_of_two,
+        match=r"p=4 stages.*judged in a fresh process on 8",
+    )
+
+
 def test_gpipe_names_the_invariant_scan_carry(report):
     """A scan whose carry starts from zeros (the same on every stage) does not trace under shard_map: the
     checker says to cast it to varying (lax.pcast), not just the type error."""

@@ -57,7 +57,10 @@ a buffer of outputs is far more (one activation here is ``ROWS·WIDTH·4`` = 96 
 
 @checker
 @judged_on(
-    2, "a pipeline of one stage sends nothing, so what its sends carry (a narrower dtype) is unseen"
+    4,
+    "the values are compared up to p = 4 stages, where a row or tick off only on more stages than 2 "
+    "or 3 shows; a pipeline of one stage sends nothing, so what its sends carry (a narrower dtype) "
+    "is unseen",
 )
 def check_gpipe(gpipe_forward: Callable, devices: Sequence[Any]) -> bool:
     """``gpipe_forward(stage_fn, stage_params, xs, axis_name)`` run on each stage of ``axis_name``:
