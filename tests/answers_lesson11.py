@@ -559,6 +559,16 @@ def moe_layer(x, p, axis_name, k, capacity_factor):
     return moe.combine(back, r)
 
 
+def moe_layer_places_rolled(x, p, axis_name, k, capacity_factor):
+    """Wrong on an expert axis of 4: the places of device j taken for device j + 2's (the same on an axis of
+    2, so the 2 × 2 meshes of 4 devices once accepted it)."""
+    buf, r, e, cap = _routed(x, p, k, capacity_factor)
+    mine = lax.all_to_all(buf, axis_name, split_axis=0, concat_axis=1, tiled=True)
+    mine = jnp.roll(mine, 2 * cap, axis=1)
+    back = lax.all_to_all(moe.experts(p, mine), axis_name, split_axis=1, concat_axis=0, tiled=True)
+    return moe.combine(back, r)
+
+
 def moe_layer_transposed(x, p, axis_name, k, capacity_factor):
     """Right: split 0 / concat 0, then reshape and transpose the source device behind the experts."""
     buf, r, e, cap = _routed(x, p, k, capacity_factor)

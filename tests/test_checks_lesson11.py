@@ -406,6 +406,13 @@ def test_expert_exchange_on_four_devices_judges_on_2x2_meshes(report, capsys):
         report.devices[:4],
         match="2 × 2 mesh.*outputs differ",
     )
+    # the places of device j sent to j + 2's: right on an expert axis of 2, wrong on the 1 × 4 mesh
+    rejects(
+        lesson11.check_expert_exchange,
+        a.moe_layer_places_rolled,
+        report.devices[:4],
+        match="1 × 4 mesh, 100% of the outputs differ",
+    )
 
 
 def test_expert_exchange_on_two_devices_is_judged_on_eight(report, capsys):
