@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from course_lib import splits, transformer
+from course_lib import comms, split_time, splits, splits_zigzag, transformer
 
 # ---- ring attention -----------------------------------------------------------------------------------------
 
@@ -45,6 +45,13 @@ def ring_unrolled(q, k, v, axis):
     """Right values and gradients, written unrolled (a Python for): XLA:CPU issues every ppermute early and
     holds every block, so the compiled temporaries grow with the ring."""
     return _ring(q, k, v, axis)
+
+
+def ring_zigzag_library(q, k, v, axis):
+    """Wrong (the library's ring): splits_zigzag.ring_attention_at with the contiguous positions."""
+    blk = q.shape[1]
+    pos = lax.axis_index(axis) * blk + jnp.arange(blk, dtype=jnp.int32)
+    return splits_zigzag.ring_attention_at(q, k, v, pos, axis)
 
 
 def ring_library(q, k, v, axis):
@@ -567,6 +574,36 @@ def predict_library(kind, compiler, b, s, d, n):
     return tuple(splits.predict_tp_sp(kind, b, s, d, n, compiler=compiler).values())
 
 
+def predict_split_cost(kind, compiler, b, s, d, n):
+    """Right values read from section 6's model (split_time.split_cost lists TP's and SP's collectives with
+    their ring bytes): the model the exercise asks for, not a prediction."""
+    if n == 1:
+        return 0.0, b * s * d
+    # n heads of width d (the split needs the heads divisible by n): every byte n times, divided back
+    cfg = transformer.TransformerConfig(16, s, d * n, n, d * n, 1)
+
+    def sent(split, itemsize):
+        cost = split_time.split_cost(split, cfg, b, n, itemsize)
+        return sum(t.sent_bytes for t in cost.transfers) / n
+
+    if kind == "tp":
+        return sent("tp", 4), b * s * d
+    if compiler == "XLA:CPU":
+        return sent("sp", 4), b * s * d // n
+    return sent("tp", 4) + sent(
+        "sp", 2
+    ) / 2, b * s * d // n  # the all-reduces, and the bf16 gathers
+
+
+def predict_comms_ring_bytes(kind, compiler, b, s, d, n):
+    """Right, with comms.ring_bytes (the ring model the exercise names) for each collective's cost."""
+    act = b * s * d
+    sent = 2 * comms.ring_bytes("all-reduce", 4.0 * act, n)
+    if kind == "sp" and compiler == "XLA:TPU":
+        sent += 2 * comms.ring_bytes("all-gather", 2.0 * act, n)
+    return sent, act // n if kind == "sp" else act
+
+
 def predict_strings(kind, compiler, b, s, d, n):
     """Wrong form: the right values as text."""
     sent, ln = predict(kind, compiler, b, s, d, n)
@@ -736,6 +773,17 @@ def tp_mlp_gather_hidden(x, p, axis):
         lax.all_gather(p["w2"]["kernel"], axis, tiled=True),
     )
     return lax.pmean(h @ w2, axis) + p["w2"]["bias"]
+
+
+def tp_mlp_scatter_gather(x, p, axis):
+    """Right values, wrong traffic: the partial outputs reduce-scattered over D (padded to a multiple of
+    n) and gathered again, instead of one psum. Activations are gathered, not weights."""
+    h = jax.nn.gelu(x @ p["w1"]["kernel"] + p["w1"]["bias"])
+    part = h @ p["w2"]["kernel"]
+    n, d = lax.axis_size(axis), part.shape[1]
+    part = jnp.pad(part, ((0, 0), (0, (-d) % n)))
+    piece = lax.psum_scatter(part, axis, scatter_dimension=1, tiled=True)
+    return lax.all_gather(piece, axis, axis=1, tiled=True)[:, :d] + p["w2"]["bias"]
 
 
 def tp_mlp_two_psums(x, p, axis):

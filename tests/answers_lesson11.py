@@ -58,6 +58,21 @@ def gpipe_library(stage_fn, stage_params, xs, axis_name):
     return ys
 
 
+def gpipe_rows_of_two(stage_fn, stage_params, xs, axis_name):
+    """Wrong beyond 2 stages: the last stage writes micro-batch i's output at tick i + min(p - 1, 1), right
+    on 1 and 2 stages only (values compared on 2 devices once accepted it)."""
+    n_stages, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    n_mb = xs.shape[0]
+    arrived, ys = jnp.zeros_like(xs[0]), jnp.zeros_like(xs)
+    for t in range(n_mb + n_stages - 1):
+        y = stage_fn(jnp.where(me == 0, xs[min(t, n_mb - 1)], arrived), stage_params)
+        done = t - min(n_stages - 1, 1)
+        if 0 <= done < n_mb:
+            ys = ys.at[done].set(jnp.where(me == n_stages - 1, y, ys[done]))
+        arrived = jax.lax.ppermute(y, axis_name, [(i, i + 1) for i in range(n_stages - 1)])
+    return ys
+
+
 def gpipe_scan(stage_fn, stage_params, xs, axis_name):
     """Another correct form: lax.scan over the ticks, a zero micro-batch padded for the drain."""
     p = lax.axis_size(axis_name)
@@ -338,6 +353,22 @@ def predict_reads_tables(name, p, m, v):
     return schedules.bubble_fraction(sched), int(sched.in_flight().max())
 
 
+def predict_closed_forms(name, p, m, v):
+    """Wrong (no prediction): the library's closed forms of section 5b (op_schedules.predicted_bubble and
+    predicted_in_flight), 1F1B's lockstep stash by hand."""
+    from course_lib import op_schedules
+
+    if name == "circular":
+        return (
+            op_schedules.predicted_bubble("interleaved", p, m, v),
+            op_schedules.predicted_in_flight("breadth_first", p, m, v)[0],
+        )
+    bubble = op_schedules.predicted_bubble("gpipe", p, m)
+    return bubble, op_schedules.predicted_in_flight("gpipe", p, m)[0] if name == "gpipe" else min(
+        m, 2 * p - 1
+    )
+
+
 def predict_reads_tables_unhooked(name, p, m, v):
     """Wrong (no prediction): switches off the checker's profile hook, then reads the library's table."""
     import sys
@@ -524,6 +555,16 @@ def moe_layer(x, p, axis_name, k, capacity_factor):
     """Right (the notebook's): split the experts, concatenate the places, and back."""
     buf, r, e, cap = _routed(x, p, k, capacity_factor)
     mine = lax.all_to_all(buf, axis_name, split_axis=0, concat_axis=1, tiled=True)
+    back = lax.all_to_all(moe.experts(p, mine), axis_name, split_axis=1, concat_axis=0, tiled=True)
+    return moe.combine(back, r)
+
+
+def moe_layer_places_rolled(x, p, axis_name, k, capacity_factor):
+    """Wrong on an expert axis of 4: the places of device j taken for device j + 2's (the same on an axis of
+    2, so the 2 × 2 meshes of 4 devices once accepted it)."""
+    buf, r, e, cap = _routed(x, p, k, capacity_factor)
+    mine = lax.all_to_all(buf, axis_name, split_axis=0, concat_axis=1, tiled=True)
+    mine = jnp.roll(mine, 2 * cap, axis=1)
     back = lax.all_to_all(moe.experts(p, mine), axis_name, split_axis=1, concat_axis=0, tiled=True)
     return moe.combine(back, r)
 

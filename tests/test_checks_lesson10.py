@@ -56,6 +56,10 @@ def test_ring_accepts_masked_scores_filled_finite(report):
     "answer, match",
     [
         (a.ring_library, "calls course_lib.splits.ring_attention.*without course_lib.splits"),
+        (
+            a.ring_zigzag_library,
+            "calls course_lib.splits_zigzag.ring_attention_at.*without course_lib",
+        ),
         (a.ring_no_max, "scores near 1,000 the result is not finite.*running maximum"),
         (
             a.ring_max_from_zero,
@@ -142,6 +146,9 @@ def test_predict_tp_sp():
     for seed in (0, 1):
         assert lesson10.check_predict_tp_sp(a.predict, seed=seed)
         assert lesson10.check_predict_tp_sp(a.predict_dict, seed=seed)
+        assert lesson10.check_predict_tp_sp(
+            a.predict_comms_ring_bytes, seed=seed
+        )  # the named model
     assert lesson10.check_predict_tp_sp(a.predict)  # cases drawn afresh
 
 
@@ -149,6 +156,7 @@ def test_predict_tp_sp():
     "answer, match",
     [
         (a.predict_library, "calls splits.predict_tp_sp"),
+        (a.predict_split_cost, "calls split_time.split_cost.*comms.ring_bytes"),
         # XLA:CPU's program taken for XLA:TPU's: SP's bytes equal to TP's there too
         (a.predict_cpu_only, r"4 of 20 cases are wrong \(0 TP bytes, 0 SP bytes on XLA:CPU, 4 SP "
          r"bytes on XLA:TPU, 0 LayerNorm.*hint: SP's bytes on XLA:TPU: per sub-layer"),
@@ -217,6 +225,12 @@ def test_tp_mlp(report):
     )
     rejects(check, a.tp_mlp_psum_weights, devices, match=r"calls psum\w* of \[16, 48\];.*" + moves)
     rejects(check, a.tp_mlp_gather_hidden, devices, match=r"calls all_gather\w* of \[5, 6\];")
+    rejects(  # activations gathered, not weights: the message says so
+        check,
+        a.tp_mlp_scatter_gather,
+        devices,
+        match=r"all-gathers \[5, 2\]: gathered activations: .*summed whole by one lax.psum",
+    )
     rejects(check, a.tp_mlp_no_return, devices, match=r"returned None \(is a return missing\?\)")
     rejects(
         check, a.tp_mlp_dict, devices, match="returned a dict; want .* one \\[T, D\\] = \\[5, 16\\]"
@@ -330,6 +344,16 @@ def critical_ref(cfg, batch, fabric):
     )
 
 
+def critical_block_flops(cfg, batch, fabric):
+    """Right values, but the block's FLOPs read from split_time.block_flops instead of counted."""
+    from course_lib import split_time
+
+    compute_s = split_time.block_flops(cfg, batch) / (fabric.chip.bf16 * 1e12)
+    ways = 2 if fabric.link.topology == "ring" else 1
+    comm_s = 2 * 2 * batch * cfg.seq_len * cfg.d_model * 2 / (ways * fabric.link.bytes_per_s)
+    return 1 + compute_s / comm_s
+
+
 def critical_from_times(cfg, batch, fabric):
     # solve compute(n) = comm(n) from the two times per device at n = 2 (both are a / n and b (n - 1) / n)
     t, d = batch * cfg.seq_len, cfg.d_model
@@ -387,6 +411,7 @@ def test_critical_degree_wrong_answers():
         lambda c, b, fab: costs.critical_size(
             1, split_time.timing(split_time.split_cost("tp", c, b, 2), fab)
         ),
+        critical_block_flops,  # the FLOPs, a piece of the model, read from split_time
     ):
         rejects(
             lesson10.check_tp_critical_degree, library, match="do not call course_lib.split_time"

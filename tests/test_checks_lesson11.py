@@ -34,6 +34,16 @@ def test_gpipe_accepts_correct_forms(report, n):
     assert lesson11.check_gpipe(a.gpipe_tagged, report.devices[:n])
 
 
+def test_gpipe_judges_two_devices_on_four_stages(report):
+    """On 2 devices the values at 2 stages cannot show a row off only on more stages: judged in a
+    process of 8, where p = 4 shows it."""
+    rejects(
+        partial(lesson11.check_gpipe, devices=report.devices[:2]),
+        a.gpipe_rows_of_two,
+        match=r"p=4 stages.*judged in a fresh process on 8",
+    )
+
+
 def test_gpipe_names_the_invariant_scan_carry(report):
     """A scan whose carry starts from zeros (the same on every stage) does not trace under shard_map: the
     checker says to cast it to varying (lax.pcast), not just the type error."""
@@ -141,6 +151,12 @@ def test_predict_pipeline_draws_more_micro_batches_than_stages():
 def test_predict_pipeline_refuses_answers_that_read_or_fit_the_tables():
     check = lesson11.check_predict_pipeline
     rejects(check, a.predict_reads_tables, match="calls course_lib's schedules .*reads the tables")
+    # the closed forms of the one-operation schedules give the same bubbles and stashes: refused too
+    rejects(
+        check,
+        a.predict_closed_forms,
+        match=r"calls course_lib's schedules \(op_schedules\.predicted_",
+    )
     rejects(
         check, a.predict_reads_tables_unhooked, match=r"switched off or replaced .*sys\.setprofile"
     )
@@ -389,6 +405,13 @@ def test_expert_exchange_on_four_devices_judges_on_2x2_meshes(report, capsys):
         a.moe_layer_no_transpose,
         report.devices[:4],
         match="2 × 2 mesh.*outputs differ",
+    )
+    # the places of device j sent to j + 2's: right on an expert axis of 2, wrong on the 1 × 4 mesh
+    rejects(
+        lesson11.check_expert_exchange,
+        a.moe_layer_places_rolled,
+        report.devices[:4],
+        match="1 × 4 mesh, 100% of the outputs differ",
     )
 
 

@@ -62,9 +62,26 @@ _COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "all_to_all", "ppermute", 
 ``lax.pmean`` traces to a ``psum`` and a division, ``lax.psum_scatter`` to ``reduce_scatter``)."""
 
 
+def _gathered_said(shapes, n: int, form: str) -> str:
+    """What the all-gathered ``shapes`` are, put in ``form``: this device's weight shards (w1's kernel
+    [D, F/n] or bias [F/n], w2's kernel [F/n, D]: every device then computes the whole MLP) or activations
+    (a reduce-scatter's pieces, the hidden units: the partial outputs travel split, not summed by a psum).
+    Empty where nothing was gathered."""
+    if not shapes:
+        return ""
+    f = MLP_F // n
+    weights = {(MLP_D, f), (f,), (f, MLP_D)}
+    if all(tuple(shape) in weights for shape in shapes):
+        return form.format("with gathered weights every device computes the whole MLP")
+    return form.format(
+        "gathered activations: the [T, D] partial outputs are to be summed whole by one lax.psum, "
+        "not split, gathered or reassembled"
+    )
+
+
 def mlp_collectives(jaxpr, n):
     """Refuse any collective but one ``psum`` of the [T, D] partial output (scalars aside)."""
-    psums, others = 0, []
+    psums, others, gathered = 0, [], []
     for eqn, times in counted(jaxpr):
         name = eqn.primitive.name
         shapes = [tuple(v.aval.shape) for v in eqn.invars if getattr(v.aval, "size", 1) > 1]
@@ -79,6 +96,8 @@ def mlp_collectives(jaxpr, n):
         else:
             listed = ", ".join("[" + ", ".join(map(str, s)) + "]" for s in shapes)
             others.append(f"{name} of {listed}")  # Python 3.11 (the TPU image's): no nested quotes
+            if name.startswith("all_gather"):
+                gathered += shapes
     want = (
         f"a tensor-parallel MLP (T={MLP_T}, D={MLP_D}, F={MLP_F}) sends one thing: the [T, D] "
         "partial output, summed over the devices by one lax.psum"
@@ -86,11 +105,7 @@ def mlp_collectives(jaxpr, n):
     if others:
         fail(
             f"on {n} devices the program calls {'; '.join(others[:4])}; {want}, and moves no weights"
-            + (
-                " (with gathered weights every device computes the whole MLP)"
-                if any(o.startswith("all_gather") for o in others)
-                else ""
-            ),
+            + _gathered_said(gathered, n, " ({})"),
             "multiply by this device's shards only (x @ its columns of w1, + its part of w1's bias, "
             "gelu, @ its rows of w2) and add the devices' [T, D] partial outputs with one lax.psum",
         )
@@ -145,11 +160,12 @@ def mlp_unreplicated(tp_mlp, mesh, n: int, *args):
         gathers = [q for q, _ in counted(jaxpr) if q.primitive.name.startswith("all_gather")]
         if not gathers:
             return None
+        shapes = [tuple(g.invars[0].aval.shape) for g in gathers]
         return (
             f"tp_mlp on {n} devices: shard_map refuses its output as not provably the same on every "
             "device (out_specs P()), and it all-gathers "
-            + "; ".join(str(list(g.invars[0].aval.shape)) for g in gathers[:3])
-            + ": with gathered weights every device computes the whole MLP",
+            + "; ".join(str(list(shape)) for shape in shapes[:3])
+            + _gathered_said(shapes, n, ": {}"),
             "multiply by this device's shards only (x @ its columns of w1, + its part of w1's bias, "
             "gelu, @ its rows of w2) and add the devices' [T, D] partial outputs with one lax.psum: "
             "its result is the same on every device",

@@ -7,8 +7,10 @@ B, S and D drawn afresh (S divisible by ``n``), ``n`` from 1 to 16 with an odd o
 4, 8 and 16 on XLA:TPU (its committed program, ``data/tpu_reference/programs/lesson10.sp_forward``, is for 8
 chips at the lesson's ``cpu`` sizes: at other sizes and chip counts the prediction assumes XLA:TPU makes the
 same choices, a model). The values are compared with :func:`course_lib.splits.predict_tp_sp`, which the answer may
-not call. The checker builds no program and uses no device: its device counts are its own, so it judges alike
-on any number of devices present. A failure says how many cases each part got wrong (TP's bytes, SP's on each
+not call, nor :func:`course_lib.split_time.split_cost` (section 6's model lists the same collectives with their
+ring bytes); :func:`course_lib.comms.ring_bytes`, the ring model the exercise names, it may. The checker builds
+no program and uses no device: its device counts are its own, so it judges alike on any number of devices
+present. A failure says how many cases each part got wrong (TP's bytes, SP's on each
 compiler, the LayerNorm counts) and gives each wrong part's hint, without the formula.
 """
 
@@ -18,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from course_lib import splits
+from course_lib import split_time, splits
 
 from ._common import checker, fail, passed, plain, require
 from ._unaided import call_unaided
@@ -87,7 +89,8 @@ def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
 
     Raises:
       ExerciseError: a wrong value on some case (how many, by part, and each wrong part's hint), a return
-        that is not a pair of numbers, or a call to :func:`course_lib.splits.predict_tp_sp`.
+        that is not a pair of numbers, or a call to :func:`course_lib.splits.predict_tp_sp` or
+        :func:`course_lib.split_time.split_cost`.
     """
     drawn = cases(np.random.default_rng(seed))
     bad = dict.fromkeys(("tp", "sp XLA:CPU", "sp XLA:TPU", "ln", "ln XLA:TPU"), 0)
@@ -95,8 +98,9 @@ def check_predict_tp_sp(predict: Callable, *, seed: int | None = None) -> bool:
     for kind, compiler, b, s, d, n in drawn:
         what = f"predict({kind!r}, {compiler!r}, {b}, {s}, {d}, {n})"
         got = call_unaided(
-            what, predict, (splits.predict_tp_sp,),
-            "count the bytes and LayerNorm elements from B, S, D and n with plain arithmetic",
+            what, predict, (splits.predict_tp_sp, split_time.split_cost),
+            "count the bytes and LayerNorm elements from B, S, D and n with plain arithmetic "
+            "(course_lib.comms.ring_bytes for a collective's ring cost)",
             kind, compiler, b, s, d, n,
         )  # fmt: skip
         sent, ln = _pair(got, what)

@@ -152,8 +152,8 @@ def check_tp_critical_degree(fn: Callable, *, seed: int | None = None) -> bool:
     """
     forbidden = (
         split_time.tp_critical_degree, split_time.comm_bound_degree, split_time.timing,
-        split_time.fabric_ratio, split_time.split_cost, costs.step_time, costs.collective_time,
-        costs.critical_size,
+        split_time.fabric_ratio, split_time.split_cost, split_time.block_flops, costs.step_time,
+        costs.collective_time, costs.critical_size,
     )  # fmt: skip
     got, judged = [], cases(np.random.default_rng(seed))
     for cfg, batch, fabric in judged:

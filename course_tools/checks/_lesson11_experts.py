@@ -7,6 +7,7 @@ never by its text:
 - its output against :func:`course_lib.moe.moe_mlp` on one device with one group per device, at a
   capacity that drops choices, on two meshes: ``data × expert`` = 2 × 4 (2 × 2 on 4 devices) and, with
   other axis names, ``rows × ep`` = 2 × 2 (an answer that names an axis itself instead of ``axis_name`` fails there);
+  on 4 to 7 devices a third, ``data × expert`` = 1 × 4, so that an expert axis of 4 is judged there too;
 - the arrays it hands to ``moe.experts`` and ``moe.combine`` (recorded while it runs), for a hint that
   names the dimension that is wrong;
 - the compiled program's collectives: exactly two all-to-alls' bytes on the expert axis and nothing on the
@@ -45,6 +46,9 @@ E, K, D, F, N, CF = 8, 2, 16, 32, 16, 1.0
 _MESHES = ((("data", 2), ("expert", 4)), (("rows", 2), ("ep", 2)))
 """(data-like axis, expert axis) with sizes (the expert axis 2 on 4 devices): the second with names no
 notebook uses."""
+
+_WIDE = (("data", 1), ("expert", 4))
+"""The mesh added on 4 to 7 devices: an expert axis of 4, as the 2 × 4 mesh has on 8."""
 
 _INIT = jax.jit(lambda key: moe.init_moe(key, D, F, E))
 _ONCE = {"xla_backend_optimization_level": 0}
@@ -219,7 +223,10 @@ def _judge_rounding(got, want) -> None:
 @judged_on(4, "fewer than 4 devices cannot hold a data axis and an expert axis of 2 or more each")
 def _check(moe_layer: Callable, devices: Sequence[Any]) -> bool:
     rng = np.random.default_rng(35)
-    for axes in _MESHES:
+    # on 4 to 7 devices the expert axis of the 2 × 2 meshes is 2, where a place sent to device j + 2's
+    # slot is sent home: a 1 × 4 mesh as well gives an expert axis of 4
+    wide = len(devices) < 8
+    for axes in _MESHES + ((_WIDE,) if wide else ()):
         names, sizes = tuple(a for a, _ in axes), tuple(s for _, s in axes)
         sizes = (sizes[0], min(sizes[1], len(devices) // sizes[0]))  # 2 x 2 on 4 devices
         with unaided("moe_layer", _FORBIDDEN, _HINT):
@@ -241,7 +248,7 @@ def _check(moe_layer: Callable, devices: Sequence[Any]) -> bool:
                 _LAYOUT_HINT,
             )
         _judge_bytes(compiled, mesh, names, cap)
-    shown = f"2 × {min(4, len(devices) // 2)}"
+    shown = f"2 × {min(4, len(devices) // 2)}" + (" mesh, a 1 × 4" if wide else "")
     return passed(
         f"equals the one-device MoE (a capacity that drops choices) on a data × expert = {shown} mesh and "
         "a 2 × 2 mesh with other axis names; each device sends two all-to-alls' bytes on the expert axis "

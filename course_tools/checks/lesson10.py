@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from course_lib import splits, transformer
+from course_lib import splits, splits_zigzag, transformer
 from course_lib.meshes import CONTEXT, DATA, MODEL, mesh_of
 from course_lib.programs import jaxpr_equations
 
@@ -96,13 +96,20 @@ _UNAIDED = {
 """What each exercise's answer is built from instead of course_lib.splits (the hint of a lookup)."""
 
 
+_SPLITS = {
+    module.__file__: module.__name__.rsplit(".", 1)[-1] for module in (splits, splits_zigzag)
+}
+"""The modules of the lesson's splits, by file: an answer that calls into them is refused."""
+
+
 def _call_unaided(what: str, fn: Callable, *args, name: str, explain=None):
-    """``fn(*args)`` (tracing included), refused if it calls into :mod:`course_lib.splits`."""
+    """``fn(*args)`` (tracing included), refused if it calls into :mod:`course_lib.splits` or
+    :mod:`course_lib.splits_zigzag` (whose ``ring_attention_at`` is the ring with positions beside K and V)."""
     seen: list[str] = []
 
     def watch(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename == splits.__file__:
-            seen.append(frame.f_code.co_name)
+        if event == "call" and frame.f_code.co_filename in _SPLITS:
+            seen.append(f"{_SPLITS[frame.f_code.co_filename]}.{frame.f_code.co_name}")
 
     old = sys.getprofile()
     sys.setprofile(watch)
@@ -112,8 +119,8 @@ def _call_unaided(what: str, fn: Callable, *args, name: str, explain=None):
         sys.setprofile(old)
     if seen:
         fail(
-            f"{what} calls course_lib.splits.{seen[0]}: the exercise asks for {name} built without "
-            "course_lib.splits",
+            f"{what} calls course_lib.{seen[0]}: the exercise asks for {name} built without "
+            "course_lib.splits or course_lib.splits_zigzag",
             _UNAIDED.get(name, f"write {name} yourself"),
         )
     return got

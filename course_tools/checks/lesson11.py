@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from course_lib import moe, pipeline, pipeline_measure, schedules
+from course_lib import moe, op_schedules, pipeline, pipeline_measure, pipeline_memory, schedules
 
 from ._common import call_answer, checker, fail, judged_on, passed
 from ._lesson11_experts import check_expert_exchange
@@ -57,7 +57,10 @@ a buffer of outputs is far more (one activation here is ``ROWS·WIDTH·4`` = 96 
 
 @checker
 @judged_on(
-    2, "a pipeline of one stage sends nothing, so what its sends carry (a narrower dtype) is unseen"
+    4,
+    "the values are compared up to p = 4 stages, where a row or tick off only on more stages than 2 "
+    "or 3 shows; a pipeline of one stage sends nothing, so what its sends carry (a narrower dtype) "
+    "is unseen",
 )
 def check_gpipe(gpipe_forward: Callable, devices: Sequence[Any]) -> bool:
     """``gpipe_forward(stage_fn, stage_params, xs, axis_name)`` run on each stage of ``axis_name``:
@@ -129,8 +132,12 @@ def check_gpipe(gpipe_forward: Callable, devices: Sequence[Any]) -> bool:
 _PREDICT_CASES = 12
 """How many cases :func:`check_predict_pipeline` draws at every call (4 per schedule)."""
 
-_LIBRARY = (schedules.__file__, pipeline_measure.__file__)
-"""The modules that build and measure the tables: a prediction must not call into them."""
+_LIBRARY = {
+    module.__file__: module.__name__.rsplit(".", 1)[-1]
+    for module in (schedules, pipeline_measure, op_schedules, pipeline_memory)
+}
+"""The modules that build, measure and state the schedules' tables (their closed forms too:
+``op_schedules.predicted_bubble``, ``predicted_in_flight``): a prediction must not call into them."""
 
 
 def _predict_cases(rng: np.random.Generator) -> list[tuple[str, int, int, int]]:
@@ -177,7 +184,7 @@ def _call_unaided(what: str, predict: Callable, *args):
 
     def watch(frame, event, arg):
         if event == "call" and frame.f_code.co_filename in _LIBRARY:
-            seen.append(frame.f_code.co_name)
+            seen.append(f"{_LIBRARY[frame.f_code.co_filename]}.{frame.f_code.co_name}")
 
     old = sys.getprofile()
     sys.setprofile(watch)
@@ -193,7 +200,8 @@ def _call_unaided(what: str, predict: Callable, *args):
         )
     if seen:
         fail(
-            f"{what} calls course_lib's schedules ({seen[0]}): it reads the tables it is asked to predict",
+            f"{what} calls course_lib's schedules ({seen[0]}): it reads the tables it is asked to "
+            "predict, or their closed forms",
             "predict from p, m and v alone: a prediction is what you expect before you build the table",
         )
     return got
