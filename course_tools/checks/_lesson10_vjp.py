@@ -2,14 +2,16 @@
 pass written with ``jax.custom_vjp``, K, V and the partial dK, dV passed round the ring again instead of
 keeping the forward loop's stack of blocks.
 
-The checker holds no answer. It judges, on rings of 2 devices and of the most present (8 where there are
-8): the values and ``jax.grad`` with respect to q, k and v against single-device causal attention (float64
-where it runs, else the platform's float32 tolerance, as exercise 3); that the answer is a custom VJP (its
-jaxpr holds a ``custom_vjp_call``); and what its pullback keeps: the residuals ``jax.vjp`` closes over, per
-device, read from the traced program on abstract rings of 8 and 32 devices (no devices needed), against
-JAX's autodiff of :func:`course_lib.splits.ring_attention` at the same sizes; and what the backward pass
-itself holds at once (:func:`backward_blocks`), so that a backward that re-runs the ring under ``jax.vjp``
-(and stacks every K/V block there) is refused too. An answer calling :mod:`course_lib.splits` is refused."""
+The checker holds no answer. It judges, on rings of 2 and 8 devices (on fewer than 8 in a fresh
+process with 8 simulated CPU devices): the values and ``jax.grad`` with respect to q, k and v
+against single-device causal attention (float64 where it runs, else the platform's float32
+tolerance, as exercise 3); that the answer is a custom VJP (its jaxpr holds a ``custom_vjp_call``);
+and what its pullback keeps: the residuals ``jax.vjp`` closes over, per device, read from the traced
+program on abstract rings of 8 and 32 devices (no devices needed), against JAX's autodiff of
+:func:`course_lib.splits.ring_attention` at the same sizes; and what the backward pass itself holds
+at once (:func:`backward_blocks`), so that a backward that re-runs the ring under ``jax.vjp`` (and
+stacks every K/V block there) is refused too. An answer calling :mod:`course_lib.splits` is
+refused."""
 
 from __future__ import annotations
 
@@ -200,9 +202,10 @@ def _values_and_grads(fn, devices, c: int, rng) -> None:
 
 @checker
 @judged_on(
-    4,
-    "one device has no ring: its backward pass passes nothing round it; on 2 or 3 a block taken for "
-    "another's only on longer rings is right",
+    8,
+    "one device has no ring: its backward pass passes nothing round it; and the rings of 2 and 4 "
+    "that fewer than 8 devices hold miss a block index right on short rings only (such as "
+    "min(t, 3) for step t)",
 )
 def check_ring_vjp(ring_attention_vjp: Callable, devices: Sequence[Any]) -> bool:
     """Optional project: ring attention's backward pass with ``jax.custom_vjp``.
@@ -210,13 +213,14 @@ def check_ring_vjp(ring_attention_vjp: Callable, devices: Sequence[Any]) -> bool
     ``ring_attention_vjp(q, k, v, axis_name)``, q/k/v [B, S/n, H, Dh] split over ``axis_name``, returns
     causal attention's output for this device's queries (as exercise 3) and is a ``jax.custom_vjp``
     whose backward pass passes K, V and the partial dK, dV round the ring again. Judged: values and
-    gradients (q, k, v) on rings of 2 and of the most devices present (float64 where it runs, else the
+    gradients (q, k, v) on rings of 2 and 8 devices (float64 where it runs, else the
     platform's float32 tolerance); a ``custom_vjp_call`` in its jaxpr; its residuals per device on
     abstract rings of 8 and 32 at most :data:`VJP_ALLOWANCE` blocks and under a quarter of JAX's
     autodiff ring's (:func:`residual_blocks`); what its backward pass holds at once on the same rings at
     most :data:`BWD_ALLOWANCE` blocks (:func:`backward_blocks`). An answer calling :mod:`course_lib.splits` is refused.
-    On fewer than 4 devices the checker judges in a fresh process with simulated devices (``judged_on``),
-    as exercise 3's does: on 2 or 3 a block index right only on short rings would pass."""
+    On fewer than 8 devices the checker judges in a fresh process with 8 simulated devices
+    (``judged_on``), as exercise 3's does: on rings of 2 and 4 a block index right only on short
+    rings (such as min(t, 3) for step t) would pass."""
     rng = np.random.default_rng(11)
     rings = sorted({2, max(c for c in (2, 4, 8) if c <= len(devices))})
     for c in rings:

@@ -7,8 +7,10 @@ it three ways:
 - while the answer runs, each forbidden function's ``__code__`` is a stub that raises: a call from any
   thread (a thread pool), under any alias, reaches the stub, and the call is refused even if the answer
   catches the error; the real code is put back in ``finally``;
-- a profile hook on the calling thread refuses a call to a *copy* of the code (``types.FunctionType`` over
-  ``f.__code__.replace(...)``, or the source compiled again unchanged): the same bytecode and constants;
+- a profile hook on the calling thread refuses a call to a *copy* of the code
+  (``types.FunctionType`` over ``f.__code__.replace(...)``, or the source compiled again unchanged
+  beside its module's imports): the same bytecode and constants (source pasted into a cell without
+  those imports compiles to other bytecode on CPython 3.12, and is judged as any other answer);
 - the hook must still be in place when the answer returns: an answer that switches it off
   (``sys.setprofile(None)``) or replaces it is refused.
 

@@ -383,16 +383,21 @@ def _router_dtypes(r: moe.Routing, what: str) -> None:
 
 
 _ROUTE_HINT = (
-    "the exercise is to write the router: take lax.top_k of the softmax and count each expert's places "
-    "with a cumulative sum yourself instead of calling moe.route"
+    "the exercise is to find the bug in the given router (route_given) and return its "
+    "routing fixed: keep its lax.top_k of the softmax and its cumulative count of each "
+    "expert's places, and correct the line that breaks the rule, instead of calling moe.route"
 )
 
 
 @checker
 def check_router(route: Callable) -> bool:
     """``route(logits [N, E], k, capacity) -> (expert, slot, keep, gate)`` as :func:`course_lib.moe.route`,
-    on capacities that drop choices and ones that drop none. A ``route`` that calls ``moe.route`` (or runs a
-    copy of its code) is refused: it is run with ``moe.route`` replaced by a function that raises."""
+    on capacities that drop choices and ones that drop none. A ``route`` that calls ``moe.route`` is
+    refused: it is run with ``moe.route`` replaced by a function that raises; a call to a copy of
+    its bytecode is refused too (:mod:`._unaided`: a function over its code object, or its source
+    compiled unchanged beside its module's imports). A copy of its source otherwise (the given
+    router fixed, the library's edited or pasted into a cell without those imports) is judged like
+    any other answer, by what it returns."""
     rng = np.random.default_rng(23)
     for n, e, k, cf in _ROUTER_CASES:
         logits = jnp.asarray(rng.standard_normal((n, e)), jnp.float32)
