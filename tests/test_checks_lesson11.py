@@ -415,6 +415,13 @@ def test_expert_exchange_on_four_devices_judges_on_2x2_meshes(report, capsys):
     )
 
 
+@pytest.mark.parametrize("n", [6, 7])
+def test_expert_exchange_on_six_or_seven_devices_splits_the_experts(report, capsys, n):
+    # an expert axis of 3 would leave the 8 experts unsplittable: a right answer is judged on 2 × 2
+    assert lesson11.check_expert_exchange(a.moe_layer, report.devices[:n])
+    assert "data × expert = 2 × 2 mesh, a 1 × 4" in capsys.readouterr().out
+
+
 def test_expert_exchange_on_two_devices_is_judged_on_eight(report, capsys):
     assert lesson11.check_expert_exchange(a.moe_layer, report.devices[:2])
     assert "judged in a fresh process on 8 simulated CPU devices" in capsys.readouterr().out
