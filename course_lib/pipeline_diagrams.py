@@ -1,5 +1,6 @@
 """Pictures of pipelines and experts, drawn from the run: schedules (ticks × stages), the layers each
-device holds, the stash over time, the experts' load against their capacity, what dropping costs.
+device holds, the stash over time, the experts' load against their capacity, what dropping costs, and
+the experts' ``all_to_all`` exchange.
 
 Each function takes an optional ``ax``, returns the Figure, never calls ``plt.show()`` and changes no global
 style. A schedule's cells are coloured by micro-batch (pale: forward F, dark: backward B; a cell that runs
@@ -19,6 +20,7 @@ from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from . import op_schedules as O
+from .diagrams import device_color
 from .schedules import Schedule, bubble_fraction
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "in_flight",
     "expert_load",
     "drops",
+    "expert_exchange",
 ]
 
 _IDLE = "#e6e6e6"
@@ -265,4 +268,74 @@ def drops(factors: Sequence[float], dropped: Sequence[float], error: Sequence[fl
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return ax.figure
+
+
+def expert_exchange(n_experts: int, capacity: int, n_devices: int, ax=None):
+    """The dispatch ``all_to_all`` of expert parallelism, drawn for every device of the expert axis.
+
+    Top: each device's buffer ``[E, C, D]`` (one row of ``C`` places per expert), each row coloured by the
+    device that holds its expert, where it is sent. Bottom: each device's ``[E/n, n·C, D]`` after
+    ``all_to_all(split_axis=0, concat_axis=1)``: its ``E/n`` experts, each row the ``n`` devices' ``C``
+    places side by side, coloured by the device they came from. The combine is the reverse exchange
+    (``split_axis=1, concat_axis=0``). Taught in ``notebooks/11_pipeline_experts.ipynb``, section 9.
+
+    Args:
+      n_experts: ``E``, a positive multiple of ``n_devices``.
+      capacity: ``C``, places per expert and device (>= 1).
+      n_devices: ``n``, devices on the expert axis (>= 1).
+      ax: the Axes to draw on; a new figure when None.
+
+    Returns:
+      The Figure: one Rectangle per (device, expert) row on top and per (device, expert, source) below,
+      ``2·n·E`` in all.
+
+    Raises:
+      ValueError: a size below 1, or ``E`` not a multiple of ``n``.
+    """
+    if min(n_experts, capacity, n_devices) < 1 or n_experts % n_devices:
+        raise ValueError(
+            f"expert_exchange: n_experts={n_experts} must be a positive multiple of n_devices="
+            f"{n_devices}, capacity={capacity} at least 1"
+        )
+    e, n, per = n_experts, n_devices, n_experts // n_devices
+    if ax is None:
+        ax = plt.subplots(figsize=(max(6.0, 1.4 * n), 0.22 * (e + per) + 1.8))[1]
+    row, gap, width = (
+        1.0,
+        2.5,
+        1.0,
+    )  # a row's height, the gap between the two buffers, a device's width
+    top = per + gap  # the buffers before the exchange sit above
+    for d in range(n):
+        x0 = d * 1.25
+        for j in range(e):  # before: expert j's C places, sent to the device holding it
+            y = top + (e - 1 - j) * row
+            ax.add_patch(Rectangle((x0, y), width, row, facecolor=device_color(j // per),
+                                   edgecolor="white", lw=0.8))  # fmt: skip
+            if e <= 16:
+                ax.text(x0 + width / 2, y + row / 2, f"e{j}", ha="center", va="center", fontsize=6)
+        for j in range(per):  # after: this device's expert d·per + j, the n sources side by side
+            y = (per - 1 - j) * row
+            for src in range(n):
+                ax.add_patch(Rectangle((x0 + src * width / n, y), width / n, row,
+                                       facecolor=device_color(src), edgecolor="white", lw=0.5))  # fmt: skip
+            ax.text(x0 - 0.04, y + row / 2, f"e{d * per + j}", ha="right", va="center", fontsize=6)
+        ax.text(x0 + width / 2, top + e * row + 0.2, f"device {d}", ha="center", fontsize=7)
+    mid = per + gap / 2
+    ax.annotate(
+        "", xy=(-0.35, per + 0.2), xytext=(-0.35, top - 0.2), arrowprops={"arrowstyle": "-|>"}
+    )
+    ax.text(-0.45, mid, "dispatch", ha="right", va="center", fontsize=7)
+    ax.text(0.0, mid, "all_to_all(split_axis=0, concat_axis=1)", ha="left", va="center", fontsize=7)
+    ax.set_xlim(-1.6, max(n * 1.25, 4.0))
+    ax.set_ylim(-0.3, top + e * row + 0.8)
+    ax.set_axis_off()
+    ax.set_title(
+        f"dispatch on {n} device(s): [E, C, D] = [{e}, {capacity}, D] per device -> "
+        f"[E/n, n·C, D] = [{per}, {n * capacity}, D]\ncolour: the device a row goes to (top), "
+        "came from (below); the combine runs it back",
+        fontsize=8,
+        loc="left",
+    )
     return ax.figure

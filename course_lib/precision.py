@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -270,3 +270,51 @@ def parity_diff(diff: float, reference: Any, backend: str | None = None) -> floa
         return float(diff)
     scale = float(jnp.max(jnp.abs(jnp.asarray(reference))))
     return float(diff) / (scale or 1.0)
+
+
+class ParitySetup(NamedTuple):
+    """What a lesson's parity checks need, from :func:`parity_setup` (notebooks 10 and 11)."""
+
+    float64: bool  # whether the checks run in float64 (:func:`float64_runs`)
+    dtype: Any  # the checks' dtype (:func:`parity_dtype`)
+    bound: Callable[[float], float]  # :func:`parity_bound` for this backend
+    diff: Callable[[float, Any], float]  # :func:`parity_diff` for this backend
+    x64: Callable[[], contextlib.AbstractContextManager]  # :func:`parity_x64` for this backend
+    compile_once: dict[str, Any] | None  # compiler options for programs that run only a few times
+
+    @property
+    def note(self) -> str:
+        """One line saying how the checks compare where they do not run in float64; ``""`` where they do."""
+        if self.float64:
+            return ""
+        return (
+            f"the parity checks run in float32, within {self.bound(1.0):.1e} relative: XLA:TPU emulates "
+            "float64 (its programs take minutes to compile)"
+        )
+
+
+def parity_setup(backend: str) -> ParitySetup:
+    """The parity checks' dtype, bound and compile options on ``backend`` (``"cpu"``, ``"gpu"``, ``"tpu"``).
+
+    In float64 where it runs (XLA:CPU, XLA:GPU) a check asserts an absolute difference below its bound
+    (e.g. 1e-10); on XLA:TPU it runs in float32 and compares the difference relative to the reference
+    with :func:`float32_rtol`. ``compile_once`` compiles XLA:CPU programs without LLVM's optimisations
+    (``xla_backend_optimization_level=0``: about half the compile time, the same values), for programs
+    that run a few times; ``None`` elsewhere. Timed programs are compiled as usual.
+
+    Returns:
+      ParitySetup, unpacked by the lessons as ``F64, DTYPE, tol, scaled, parity_x64, once``.
+
+    Raises:
+      ValueError: ``backend`` is not ``"cpu"``, ``"gpu"`` or ``"tpu"``.
+    """
+    if backend not in ("cpu", "gpu", "tpu"):
+        raise ValueError(f"backend={backend!r}: expected 'cpu', 'gpu' or 'tpu'")
+    return ParitySetup(
+        float64=float64_runs(backend),
+        dtype=parity_dtype(backend),
+        bound=lambda bound: parity_bound(bound, backend),
+        diff=lambda diff, reference: parity_diff(diff, reference, backend),
+        x64=lambda: parity_x64(backend),
+        compile_once={"xla_backend_optimization_level": 0} if backend == "cpu" else None,
+    )

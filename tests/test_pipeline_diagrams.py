@@ -72,3 +72,17 @@ def test_ops_draws_every_cell_of_a_one_operation_table(name):
     with pytest.raises(ValueError, match=r"expected \[T, 3, p\]"):
         PD.op_trace(np.zeros((3, 4, 2)))
     plt.close(fig)
+
+
+def test_expert_exchange_draws_every_row_and_names_the_shapes():
+    fig = PD.expert_exchange(8, 3, 4)
+    ax = fig.axes[0]
+    assert len(ax.patches) == 2 * 4 * 8  # n·E rows before, n·(E/n)·n pieces after
+    title = ax.get_title(loc="left")
+    assert "[8, 3, D]" in title and "[2, 12, D]" in title
+    # below, device 1 holds experts 2 and 3, one piece from each of the 4 devices per row
+    after = [p for p in ax.patches if p.get_y() < 2]
+    assert len(after) == 4 * 2 * 4
+    with pytest.raises(ValueError, match="multiple of n_devices=3"):
+        PD.expert_exchange(8, 3, 3)
+    plt.close("all")

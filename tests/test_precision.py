@@ -119,3 +119,20 @@ def test_parity_checks_are_float64_where_it_runs_and_float32_relative_elsewhere(
         assert jnp.zeros(1).dtype == jnp.float32
     with pytest.raises(ValueError, match="float64_bound=0"):
         precision.parity_bound(0)
+
+
+def test_parity_setup_per_backend():
+    cpu = precision.parity_setup("cpu")
+    assert cpu.float64 and cpu.dtype == jnp.float64 and cpu.note == ""
+    assert cpu.bound(1e-10) == 1e-10 and cpu.diff(0.5, np.array([4.0])) == 0.5
+    assert cpu.compile_once == {"xla_backend_optimization_level": 0}
+    with cpu.x64():
+        assert jnp.zeros(1, jnp.float64).dtype == jnp.float64
+    tpu = precision.parity_setup("tpu")
+    assert not tpu.float64 and tpu.dtype == jnp.float32 and tpu.compile_once is None
+    assert tpu.bound(1e-10) == precision.float32_rtol("tpu")
+    assert tpu.diff(0.5, np.array([4.0])) == 0.125 and "float32" in tpu.note
+    f64, dtype, tol, scaled, x64, once = cpu  # as the lessons unpack it
+    assert (f64, dtype, once) == (True, jnp.float64, cpu.compile_once)
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        precision.parity_setup("cuda")
