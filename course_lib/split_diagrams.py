@@ -1,6 +1,7 @@
 """Pictures of the transformer split over devices, drawn from the run's shapes: the heads each device of
 the model axis holds, the ring of key/value blocks of ring attention (which block each device scores at
-each step, and how much of it the causal mask keeps), and ZeRO-3's per-layer gather/free timeline.
+each step, and how much of it the causal mask keeps), one collective matmul's steps (which block each
+device multiplies while it sends it on) and ZeRO-3's per-layer gather/free timeline.
 
 A colour per device (:func:`course_lib.diagrams.device_color`). Each function takes an optional ``ax``,
 returns the Figure, never calls ``plt.show()`` and changes no global style. Used by
@@ -15,7 +16,14 @@ from matplotlib.patches import Rectangle
 
 from .diagrams import device_color
 
-__all__ = ["heads_over_devices", "ring_blocks", "ring_schedule", "zero3_timeline"]
+__all__ = [
+    "collective_matmul_schedule",
+    "collective_matmul_steps",
+    "heads_over_devices",
+    "ring_blocks",
+    "ring_schedule",
+    "zero3_timeline",
+]
 
 
 def heads_over_devices(n_heads: int, n_devices: int, ax=None):
@@ -84,6 +92,72 @@ def ring_blocks(n_devices: int, ax=None):
     ax.set_title(f"ring attention on {n_devices}: ◣ diagonal (masked by position), ✗ masked entirely "
                  f"({n_devices * n_devices - useful} of {n_devices * n_devices} cells)", fontsize=8,
                  loc="left")  # fmt: skip
+    return ax.figure
+
+
+def collective_matmul_schedule(n_devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """The steps of :func:`course_lib.splits.collective_matmul` on a ring of ``n_devices``: at step ``t``
+    device ``r`` multiplies the row block of ``x`` it holds, block ``(r − t) mod n`` (into the output rows
+    of that block), and, unless ``t`` is the last step, sends that same block on to device ``r + 1``.
+
+    Returns:
+      ``(held, sends)``: int [n, n], the block device ``r`` multiplies at step ``t``; bool [n, n], whether
+      it sends that block during the step. Both indexed [step, device].
+
+    Raises:
+      ValueError: ``n_devices`` < 1.
+    """
+    if n_devices < 1:
+        raise ValueError(f"a ring needs at least one device, not {n_devices}")
+    t = np.arange(n_devices)[:, None]
+    r = np.arange(n_devices)[None, :]
+    held = (r - t) % n_devices
+    sends = np.broadcast_to(t < n_devices - 1, held.shape).copy()
+    return held, sends
+
+
+def collective_matmul_steps(
+    n_devices: int, rows: int, k: int, n_cols: int, itemsize: int, ax=None
+):  # fmt: skip
+    """One collective matmul, ``all_gather(x) @ w`` as a ring (:func:`collective_matmul_schedule`):
+    rows = steps, columns = devices; each cell is the matmul ``x_b @ w`` of the block ``b`` the device
+    holds (coloured by the device it started on), with ``→`` where the same block is sent on to the next
+    device during the step. The title gives the shapes and the bytes of one send.
+
+    Args:
+      n_devices: the ring's size ``n``.
+      rows, k: one block of ``x``, ``[rows, k]`` (``rows = M/n``).
+      n_cols: this device's columns of ``w`` (``[k, n_cols]``).
+      itemsize: bytes per element of ``x`` (8 for float64, 4 for float32, 2 for bfloat16).
+      ax: a Matplotlib Axes to draw on; a new figure when None.
+
+    Returns:
+      The Matplotlib Figure.
+
+    Raises:
+      ValueError: ``n_devices`` < 1.
+    """
+    held, sends = collective_matmul_schedule(n_devices)
+    if ax is None:
+        size = (max(4, 1.1 * n_devices + 1.5), max(1.6, 0.5 * n_devices + 0.9))
+        ax = plt.subplots(figsize=size)[1]
+    for t in range(n_devices):
+        for r in range(n_devices):
+            b = int(held[t, r])
+            ax.add_patch(Rectangle((r, t), 1, 1, fc=device_color(b), ec="white", lw=1.5))
+            label = f"x{b} @ w" + (f"\n→ dev {(r + 1) % n_devices}" if sends[t, r] else "")
+            ax.text(r + 0.5, t + 0.5, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_xlim(0, n_devices)
+    ax.set_ylim(n_devices, 0)
+    ax.set_xticks(np.arange(n_devices) + 0.5, [f"dev {r}" for r in range(n_devices)], fontsize=7)
+    ax.set_yticks(np.arange(n_devices) + 0.5, [f"step {t}" for t in range(n_devices)], fontsize=7)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    sent = rows * k * itemsize
+    ax.set_title(f"collective matmul on {n_devices}: x{{b}} [{rows}, {k}] @ w [{k}, {n_cols}] each step; "
+                 f"→ sends that block on ({sent:,} bytes), {int(sends[:, 0].sum())} sends a device",
+                 fontsize=8, loc="left")  # fmt: skip
     return ax.figure
 
 
