@@ -1,6 +1,7 @@
 """Pictures of the transformer split over devices, drawn from the run's shapes: the heads each device of
 the model axis holds, the ring of key/value blocks of ring attention (which block each device scores at
-each step, and how much of it the causal mask keeps), one collective matmul's steps (which block each
+each step, and how much of it the causal mask keeps), sequence parallelism's layouts region by region
+of a block, one collective matmul's steps (which block each
 device multiplies while it sends it on) and ZeRO-3's per-layer gather/free timeline.
 
 A colour per device (:func:`course_lib.diagrams.device_color`). Each function takes an optional ``ax``,
@@ -22,6 +23,8 @@ __all__ = [
     "heads_over_devices",
     "ring_blocks",
     "ring_schedule",
+    "sp_layout",
+    "sp_regions",
     "zero3_timeline",
 ]
 
@@ -92,6 +95,59 @@ def ring_blocks(n_devices: int, ax=None):
     ax.set_title(f"ring attention on {n_devices}: ◣ diagonal (masked by position), ✗ masked entirely "
                  f"({n_devices * n_devices - useful} of {n_devices * n_devices} cells)", fontsize=8,
                  loc="left")  # fmt: skip
+    return ax.figure
+
+
+def sp_layout(batch: int, seq: int, d_model: int, n_devices: int) -> list[tuple[str, tuple, str]]:
+    """One block under sequence parallelism (:func:`course_lib.splits.sp_block`), region by region:
+    ``(region, shape a device holds, collective after it)`` — the LayerNorm regions ``[B, S/n, D]``, an
+    all-gather to ``[B, S, D]`` before each sub-layer, a reduce-scatter back to ``[B, S/n, D]`` after it
+    (the collective is ``""`` where none follows).
+
+    Raises:
+      ValueError: ``seq`` not divisible by ``n_devices``.
+    """
+    if n_devices < 1 or seq % n_devices:
+        raise ValueError(f"a sequence of {seq} does not split over {n_devices} devices")
+    split, full = (batch, seq // n_devices, d_model), (batch, seq, d_model)
+    return [
+        ("LayerNorm 1", split, "all-gather"),
+        ("attention (H/n heads)", full, "reduce-scatter"),
+        ("residual add, LayerNorm 2", split, "all-gather"),
+        ("MLP (F/n columns)", full, "reduce-scatter"),
+        ("residual add", split, ""),
+    ]
+
+
+def sp_regions(batch: int, seq: int, d_model: int, n_devices: int, ax=None):
+    """:func:`sp_layout` drawn: one box per region, as wide as the sequence a device holds there
+    (``S/n`` in the LayerNorm regions, ``S`` in the sub-layers), the collective between two regions on
+    the arrow. Returns the Matplotlib Figure.
+
+    Raises:
+      ValueError: ``seq`` not divisible by ``n_devices``.
+    """
+    regions = sp_layout(batch, seq, d_model, n_devices)
+    ax = plt.subplots(figsize=(10, 1.9))[1] if ax is None else ax
+    x = 0.0
+    for name, shape, op in regions:
+        width = 1.6 * shape[1] / seq  # the sequence a device holds, against the whole
+        split = shape[1] < seq
+        ax.add_patch(Rectangle((x, 0.6), max(width, 0.25), 0.8, fc=device_color(0 if split else 1),
+                               ec="white", lw=1.5))  # fmt: skip
+        ax.text(x + max(width, 0.25) / 2, 1.55, name, ha="center", va="bottom", fontsize=7)
+        ax.text(x + max(width, 0.25) / 2, 0.45, f"[{', '.join(map(str, shape))}]", ha="center",
+                va="top", fontsize=7)  # fmt: skip
+        x += max(width, 0.25)
+        if op:
+            ax.annotate("", (x + 0.9, 1.0), (x + 0.05, 1.0), arrowprops=dict(arrowstyle="->"))
+            ax.text(x + 0.475, 1.08, op, ha="center", va="bottom", fontsize=7, color="dimgray")
+            x += 0.95
+    ax.set_xlim(-0.1, x + 0.1)
+    ax.set_ylim(0, 2.2)
+    ax.set_axis_off()
+    ax.set_title(f"one block under SP on {n_devices} device(s): [B, S/n, D] between the sub-layers, "
+                 "[B, S, D] inside them", fontsize=8, loc="left")  # fmt: skip
     return ax.figure
 
 

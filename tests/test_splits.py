@@ -184,6 +184,19 @@ def test_pictures():
         SD.heads_over_devices(6, 4)
 
 
+def test_sp_picture_follows_sp_block():
+    """Split between the sub-layers, whole inside them: an all-gather before each sub-layer, a
+    reduce-scatter after it (splits.sp_block's collectives, two of each per block)."""
+    regions = SD.sp_layout(2, 16, 8, 4)
+    assert [r[1][1] for r in regions] == [4, 16, 4, 16, 4]
+    assert [r[2] for r in regions] == ["all-gather", "reduce-scatter"] * 2 + [""]
+    fig = SD.sp_regions(2, 16, 8, 4)
+    assert "SP on 4 device(s)" in fig.axes[0].get_title(loc="left")
+    matplotlib.pyplot.close(fig)
+    with pytest.raises(ValueError, match="does not split"):
+        SD.sp_layout(2, 10, 8, 4)
+
+
 def test_collective_matmul_picture_follows_the_ring():
     """Every device multiplies each block once, sends n - 1 times, and what it sends at step t is the
     block its neighbour multiplies at step t + 1 (splits.collective_matmul's ppermute to r + 1)."""
