@@ -1,6 +1,8 @@
 """Pictures of the transformer split over devices, drawn from the run's shapes: the heads each device of
 the model axis holds, the ring of key/value blocks of ring attention (which block each device scores at
-each step, and how much of it the causal mask keeps), and ZeRO-3's per-layer gather/free timeline.
+each step, and how much of it the causal mask keeps), sequence parallelism's layouts region by region
+of a block, one collective matmul's steps (which block each
+device multiplies while it sends it on) and ZeRO-3's per-layer gather/free timeline.
 
 A colour per device (:func:`course_lib.diagrams.device_color`). Each function takes an optional ``ax``,
 returns the Figure, never calls ``plt.show()`` and changes no global style. Used by
@@ -15,7 +17,16 @@ from matplotlib.patches import Rectangle
 
 from .diagrams import device_color
 
-__all__ = ["heads_over_devices", "ring_blocks", "ring_schedule", "zero3_timeline"]
+__all__ = [
+    "collective_matmul_schedule",
+    "collective_matmul_steps",
+    "heads_over_devices",
+    "ring_blocks",
+    "ring_schedule",
+    "sp_layout",
+    "sp_regions",
+    "zero3_timeline",
+]
 
 
 def heads_over_devices(n_heads: int, n_devices: int, ax=None):
@@ -84,6 +95,125 @@ def ring_blocks(n_devices: int, ax=None):
     ax.set_title(f"ring attention on {n_devices}: ◣ diagonal (masked by position), ✗ masked entirely "
                  f"({n_devices * n_devices - useful} of {n_devices * n_devices} cells)", fontsize=8,
                  loc="left")  # fmt: skip
+    return ax.figure
+
+
+def sp_layout(batch: int, seq: int, d_model: int, n_devices: int) -> list[tuple[str, tuple, str]]:
+    """One block under sequence parallelism (:func:`course_lib.splits.sp_block`), region by region:
+    ``(region, shape a device holds, collective after it)`` — the LayerNorm regions ``[B, S/n, D]``, an
+    all-gather to ``[B, S, D]`` before each sub-layer, a reduce-scatter back to ``[B, S/n, D]`` after it
+    (the collective is ``""`` where none follows).
+
+    Raises:
+      ValueError: ``seq`` not divisible by ``n_devices``.
+    """
+    if n_devices < 1 or seq % n_devices:
+        raise ValueError(f"a sequence of {seq} does not split over {n_devices} devices")
+    split, full = (batch, seq // n_devices, d_model), (batch, seq, d_model)
+    return [
+        ("LayerNorm 1", split, "all-gather"),
+        ("attention (H/n heads)", full, "reduce-scatter"),
+        ("residual add, LayerNorm 2", split, "all-gather"),
+        ("MLP (F/n columns)", full, "reduce-scatter"),
+        ("residual add", split, ""),
+    ]
+
+
+def sp_regions(batch: int, seq: int, d_model: int, n_devices: int, ax=None):
+    """:func:`sp_layout` drawn: one box per region, as wide as the sequence a device holds there
+    (``S/n`` in the LayerNorm regions, ``S`` in the sub-layers), the collective between two regions on
+    the arrow. Returns the Matplotlib Figure.
+
+    Raises:
+      ValueError: ``seq`` not divisible by ``n_devices``.
+    """
+    regions = sp_layout(batch, seq, d_model, n_devices)
+    ax = plt.subplots(figsize=(10, 1.9))[1] if ax is None else ax
+    x = 0.0
+    for name, shape, op in regions:
+        width = 1.6 * shape[1] / seq  # the sequence a device holds, against the whole
+        split = shape[1] < seq
+        ax.add_patch(Rectangle((x, 0.6), max(width, 0.25), 0.8, fc=device_color(0 if split else 1),
+                               ec="white", lw=1.5))  # fmt: skip
+        ax.text(x + max(width, 0.25) / 2, 1.55, name, ha="center", va="bottom", fontsize=7)
+        ax.text(x + max(width, 0.25) / 2, 0.45, f"[{', '.join(map(str, shape))}]", ha="center",
+                va="top", fontsize=7)  # fmt: skip
+        x += max(width, 0.25)
+        if op:
+            ax.annotate("", (x + 0.9, 1.0), (x + 0.05, 1.0), arrowprops=dict(arrowstyle="->"))
+            ax.text(x + 0.475, 1.08, op, ha="center", va="bottom", fontsize=7, color="dimgray")
+            x += 0.95
+    ax.set_xlim(-0.1, x + 0.1)
+    ax.set_ylim(0, 2.2)
+    ax.set_axis_off()
+    ax.set_title(f"one block under SP on {n_devices} device(s): [B, S/n, D] between the sub-layers, "
+                 "[B, S, D] inside them", fontsize=8, loc="left")  # fmt: skip
+    return ax.figure
+
+
+def collective_matmul_schedule(n_devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """The steps of :func:`course_lib.splits.collective_matmul` on a ring of ``n_devices``: at step ``t``
+    device ``r`` multiplies the row block of ``x`` it holds, block ``(r − t) mod n`` (into the output rows
+    of that block), and, unless ``t`` is the last step, sends that same block on to device ``r + 1``.
+
+    Returns:
+      ``(held, sends)``: int [n, n], the block device ``r`` multiplies at step ``t``; bool [n, n], whether
+      it sends that block during the step. Both indexed [step, device].
+
+    Raises:
+      ValueError: ``n_devices`` < 1.
+    """
+    if n_devices < 1:
+        raise ValueError(f"a ring needs at least one device, not {n_devices}")
+    t = np.arange(n_devices)[:, None]
+    r = np.arange(n_devices)[None, :]
+    held = (r - t) % n_devices
+    sends = np.broadcast_to(t < n_devices - 1, held.shape).copy()
+    return held, sends
+
+
+def collective_matmul_steps(
+    n_devices: int, rows: int, k: int, n_cols: int, itemsize: int, ax=None
+):  # fmt: skip
+    """One collective matmul, ``all_gather(x) @ w`` as a ring (:func:`collective_matmul_schedule`):
+    rows = steps, columns = devices; each cell is the matmul ``x_b @ w`` of the block ``b`` the device
+    holds (coloured by the device it started on), with ``→`` where the same block is sent on to the next
+    device during the step. The title gives the shapes and the bytes of one send.
+
+    Args:
+      n_devices: the ring's size ``n``.
+      rows, k: one block of ``x``, ``[rows, k]`` (``rows = M/n``).
+      n_cols: this device's columns of ``w`` (``[k, n_cols]``).
+      itemsize: bytes per element of ``x`` (8 for float64, 4 for float32, 2 for bfloat16).
+      ax: a Matplotlib Axes to draw on; a new figure when None.
+
+    Returns:
+      The Matplotlib Figure.
+
+    Raises:
+      ValueError: ``n_devices`` < 1.
+    """
+    held, sends = collective_matmul_schedule(n_devices)
+    if ax is None:
+        size = (max(4, 1.1 * n_devices + 1.5), max(1.6, 0.5 * n_devices + 0.9))
+        ax = plt.subplots(figsize=size)[1]
+    for t in range(n_devices):
+        for r in range(n_devices):
+            b = int(held[t, r])
+            ax.add_patch(Rectangle((r, t), 1, 1, fc=device_color(b), ec="white", lw=1.5))
+            label = f"x{b} @ w" + (f"\n→ dev {(r + 1) % n_devices}" if sends[t, r] else "")
+            ax.text(r + 0.5, t + 0.5, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_xlim(0, n_devices)
+    ax.set_ylim(n_devices, 0)
+    ax.set_xticks(np.arange(n_devices) + 0.5, [f"dev {r}" for r in range(n_devices)], fontsize=7)
+    ax.set_yticks(np.arange(n_devices) + 0.5, [f"step {t}" for t in range(n_devices)], fontsize=7)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    sent = rows * k * itemsize
+    ax.set_title(f"collective matmul on {n_devices}: x{{b}} [{rows}, {k}] @ w [{k}, {n_cols}] each step; "
+                 f"→ sends that block on ({sent:,} bytes), {int(sends[:, 0].sum())} sends a device",
+                 fontsize=8, loc="left")  # fmt: skip
     return ax.figure
 
 

@@ -4,10 +4,11 @@ GQA gives ``H`` query heads only ``H_kv`` key/value heads: query head ``h`` read
 ``h // (H / H_kv)`` (MQA is ``H_kv = 1``). Tensor parallelism splits the ``H`` query heads over ``n``
 devices, ``H/n`` each. With ``n ≤ H_kv`` the key/value heads split the same way (``H_kv/n`` a device);
 with ``n > H_kv`` there are not enough of them to go round, and each device holds the **one** key/value
-head its query heads read, so every key/value head is replicated on ``n/H_kv`` devices (Megatron-LM's
-layout). :func:`tp_kv_heads` lays out ``wk``/``wv`` that way, :func:`kv_weight_bytes` predicts what a
-device holds, :func:`gqa_attention` is the single-device reference and :func:`tp_gqa_attention` the
-per-device body for ``shard_map``.
+head its query heads read, so every key/value head is replicated on ``n/H_kv`` devices (the layout of
+vLLM's ``QKVParallelLinear``; Megatron-Core instead raises unless ``n`` divides ``H_kv``).
+:func:`tp_kv_heads` lays out ``wk``/``wv`` that way, :func:`kv_weight_bytes` predicts what a device
+holds, :func:`gqa_attention` is the single-device reference and :func:`tp_gqa_attention` the per-device
+body for ``shard_map``.
 
 Taught in: notebook 10 (section 1, "Fewer key/value heads than devices").
 """

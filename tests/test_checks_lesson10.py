@@ -460,3 +460,51 @@ def test_critical_degree_refuses_a_table_of_the_fixed_cases():
     for seed in (0, 1, None):
         check = functools.partial(lesson10.check_tp_critical_degree, seed=seed)
         rejects(check, lookup, match=f"{DRAWN} of {len(CASES) + DRAWN} cases are off.*drawn")
+
+
+def zero3_predict_ref(p_bytes, n):
+    """Exercise 4's prediction: each layer gathered twice (forward, backward under the checkpoint); two
+    gathers and one reduce-scatter of (n - 1)/n of P."""
+    return 2, 3 * (n - 1) / n * p_bytes
+
+
+def zero3_predict_dict(p_bytes, n):
+    """Another correct form: a dict, the bytes summed collective by collective from a shard's size."""
+    shard = p_bytes / n
+    per_collective = shard * (n - 1)  # what a device receives of the others' shards
+    return {"gathers_per_layer": 1 + 1, "sent": 2 * per_collective + per_collective}
+
+
+def test_zero3_predict_accepts_correct_forms(monkeypatch, capsys):
+    assert lesson10.check_predict_zero3(zero3_predict_ref)
+    assert lesson10.check_predict_zero3(zero3_predict_dict, seed=3)
+    not_written(lesson10.check_predict_zero3, stub, monkeypatch=monkeypatch, capsys=capsys)
+
+
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (
+            lambda p, n: (2, 2 * (n - 1) / n * p),
+            "gathers each layer again",
+        ),  # data parallelism's bytes
+        (lambda p, n: (2, 3 * p), "already holds its own"),  # the ring's (n - 1)/n left out
+        (lambda p, n: (1, 3 * (n - 1) / n * p), "count the gathers of a layer"),  # no re-gather
+        (lambda p, n: (2, 4 * (n - 1) / n * p), "not an all-reduce"),  # gradient all-reduced
+        (lambda p, n: (2, 3 * (n - 1) / n * p + (n == 1)), "all at n = 1"),
+        (lambda p, n: (2, 2.5 * (n - 1) / n * p), "which collectives touch"),  # no named mistake
+        (lambda p, n: "3(n-1)/n P", "return a pair of numbers"),
+    ],
+)
+def test_zero3_predict_wrong_answers(answer, match):
+    rejects(lesson10.check_predict_zero3, answer, match=match)
+
+
+def test_zero3_predict_refuses_the_library():
+    from course_lib import split_time, transformer
+
+    def library(p_bytes, n):
+        cost = split_time.split_cost("zero3", transformer.GPU, 16, max(n, 1))
+        return 2, cost.sent_bytes / split_time.block_param_bytes(transformer.GPU, 2) * p_bytes
+
+    rejects(lesson10.check_predict_zero3, library, match="split_cost")

@@ -184,6 +184,37 @@ def test_pictures():
         SD.heads_over_devices(6, 4)
 
 
+def test_sp_picture_follows_sp_block():
+    """Split between the sub-layers, whole inside them: an all-gather before each sub-layer, a
+    reduce-scatter after it (splits.sp_block's collectives, two of each per block)."""
+    regions = SD.sp_layout(2, 16, 8, 4)
+    assert [r[1][1] for r in regions] == [4, 16, 4, 16, 4]
+    assert [r[2] for r in regions] == ["all-gather", "reduce-scatter"] * 2 + [""]
+    fig = SD.sp_regions(2, 16, 8, 4)
+    assert "SP on 4 device(s)" in fig.axes[0].get_title(loc="left")
+    matplotlib.pyplot.close(fig)
+    with pytest.raises(ValueError, match="does not split"):
+        SD.sp_layout(2, 10, 8, 4)
+
+
+def test_collective_matmul_picture_follows_the_ring():
+    """Every device multiplies each block once, sends n - 1 times, and what it sends at step t is the
+    block its neighbour multiplies at step t + 1 (splits.collective_matmul's ppermute to r + 1)."""
+    n = 4
+    held, sends = SD.collective_matmul_schedule(n)
+    assert all(sorted(held[:, r].tolist()) == list(range(n)) for r in range(n))
+    assert sends.sum(axis=0).tolist() == [n - 1] * n and not sends[-1].any()
+    for t in range(n - 1):
+        assert all(held[t + 1, (r + 1) % n] == held[t, r] for r in range(n))
+    fig = SD.collective_matmul_steps(n, 8, 32, 64, 8)
+    title = fig.axes[0].get_title(loc="left")
+    assert "2,048 bytes" in title and "3 sends a device" in title
+    matplotlib.pyplot.close(fig)
+    assert SD.collective_matmul_schedule(1)[1].sum() == 0
+    with pytest.raises(ValueError, match="at least one device"):
+        SD.collective_matmul_schedule(0)
+
+
 def test_loop_sent_reads_xla_tpus_program_with_the_layer_count():
     """XLA:TPU writes no known_trip_count: loop_sent raises, and with trips=L (the scan's length) reads the
     committed 8-chip tensor-parallel forward (v5e:2x4): two all-reduces of B·S·D float32 per layer."""

@@ -1,7 +1,8 @@
 """Checkers for ``10_transformers.ipynb``, numbered as its exercises: 1 (debug) a tensor-parallel MLP whose
 silent bug hides behind zero biases, 2 (predict) the bytes and activation memory of tensor vs sequence
 parallelism predicted before the measurement, 3 (project) ring attention built from ``ppermute``, 4 per-layer
-ZeRO-3 on the transformer's blocks, 5 the TP degree beyond which a block is communication-bound, and the
+ZeRO-3 on the transformer's blocks (its gathers and bytes predicted first:
+:mod:`._lesson10_zero3_predict`), 5 the TP degree beyond which a block is communication-bound, and the
 optional project: ring attention's backward pass with ``jax.custom_vjp`` (:mod:`._lesson10_vjp`).
 
 None of them holds an answer, and each refuses an answer that calls into :mod:`course_lib.splits` (the
@@ -73,10 +74,11 @@ from ._lesson10_zero3 import (
     z_wire,
 )
 from ._lesson10_zero3 import policy_name as _policy_name
+from ._lesson10_zero3_predict import check_predict_zero3
 from ._spmd import abstract
 
 __all__ = ["check_tp_mlp", "check_predict_tp_sp", "check_ring_attention", "check_zero3"]
-__all__ += ["check_tp_critical_degree", "check_ring_vjp"]
+__all__ += ["check_tp_critical_degree", "check_ring_vjp", "check_predict_zero3"]
 
 _ONCE = {"xla_backend_optimization_level": 0}
 
