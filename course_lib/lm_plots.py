@@ -1,6 +1,6 @@
 """The transformer lab's tables and plots: collectives predicted beside read from the program, a step-time
 model's stacked bars, its time breakdown per layout (compute, bubble, exposed and overlapped communication)
-and the bytes predicted beside measured.
+and the bytes predicted beside measured; a picture of a mesh on two nodes (:func:`plot_two_nodes`).
 
 Re-exported by :mod:`course_lib.lm_costs` (``lm_costs.by_kind``, ``lm_costs.plot_step_times``,
 ``lm_costs.plot_bytes``, ``lm_costs.time_breakdown``, ``lm_costs.plot_time_breakdown``). Taught in
@@ -9,11 +9,20 @@ Re-exported by :mod:`course_lib.lm_costs` (``lm_costs.by_kind``, ``lm_costs.plot
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["by_kind", "plot_step_times", "plot_bytes", "time_breakdown", "plot_time_breakdown"]
+__all__ = [
+    "by_kind",
+    "plot_step_times",
+    "plot_bytes",
+    "time_breakdown",
+    "plot_time_breakdown",
+    "node_of",
+    "plot_two_nodes",
+]
 
 
 def plot_step_times(rows: Sequence[dict], ax=None, title: str = ""):
@@ -123,4 +132,107 @@ def plot_time_breakdown(rows: Sequence[dict], ax=None, title: str = ""):
     ax.set_ylabel("ms per step (model)")
     ax.set_title(title or "step-time MODEL: where the time goes (not a measurement)")
     ax.legend(fontsize=7)
+    return ax
+
+
+def node_of(sizes: dict[str, int], across: str, n_nodes: int = 2) -> dict[tuple[int, ...], int]:
+    """Which node holds each device of a mesh when axis ``across`` spans the nodes.
+
+    The devices are numbered with ``across`` outermost (a launcher gives each node consecutive devices):
+    ``across`` is cut into ``n_nodes`` contiguous blocks, one per node, and every other axis stays whole
+    inside each node. So a group along ``across`` spans the nodes; a group along any other axis does not.
+
+    Args:
+        sizes: the mesh, ``{axis: size}`` in mesh order (``lm_layouts.mesh_axes(layout, n)``).
+        across: the axis that spans the nodes; one of ``sizes``.
+        n_nodes: how many nodes (2 in ``notebooks/12_transformer_lab.ipynb``).
+
+    Returns:
+        ``{coordinate: node}``: every mesh coordinate (a tuple of ints, in ``sizes``' order) and the node
+        (``0 … n_nodes − 1``) that holds it.
+
+    Raises:
+        ValueError: ``across`` is not an axis of ``sizes``, or ``n_nodes`` does not divide its size.
+    """
+    if across not in sizes:
+        raise ValueError(f"across={across!r} is not an axis of the mesh {sizes}")
+    if n_nodes < 1 or sizes[across] % n_nodes:
+        raise ValueError(f"{n_nodes} nodes do not divide axis {across!r} of size {sizes[across]}")
+    names = list(sizes)
+    block = sizes[across] // n_nodes
+    return {
+        coord: coord[names.index(across)] // block
+        for coord in itertools.product(*(range(sizes[a]) for a in names))
+    }
+
+
+def plot_two_nodes(sizes: dict[str, int], across: str, intra: str = "NVLink 4",
+                   inter: str = "InfiniBand NDR", ax=None, title: str = ""):  # fmt: skip
+    """Two nodes, each device labelled with its mesh coordinate (:func:`node_of`), and one group of each
+    axis drawn as a line: the axis ``across`` (its collectives on the ``inter`` link between the nodes) and
+    every other axis (on the ``intra`` link inside a node). A picture, not a measurement.
+
+    Args:
+        sizes: the mesh, ``{axis: size}`` in mesh order; its devices split evenly over the two nodes.
+        across: the axis that spans the nodes.
+        intra: the link inside a node, for the labels (``costs.LINKS`` names).
+        inter: the link between the nodes, for the labels.
+        ax: a matplotlib axes to draw on, else a new figure's.
+        title: the axes' title; by default it names ``across``.
+
+    Returns:
+        The matplotlib axes. One rectangle per node and one per device (``ax.patches``).
+
+    Raises:
+        ValueError: as :func:`node_of`.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch, Rectangle
+
+    placed = node_of(sizes, across, 2)
+    names = list(sizes)
+    ax = ax or plt.subplots(figsize=(9, 3.2))[1]
+    per_node = len(placed) // 2
+    cols = int(np.ceil(per_node / 2)) if per_node > 4 else per_node
+    rows = int(np.ceil(per_node / cols))
+    w, h, gap = 1.0, 0.7, 0.25
+    node_w = cols * (w + gap) + gap
+    where, boxes = {}, {}
+    for node in (0, 1):
+        x0 = node * (node_w + 1.5)
+        ax.add_patch(FancyBboxPatch((x0, 0), node_w, rows * (h + gap) + gap + 0.35,
+                                    boxstyle="round,pad=0.05", fc="0.95", ec="0.3", zorder=0))  # fmt: skip
+        ax.text(x0 + node_w / 2, rows * (h + gap) + gap + 0.15, f"node {node}: {intra} inside",
+                ha="center", va="center", fontsize=8)  # fmt: skip
+        mine = sorted(c for c, n in placed.items() if n == node)
+        for i, coord in enumerate(mine):
+            x = x0 + gap + (i % cols) * (w + gap)
+            y = gap + (rows - 1 - i // cols) * (h + gap)
+            boxes[coord] = ax.add_patch(Rectangle((x, y), w, h, fc="white", ec="0.4", zorder=1))
+            label = "\n".join(f"{a} {c}" for a, c in zip(names, coord, strict=True))
+            ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=6)
+            where[coord] = (x + w / 2, y + h / 2)
+    ax.annotate("", xy=(node_w + 1.5, 0.5), xytext=(node_w, 0.5),
+                arrowprops={"arrowstyle": "<->", "color": "C3", "lw": 2})  # fmt: skip
+    ax.text(node_w + 0.75, 0.2, inter, ha="center", va="top", fontsize=8, color="C3")
+    origin = tuple(0 for _ in names)
+    for i, axis in enumerate([across] + [a for a in names if a != across]):
+        k = names.index(axis)
+        group = [origin[:k] + (j,) + origin[k + 1 :] for j in range(sizes[axis])]
+        xs, ys = zip(*(where[c] for c in group), strict=True)
+        link = inter if axis == across else intra
+        colour = "C3" if axis == across else f"C{i - 1 if i - 1 < 3 else i}"
+        # drawn under the devices: the line shows between them, each member's edge in the group's colour
+        ax.plot(xs, ys, "-", color=colour, lw=2, zorder=0.5,
+                label=f"one {axis} group ({sizes[axis]} devices): on {link}")  # fmt: skip
+        for c in group:
+            if c != origin or axis == across:
+                boxes[c].set_edgecolor(colour)
+                boxes[c].set_linewidth(2)
+    ax.set_xlim(-0.3, 2 * node_w + 1.8)
+    ax.set_ylim(-0.6, rows * (h + gap) + gap + 0.6)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(names))
+    ax.set_title(title or f"{sizes}: {across} across the two nodes", fontsize=9)
     return ax

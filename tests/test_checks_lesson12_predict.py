@@ -9,6 +9,7 @@ import pytest
 from checking import not_written, rejects
 
 from course_tools.checks import _attempts, lesson12
+from course_tools.checks._common import ExerciseError
 
 CROSSING = {
     "tp_sp at batch 8": "model",
@@ -204,3 +205,12 @@ def test_names_outside_the_choices_lists_and_units_get_their_own_hint():
         {**STEP, "dp's step in ms": 0.0666},
         match="asks for milliseconds: a time in seconds is 1000 x smaller",
     )
+
+
+def test_the_pipeline_hint_names_every_leaf_all_reduced_over_stage():
+    # the leaves outside the stages' layers: both embeddings, the final LayerNorm, the head, and the loss
+    with pytest.raises(ExerciseError) as refused:
+        lesson12.check_pipe_prediction({**PIPE, "stage: global batch 32 / the lab's 16": 2.0})
+    hint = " ".join(str(refused.value).split())  # the message as one line, however it is wrapped
+    for leaf in ("token and position embeddings", "final LayerNorm", "the head", "the loss"):
+        assert leaf in hint, leaf

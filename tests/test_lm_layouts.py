@@ -321,3 +321,46 @@ def test_the_time_breakdown_plot_draws_every_layout():
     ax = lm_costs.plot_time_breakdown(rows)
     assert [t.get_text() for t in ax.get_xticklabels()] == [r["layout"] for r in rows]
     assert "MODEL" in ax.get_title()
+
+
+@pytest.mark.parametrize("across", ["data", "model"])
+def test_two_nodes_place_the_crossing_axis_between_them(across):
+    from course_lib import lm_plots
+
+    sizes = lm_layouts.mesh_axes("tp_sp", 16)  # data=8 x model=2
+    placed = lm_plots.node_of(sizes, across)
+    assert len(placed) == 16 and sorted(placed.values()).count(0) == 8
+    k, other = list(sizes).index(across), 1 - list(sizes).index(across)
+    # a group along the crossing axis spans both nodes; one along the other axis stays in one node
+    for coord, node in placed.items():
+        assert node == coord[k] // (sizes[across] // 2)
+        partners = [c for c in placed if c[k] == coord[k]]  # coord's group along the other axis
+        assert {placed[c] for c in partners} == {node} and len(partners) == sizes[
+            list(sizes)[other]
+        ]
+    with pytest.raises(ValueError, match="not an axis"):
+        lm_plots.node_of(sizes, "stage")
+    with pytest.raises(ValueError, match="do not divide"):
+        lm_plots.node_of({"data": 3, "model": 2}, "data")
+
+
+def test_the_two_node_picture_draws_every_device_and_both_links():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_lib import lm_plots
+
+    sizes = lm_layouts.mesh_axes("tp_sp", 16)
+    ax = lm_plots.plot_two_nodes(sizes, "model")
+    assert len(ax.patches) == 2 + 16  # two nodes, sixteen devices
+    texts = [t.get_text() for t in ax.texts]
+    assert "InfiniBand NDR" in texts and sum("NVLink 4" in t for t in texts) == 2
+    assert sum(t.startswith("data ") for t in texts) == 16
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == [
+        "one model group (2 devices): on InfiniBand NDR",
+        "one data group (8 devices): on NVLink 4",
+    ]
+    plt.close("all")

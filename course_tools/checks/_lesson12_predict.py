@@ -281,10 +281,11 @@ def check_pipe_prediction(predictions: Mapping | None) -> bool:
     return _judge(
         "pipe_predictions", predictions, PIPE_QUESTIONS, _pipe_truth,
         "write the bytes over stage as a formula before any number: a tick's send is one micro-batch "
-        "[global_batch / n_data / n_micro, S, D], there are 2 (n_micro + p - 2) of them, and a shift leaves "
-        "the last stage silent ((p - 1)/p of the devices send); beside them the embedding's and the head's "
-        "gradients and the loss are all-reduced over stage, whatever the batch or the micro-batches. See "
-        "what cancels at p = 2 and what does not at p = 4",
+        "[global_batch / n_data / n_micro, S, D], there are 2 (n_micro + p - 2) of them, and each shift "
+        "leaves one stage silent (the last going forward, the first going backward: on average (p - 1)/p "
+        "of the devices send); beside them the gradients of the token and position embeddings, the final "
+        "LayerNorm and the head, and the loss, are all-reduced over stage, whatever the batch or the "
+        "micro-batches. See what cancels at p = 2 and what does not at p = 4",
     )  # fmt: skip
 
 
