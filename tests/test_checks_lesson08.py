@@ -595,7 +595,7 @@ def test_zero2_hints_name_what_the_numbers_show(report):
     )
 
 
-# ---- exercise 3: E's critical batch on a fabric ------------------------------------------------------
+# ---- exercise 2: E's critical batch on a fabric ------------------------------------------------------
 
 
 def critical_ref(flops, hbm, param_bytes, n, fabric):

@@ -1,4 +1,4 @@
-"""Exercise 2's ZeRO-2 plan and exercise 3's moves of E's critical batch (``notebooks/08_lab.ipynb``):
+"""Exercise 3's ZeRO-2 plan and exercise 2's moves of E's critical batch (``notebooks/08_lab.ipynb``):
 the checkers accept the right answers in more than one form, refuse plausible wrong ones with a hint that
 names what is wrong (never the value), and print a stub's hint; the ZeRO-2 step's checker says on 2 devices
 that it cannot judge an answer it cannot send, and prints no ✓."""

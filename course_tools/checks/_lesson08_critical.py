@@ -1,4 +1,4 @@
-"""Lesson 08, exercise 3: strategy E's critical per-device batch on a fabric, from its program's numbers.
+"""Lesson 08, exercise 2: strategy E's critical per-device batch on a fabric, from its program's numbers.
 
 The answer ``fsdp_critical_batch(flops_per_image, hbm_bytes_per_image, param_bytes, n_devices, fabric)`` is
 judged by its values on :data:`CASES`, each exposing a part of the model (``notebooks/08_lab.ipynb``,
@@ -230,7 +230,7 @@ CRITICAL_MOVES = (
     "FLOP peak x2",
     "parameter bytes x2",
 )
-"""The changes exercise 3's prediction names: after ÷ before of E's critical batch, every other input kept."""
+"""The changes exercise 2's prediction names: after ÷ before of E's critical batch, every other input kept."""
 
 _MOVE_CASE = (4.3e7, 7.2e6, 1.1e6, 8, "TPU v5e")  # HBM-bound on the v5e (checked in the tests)
 
@@ -269,7 +269,7 @@ wrong ones lets the factors be found by trying values one key at a time)."""
 
 @checker
 def check_critical_batch_moves(moves) -> bool:
-    """Judge exercise 3's prediction ``moves``: ``{change: after ÷ before}`` for every name in
+    """Judge exercise 2's prediction ``moves``: ``{change: after ÷ before}`` for every name in
     :data:`CRITICAL_MOVES`, each within 1 % of the model (:func:`reference`, α = 0).
 
     Raises:

@@ -1,4 +1,4 @@
-"""Lesson 08, exercise 2's first half: the learner's plan for ZeRO-2 (``notebooks/08_lab.ipynb``, section 10).
+"""Lesson 08, exercise 3's first half: the learner's plan for ZeRO-2 (``notebooks/08_lab.ipynb``, section 10).
 
 The plan names the collective for the gradients and for the parameters, what each device's optimizer update
 covers, and predicts two ratios on 8 devices with every leaf split: the bytes each device sends per step
@@ -23,7 +23,7 @@ N = 8
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
 UPDATES = ("all parameters", "its slice")
 ZERO2_PLAN = ("gradients", "parameters", "update", "sent / B's, n = 8", "momentum / B's, n = 8")
-"""The keys of exercise 2's plan."""
+"""The keys of exercise 3's plan."""
 
 PLAN_HINT = (
     "reconsider each entry from what a device holds: a reduce-scatter leaves each device one slice of the "
@@ -50,7 +50,7 @@ def _truths() -> dict:
 
 @checker
 def check_zero2_plan(plan) -> bool:
-    """Judge exercise 2's plan: a dict with the keys :data:`ZERO2_PLAN`; the two collectives among
+    """Judge exercise 3's plan: a dict with the keys :data:`ZERO2_PLAN`; the two collectives among
     :data:`COLLECTIVES`, the update among :data:`UPDATES`, the two ratios within 1 %.
 
     Raises:

@@ -1,5 +1,5 @@
 """Pieces of the ZeRO-2 step's checker (:func:`course_tools.checks.lesson08.check_zero2`,
-``notebooks/08_lab.ipynb``, exercise 2): its starting parameters, its tolerance and the hints it gives when an
+``notebooks/08_lab.ipynb``, exercise 3): its starting parameters, its tolerance and the hints it gives when an
 update or a momentum differs from single-device ``jit``'s.
 """
 
