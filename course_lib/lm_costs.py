@@ -263,10 +263,10 @@ def activation_bytes(key: str, config, global_batch: int, sizes: dict[str, int],
     also holds the embedded micro-batches ``xs`` (``m``), their input cotangents ``dxs`` (``m + 1``) and the
     two tick buffers: ``3m + 4`` micro-batch activations ``[b/m, S, D]``, plus one micro-batch's stage values
     and logits. ``remat`` changes nothing there. ``compiled=True``: what the program XLA:CPU compiles from
-    it holds — the B lane's recomputations read the stash alone, and in the unrolled tick loop the schedule
-    runs them all before the first backward, so every one of the ``m + p − 1`` B ticks (idle ones too:
-    masked, not skipped) keeps its recomputed stage values and logits at once, beside the ``3m + 4``
-    buffers (``notebooks/12_transformer_lab.ipynb`` asserts it within 20 % of ``temp_size_in_bytes``).
+    it holds — XLA:CPU's schedule of the unrolled tick loop keeps every one of the ``m + p − 1`` B ticks'
+    recomputed stage values and logits (idle ticks too: masked, not skipped) beside the ``3m + 4`` buffers
+    (measured, not explained: tying the stash to the arriving cotangent does not change it;
+    ``notebooks/12_transformer_lab.ipynb`` asserts it within 20 % of ``temp_size_in_bytes``).
     Under FSDP the gathered parameters too: the step gathers
     each one once and keeps it through the backward pass (``SHARD_GRAD_OP``, :mod:`course_lib.lm_steps`),
     so a device holds every parameter as the model axis splits it, beside its shard (:func:`gathered_bytes`).
