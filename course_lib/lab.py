@@ -45,6 +45,8 @@ def check_divisibility(
             ) from None
 
 
+repeat_steps = lab_time.repeat_steps  # the timed loop of sections 6.1 and 6.5 (lab_time)
+
 SCALING_STRATEGIES = tuple(k for k, info in strategies_lib.REGISTRY.items() if info.scaling)
 """The strategies of the scaling sweep: B, C and D (A runs on one device only)."""
 
@@ -326,39 +328,6 @@ def _grad_specs(entry, shapes, n_devices, mesh_shape):
     if entry.layout is None:
         return jax.tree.map(lambda _: P(), abstract)
     return entry.layout(abstract, n_devices, mesh_shape)
-
-
-def repeat_steps(run: StrategyRun, state: Any, batch: Any, calls: int = 1):
-    """A callable that runs ``calls`` training steps of ``run``'s compiled program in a row, from ``state``.
-
-    Each step donates its state, so the callable feeds every new state back (the first call starts from
-    ``state`` placed by the run's strategy; a later call continues from where the last one stopped). It is
-    what ``notebooks/08_lab.ipynb`` times with :func:`course_lib.measure.alternating` (sections 6.1, 6.5).
-
-    Args:
-      run: a :class:`StrategyRun` (:func:`run_strategy`).
-      state: a host :class:`course_lib.steps.TrainState` with ``run``'s shapes (e.g. ``A.states[-1]``).
-      batch: one global batch ``(images, labels)`` placed as ``run``'s batches are (``run.batches[0]``):
-        images ``(global_batch, size, size, 3)``, labels ``(global_batch,)`` int32.
-      calls: steps per call, at least 1.
-
-    Returns:
-      A function of no arguments returning the last step's metrics (``{"loss": ...}``, not blocked on).
-
-    Raises:
-      ValueError: ``calls`` below 1.
-    """
-    if calls < 1:
-        raise ValueError(f"calls={calls}: at least one step per call")
-    holder = [run.strategy.place_state(state)]
-
-    def call():
-        metrics = None
-        for _ in range(calls):
-            holder[0], metrics = run.compiled(holder[0], batch)
-        return metrics
-
-    return call
 
 
 def mesh_shape_of(strategy: Any) -> tuple[int, int]:

@@ -333,3 +333,36 @@ def describe_mfu(
             "optimizer run on the vector unit"
         )
     return "\n".join(lines)
+
+
+def repeat_steps(run: Any, state: Any, batch: Any, calls: int = 1):
+    """A callable that runs ``calls`` training steps of ``run``'s compiled program in a row, from ``state``.
+
+    Each step donates its state, so the callable feeds every new state back (the first call starts from
+    ``state`` placed by the run's strategy; a later call continues from where the last one stopped). It is
+    what ``notebooks/08_lab.ipynb`` times with :func:`course_lib.measure.alternating` (sections 6.1, 6.5).
+
+    Args:
+      run: a :class:`course_lib.lab.StrategyRun` (:func:`course_lib.lab.run_strategy`).
+      state: a host :class:`course_lib.steps.TrainState` with ``run``'s shapes (e.g. ``A.states[-1]``).
+      batch: one global batch ``(images, labels)`` placed as ``run``'s batches are (``run.batches[0]``):
+        images ``(global_batch, size, size, 3)``, labels ``(global_batch,)`` int32.
+      calls: steps per call, at least 1.
+
+    Returns:
+      A function of no arguments returning the last step's metrics (``{"loss": ...}``, not blocked on).
+
+    Raises:
+      ValueError: ``calls`` below 1.
+    """
+    if calls < 1:
+        raise ValueError(f"calls={calls}: at least one step per call")
+    holder = [run.strategy.place_state(state)]
+
+    def call():
+        metrics = None
+        for _ in range(calls):
+            holder[0], metrics = run.compiled(holder[0], batch)
+        return metrics
+
+    return call

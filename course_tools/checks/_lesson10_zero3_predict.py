@@ -35,7 +35,8 @@ def cases(rng: np.random.Generator) -> list[tuple[int, int]]:
 def reference(p_bytes: int, n: int) -> tuple[int, float]:
     """``(2, 3(n − 1)/n · P)``: forward and backward gathers of each layer, and the gathers' and the
     gradient reduce-scatter's ring bytes per device per step."""
-    return 2, 3 * (n - 1) / n * p_bytes
+    gathers, ring_share = 2, (n - 1) / n  # each gather and the reduce-scatter send this share of P
+    return gathers, 3 * ring_share * p_bytes
 
 
 MISTAKES: tuple[tuple[Callable, str], ...] = (
