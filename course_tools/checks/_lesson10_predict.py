@@ -62,20 +62,24 @@ def cases(rng: np.random.Generator) -> list[tuple[str, str, int, int, int, int]]
     return out
 
 
-def _pair(got, what):
-    got = require("predict", got, "return (bytes_sent, ln_elements)")
-    if isinstance(got, dict) and {"sent", "ln_elements"} <= set(got):
-        got = (got["sent"], got["ln_elements"])
+def number_pair(fn: str, got, what: str, keys: tuple[str, str], shown: tuple[str, str]):
+    """``got`` (a pair, or a dict with ``keys``) as two floats; a string, a bool or anything else fails
+    with the hint "return a pair of numbers: (shown[0], shown[1])". Lesson 10's prediction checkers."""
+    wanted = f"({shown[0]}, {shown[1]})"
+    got = require(fn, got, f"return {wanted}")
+    if isinstance(got, dict) and set(keys) <= set(got):
+        got = (got[keys[0]], got[keys[1]])
     try:
-        sent, ln = got
-        if any(isinstance(v, (str, bytes, bool, np.bool_)) for v in (sent, ln)):
+        a, b = got
+        if any(isinstance(v, (str, bytes, bool, np.bool_)) for v in (a, b)):
             raise TypeError("not numbers")
-        return float(sent), float(ln)
+        return float(a), float(b)
     except (TypeError, ValueError):
-        fail(
-            f"{what} returned {plain(got)!r}",
-            "return a pair of numbers: (bytes_sent, ln_elements)",
-        )
+        fail(f"{what} returned {plain(got)!r}", f"return a pair of numbers: {wanted}")
+
+
+def _pair(got, what):
+    return number_pair("predict", got, what, ("sent", "ln_elements"), ("bytes_sent", "ln_elements"))
 
 
 @checker

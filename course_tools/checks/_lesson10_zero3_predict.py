@@ -19,7 +19,8 @@ import numpy as np
 
 from course_lib import split_time
 
-from ._common import checker, fail, passed, plain, require
+from ._common import checker, fail, passed
+from ._lesson10_predict import number_pair
 from ._unaided import call_unaided
 
 COUNTS = (1, 2, 3, 4, 8, 16)
@@ -84,19 +85,8 @@ HINT = (
 
 
 def _pair(got, what):
-    got = require("predict_zero3", got, "return (gathers_per_layer, bytes_sent)")
-    if isinstance(got, dict) and {"gathers_per_layer", "sent"} <= set(got):
-        got = (got["gathers_per_layer"], got["sent"])
-    try:
-        gathers, sent = got
-        if any(isinstance(v, (str, bytes, bool, np.bool_)) for v in (gathers, sent)):
-            raise TypeError("not numbers")
-        return float(gathers), float(sent)
-    except (TypeError, ValueError):
-        fail(
-            f"{what} returned {plain(got)!r}",
-            "return a pair of numbers: (gathers_per_layer, bytes_sent)",
-        )
+    keys, shown = ("gathers_per_layer", "sent"), ("gathers_per_layer", "bytes_sent")
+    return number_pair("predict_zero3", got, what, keys, shown)
 
 
 def _same(got, want) -> bool:
