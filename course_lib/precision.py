@@ -209,8 +209,9 @@ def float64_runs(backend: str | None = None) -> bool:
     """Whether the course runs its float64 parity checks on ``backend`` (``None``: JAX's default backend).
 
     True on XLA:CPU and XLA:GPU, which compute float64 natively. False on a TPU: XLA:TPU emulates float64
-    (programs take minutes to compile) and has no float64 kernel for some operations (``select-and-scatter``,
-    the max-pool gradient), so the lessons say so and check float32 parity with :func:`float32_rtol` instead.
+    (programs take minutes to compile), and on one TPU v5e with JAX 0.10.2 the float64 max-pool gradient
+    (``select-and-scatter``) was observed not to compile (UNIMPLEMENTED; ``data/tpu_reference/``), so the
+    lessons say so and check float32 parity with :func:`float32_rtol` instead.
     """
     backend = jax.default_backend() if backend is None else backend
     return backend != "tpu"
@@ -226,7 +227,8 @@ def check_runs(precision: str, backend: str | None = None) -> str:
     if check(precision) == "float64" and not float64_runs(backend):
         raise ValueError(
             f"precision={precision!r} does not run on XLA:TPU: float64 is emulated there (programs take "
-            "minutes to compile) and select-and-scatter, the max-pool gradient, has no float64 kernel; "
+            "minutes to compile) and, on one TPU v5e with JAX 0.10.2, the float64 select-and-scatter "
+            "(the max-pool gradient) was observed not to compile (UNIMPLEMENTED); "
             "use precision='float32' (or 'bfloat16')"
         )
     return precision

@@ -198,7 +198,8 @@ def test_memory_estimate_parts(report):
 
 
 def test_float64_is_refused_on_a_tpu_before_anything_compiles():
-    # the devices' platform decides: XLA:TPU has no float64 max-pool gradient (select-and-scatter)
+    # the devices' platform decides: on one TPU v5e (JAX 0.10.2) the float64 max-pool gradient
+    # (select-and-scatter) was observed not to compile
     cfg = config.resolve_profile("tiny", "cpu")
     tpu = [types.SimpleNamespace(platform="tpu")]
     for run in (lab.run_strategy, lab.lower_strategy):
