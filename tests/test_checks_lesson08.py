@@ -598,26 +598,31 @@ def test_zero2_hints_name_what_the_numbers_show(report):
 # ---- exercise 2: E's critical batch on a fabric ------------------------------------------------------
 
 
-def critical_ref(flops, hbm, param_bytes, n, fabric):
-    sent = 2 * (n - 1) / n * param_bytes
-    ways = 2 if fabric.link.topology == "ring" else 1
+def critical_ref(flops, hbm, leaf_bytes, n, fabric):
+    link = fabric.link
+    ways = 2 if link.topology == "ring" else 1
+    comm = sum(
+        2 * ((n - 1) * link.latency_s + (n - 1) / n * s / (ways * link.bytes_per_s))
+        for s in leaf_bytes
+    )
     per_image = max(flops / (fabric.chip.bf16 * 1e12), hbm / fabric.chip.hbm_bytes_per_s)
-    return sent / (ways * fabric.link.bytes_per_s) / per_image
+    return comm / per_image
 
 
-def critical_other_form(flops, hbm, param_bytes, n, fabric):
-    # the two collectives timed apart, each with its α (0 on the checker's links), and the roofline's
-    # rates per image inverted
+def critical_other_form(flops, hbm, leaf_bytes, n, fabric):
+    # latency and bandwidth summed apart over the leaves, the roofline's rates per image inverted
     if n == 1:
         return 0
     bw = fabric.link.bytes_per_s * (2 if fabric.link.topology == "ring" else 1)
-    gather = (n - 1) * fabric.link.latency_s + (n - 1) / n * param_bytes / bw
+    latency = 2 * len(leaf_bytes) * (n - 1) * fabric.link.latency_s
+    gather_and_scatter = latency + 2 * (n - 1) * sum(leaf_bytes) / (n * bw)
     images_per_s = min(fabric.chip.bf16 * 1e12 / flops, fabric.chip.hbm_bytes_per_s / hbm)
-    return 2 * gather * images_per_s
+    return gather_and_scatter * images_per_s
 
 
 def _fake_fsdp_run(precision="float32", n=8, batch=8):
-    """A run of E as the checker reads it: the cpu profile's gathers and reduce-scatters, per-device numbers."""
+    """A run of E as the checker reads it: the cpu profile's gathers and reduce-scatters and the loss's
+    all-reduce, per-device numbers."""
     import types
 
     import numpy as np
@@ -636,25 +641,45 @@ def _fake_fsdp_run(precision="float32", n=8, batch=8):
             ):
                 transfers.append(comms.Collective(kind, ("data",), n, (("f32", tuple(dims)),), size,
                                                   comms.ring_bytes(kind, size, n), kind))  # fmt: skip
+    transfers.append(comms.Collective("all-reduce", ("data",), n, (("f32", ()),), 4,
+                                      comms.ring_bytes("all-reduce", 4, n), "loss"))  # fmt: skip
     stats = types.SimpleNamespace(
         flops_per_device=3.4e8, bytes_accessed=5.7e7, transfers=tuple(transfers)
     )
     row = {"n_devices": n, "local_batch": batch, "device_kind": "cpu", "platform": "cpu",
            "precision": precision, "profile": "cpu"}  # fmt: skip
-    param_bytes = sum(4 * int(np.prod(s)) for layer in shapes.values() for s in layer.values())
-    return types.SimpleNamespace(row=row, stats=stats), param_bytes
+    leaves = [4 * int(np.prod(s)) for layer in shapes.values() for s in layer.values()]
+    return types.SimpleNamespace(row=row, stats=stats), leaves
 
 
 def test_fsdp_critical_batch_accepts_correct_forms(capsys):
     assert lesson08.check_fsdp_critical_batch(critical_ref)
     assert lesson08.check_fsdp_critical_batch(critical_other_form)
-    run, param_bytes = _fake_fsdp_run()
-    assert lesson08.check_fsdp_critical_batch(critical_ref, run, param_bytes)
-    assert "this run's E" in capsys.readouterr().out
-    # a bfloat16 run's gathers may send bfloat16 copies: not compared with param_bytes
+    run, _ = _fake_fsdp_run()
+    assert lesson08.check_fsdp_critical_batch(critical_ref, run)
+    out = capsys.readouterr().out
+    assert "this run's E" in out and "α included" in out
+    # a bfloat16 run's gathers are read at their own bytes: compared too
     run16, _ = _fake_fsdp_run("bfloat16")
-    assert lesson08.check_fsdp_critical_batch(critical_ref, run16, param_bytes)
-    assert "this run's E" not in capsys.readouterr().out
+    assert lesson08.check_fsdp_critical_batch(critical_other_form, run16)
+    assert "this run's E" in capsys.readouterr().out
+
+
+def test_fsdp_critical_batch_is_the_lab_model_at_the_run():
+    """The reference at a run's gathers equals the library's critical batch of those collectives."""
+    from course_lib import costs, lab_time
+
+    run, leaves = _fake_fsdp_run()
+    _, fabric, _ = lab_time.fabric_for("cpu", "cpu")
+    moved = [t for t in run.stats.transfers if t.kind != "all-reduce"]
+    b = run.row["local_batch"]
+    lab = costs.critical_batch(
+        b, run.stats.flops_per_device, run.stats.bytes_accessed, moved, fabric, "bfloat16"
+    )
+    mine = critical_ref(
+        run.stats.flops_per_device / b, run.stats.bytes_accessed / b, leaves, 8, fabric
+    )
+    assert abs(mine / lab - 1) < 1e-9
 
 
 def test_fsdp_critical_batch_not_written(monkeypatch, capsys):
@@ -676,7 +701,23 @@ def test_fsdp_critical_batch_wrong_answers():
             f, h, p, n, dataclasses.replace(fab, link=dataclasses.replace(fab.link, **fields))
         )
 
+    def latency_steps(steps):  # α counted `steps(n)` times per collective instead of n - 1
+        def answer(f, h, p, n, fab):
+            extra = 2 * len(p) * (steps(n) - (n - 1)) * fab.link.latency_s
+            per_image = max(f / (fab.chip.bf16 * 1e12), h / fab.chip.hbm_bytes_per_s)
+            return critical_ref(f, h, p, n, fab) + (extra / per_image if n > 1 else 0)
+
+        return answer
+
     cases = {
+        # the latency left out: the previous exercise's bandwidth-only answer
+        "latency α": with_link(latency_s=0.0),
+        # α once per collective
+        "n − 1 steps, and each step pays α": latency_steps(lambda n: 1),
+        # an all-reduce's step count
+        "2\\(n − 1\\) is an all-reduce": latency_steps(lambda n: 2 * (n - 1)),
+        # one gather and one scatter for the whole tree
+        "each leaf apart": lambda f, h, p, n, fab: critical_ref(f, h, [sum(p)], n, fab),
         # FLOPs only: the HBM term forgotten
         "roofline": lambda f, h, p, n, fab: critical_ref(f, 0, p, n, fab),
         # a ring taken as one direction
@@ -688,8 +729,8 @@ def test_fsdp_critical_batch_wrong_answers():
         # the global batch
         "ONE device's batch": lambda f, h, p, n, fab: n * critical_ref(f, h, p, n, fab),
         # bfloat16 parameters assumed: no single typical mistake, the hint names the parts, not a formula
-        "communication time = bytes": lambda f, h, p, n, fab: (
-            critical_ref(f, h, p / 2, n, fab) + (n == 2)
+        "communication time = for each leaf": lambda f, h, p, n, fab: (
+            critical_ref(f, h, [s / 2 for s in p], n, fab) + (n == 2)
         ),
         "return a number": lambda f, h, p, n, fab: str(critical_ref(f, h, p, n, fab)),
         "one device sends nothing": lambda f, h, p, n, fab: critical_ref(f, h, p, max(n, 2), fab),
@@ -697,7 +738,7 @@ def test_fsdp_critical_batch_wrong_answers():
     for hint, answer in cases.items():
         rejects(lesson08.check_fsdp_critical_batch, answer, match=hint)
     library = lambda f, h, p, n, fab: costs.critical_batch(  # noqa: E731
-        1, f, h, [comms_transfer("all-reduce", n, p)], fab, "bfloat16"
+        1, f, h, [comms_transfer("all-reduce", n, sum(p))], fab, "bfloat16"
     )
     rejects(lesson08.check_fsdp_critical_batch, library, match="do not call the costs module")
 
@@ -727,7 +768,9 @@ def test_fsdp_critical_batch_red_team_answers():
         f, h, p, n, fab
     ):  # the library's collective times: named by their own module
         comm = sum(
-            costs.collective_time(k, n, p, fab.link) for k in ("all-gather", "reduce-scatter")
+            costs.collective_time(k, n, s, fab.link)
+            for k in ("all-gather", "reduce-scatter")
+            for s in p
         )
         return comm / max(f / (fab.chip.bf16 * 1e12), h / fab.chip.hbm_bytes_per_s)
 

@@ -139,12 +139,12 @@ def test_zero2_step_on_two_devices_prints_no_success_for_what_it_cannot_judge(
 
 
 def test_fsdp_critical_batch_accepts_the_loss_bytes_and_refuses_the_checkers_own_answer():
-    """Exercise 1's bytes (the loss's 4-byte all-reduce counted) are a right answer; an answer that wraps the
+    """The loss's 4 bytes counted in one leaf is a right answer; an answer that wraps the
     checker's own :func:`reference` (or a piece of it) is refused."""
     from course_tools.checks import _lesson08_critical as critical
 
     def with_loss_bytes(f, h, p, n, fab):
-        return critical_ref(f, h, p + 4, n, fab)
+        return critical_ref(f, h, [p[0] + 4, *p[1:]], n, fab)
 
     assert lesson08.check_fsdp_critical_batch(with_loss_bytes)
 
