@@ -171,3 +171,26 @@ def attention_temporaries(
             compiled = jax.jit(f, compiler_options=compiler_options).lower(*qkv).compile()
             temps[name, c] = compiled.memory_analysis().temp_size_in_bytes
     return temps
+
+
+def temporaries_table(temps: dict[tuple[str, int], int], unit_bytes: int) -> Any:
+    """:func:`attention_temporaries`' result as a table (a ``pandas.DataFrame``): one row per program, one
+    column per ring size, each value the bytes ÷ ``unit_bytes`` (in lesson 10: K or V blocks of 8
+    positions), NaN where a program did not run on that ring. Used by ``notebooks/10_transformers.ipynb``,
+    section 3.
+
+    Raises:
+      ValueError: ``unit_bytes`` not positive.
+    """
+    import pandas as pd
+
+    if unit_bytes <= 0:
+        raise ValueError(f"unit_bytes={unit_bytes} must be positive")
+    names = list(dict.fromkeys(name for name, _ in temps))
+    rings = sorted({c for _, c in temps})
+    table = pd.DataFrame(
+        [[temps.get((name, c), float("nan")) / unit_bytes for c in rings] for name in names],
+        index=pd.Index(names, name="program"),
+        columns=pd.Index(rings, name="devices"),
+    )
+    return table

@@ -14,7 +14,8 @@ timed on a chip.
   directions on a ring): a split whose FLOPs per byte sent fall below it is communication-bound.
 - :func:`comm_bound_degree`: the smallest number of devices on the axis at which :func:`~course_lib.costs.
   step_time` says the collectives outlast the compute; :func:`tp_critical_degree` the same for tensor
-  parallelism in closed form, latency left out.
+  parallelism in closed form, latency left out; :func:`bound_degrees` and :func:`degree_table` tabulate
+  them for section 6.
 - :func:`ring_matmul_plan`: the overlap a collective matmul offers (how many sends, each beside a matmul
   chunk of how many FLOPs, the time of each on a fabric); :func:`async_windows` reads what XLA:TPU
   scheduled between each ``-start`` and its ``-done`` in a compiled program's text, :func:`window_counts`
@@ -212,6 +213,64 @@ def tp_critical_degree(cfg: Any, fabric: costs.Fabric, precision: str = "bfloat1
     the link bandwidth (both ways on a ring). The batch cancels. Beyond ``n*`` TP is communication-bound.
     """
     return 1.0 + (cfg.d_model + (cfg.seq_len + cfg.d_ff) / 2) / fabric_ratio(fabric, precision)
+
+
+SPLITS_BOUND = ("tp", "sp", "ring", "ulysses")
+"""The splits whose communication-bound degree lesson 10 tabulates (one block's forward, or attention)."""
+
+
+def bound_degrees(
+    models: dict[str, tuple[Any, int]], fabrics: dict[str, costs.Fabric],
+    kinds: tuple[str, ...] = SPLITS_BOUND,
+) -> dict[tuple[str, str, str], int | None]:  # fmt: skip
+    """:func:`comm_bound_degree` of each split on each model and fabric.
+
+    Args:
+      models: label → ``(TransformerConfig, batch)`` (sequences).
+      fabrics: label → fabric (:data:`course_lib.costs.FABRICS`' values).
+      kinds: the splits (:data:`KINDS`).
+
+    Returns:
+      ``{(model label, fabric label, kind): the smallest bound degree, or None when none up to 1024}``.
+
+    Raises:
+      ValueError: an unknown kind (from :func:`split_cost`).
+    """
+    return {
+        (label, fname, kind): comm_bound_degree(kind, cfg, batch, fab)
+        for label, (cfg, batch) in models.items()
+        for fname, fab in fabrics.items()
+        for kind in kinds
+    }
+
+
+def degree_table(
+    models: dict[str, tuple[Any, int]], fabrics: dict[str, costs.Fabric],
+    degrees: dict[tuple[str, str, str], int | None], kinds: tuple[str, ...] = SPLITS_BOUND,
+) -> Any:  # fmt: skip
+    """:func:`bound_degrees`' result as a table (a ``pandas.DataFrame``), one row per model and fabric.
+
+    Columns: the model's ``D``, ``S``, ``F``, ``H``; each kind's first bound degree, written
+    ``"beyond H"`` for TP and SP when TP's ``n*`` (:func:`tp_critical_degree`, latency left out) lies above
+    the largest degree they accept (H divides by it), ``"none"`` when no degree up to 1024 is bound; and
+    ``n* (TP)``, rounded to 2 places. Used by ``notebooks/10_transformers.ipynb``, section 6.
+    """
+    import pandas as pd
+
+    rows = []
+    for label, (cfg, batch) in models.items():
+        for fname, fab in fabrics.items():
+            star = tp_critical_degree(cfg, fab)
+            top = max(valid_degrees("tp", cfg, batch))
+            row = {"model": label, "fabric": fname, "D": cfg.d_model, "S": cfg.seq_len,
+                   "F": cfg.d_ff, "H": cfg.n_heads}  # fmt: skip
+            for kind in kinds:
+                d = degrees[label, fname, kind]
+                beyond = kind in ("tp", "sp") and star > top
+                row[kind] = d if d is not None else ("beyond H" if beyond else "none")
+            row["n* (TP)"] = round(star, 2)
+            rows.append(row)
+    return pd.DataFrame(rows).set_index(["model", "fabric"])
 
 
 # ---- the overlap of a collective matmul --------------------------------------------------------------------

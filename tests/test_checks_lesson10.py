@@ -3,10 +3,15 @@ another correct form, rejects typical wrong answers with its own hint (answers t
 own version among them), and prints "not written yet" for the student stub (8 simulated CPU devices from
 conftest.py; subsets for other device counts)."""
 
+import math
+
 import answers_lesson10 as a
 import pytest
 from checking import not_written, rejects, stub, tpu_rules
 
+from course_lib import aot, comms
+from course_lib.aot_programs import LESSON10_BATCH, LESSON10_CONFIG, N_DEVICES
+from course_lib.programs import collective_ops
 from course_tools.checks import ExerciseError, lesson10
 
 
@@ -160,9 +165,9 @@ def test_predict_tp_sp():
         (a.predict_split_cost, "calls split_time.split_cost.*comms.ring_bytes"),
         # XLA:CPU's program taken for XLA:TPU's: SP's bytes equal to TP's there too
         (a.predict_cpu_only, r"4 of 20 cases are wrong \(0 TP bytes, 0 SP bytes on XLA:CPU, 4 SP "
-         r"bytes on XLA:TPU, 0 LayerNorm.*hint: SP's bytes on XLA:TPU: per sub-layer"),
-        (a.predict_tpu_scatter_kept, r"4 of 20 .*4 SP bytes on XLA:TPU.*took the reduce-scatter's"),
-        (a.predict_tpu_gathers_f32, r"4 of 20 .*4 SP bytes on XLA:TPU.*bfloat16 copy \(2 bytes"),
+         r"bytes on XLA:TPU, 0 LayerNorm.*hint: SP's bytes on XLA:TPU: cost the collectives XLA:TPU's"),
+        (a.predict_tpu_scatter_kept, r"4 of 20 .*4 SP bytes on XLA:TPU.*its own kind's ring factor"),
+        (a.predict_tpu_gathers_f32, r"4 of 20 .*4 SP bytes on XLA:TPU.*its own dtype's bytes an element"),
         (a.predict_tpu_full_ln, r"4 of 20 .*, 4 LayerNorm counts.*hint: LayerNorm under SP on XLA:TPU"),
         (a.predict_sp_half_bytes, r"9 of 20 .*\(0 TP bytes, 5 SP bytes on XLA:CPU, 4 SP bytes on "
          r"XLA:TPU.*hint: SP's bytes on XLA:CPU: .*ring all-reduce"),
@@ -180,6 +185,20 @@ def test_predict_rejects(answer, match):
     """Each wrong answer fails on the cases that expose its part (n = 1 sends nothing: an XLA:CPU SP
     mistake shows on the five other counts), with that part's hint."""
     rejects(lesson10.check_predict_tp_sp, answer, match=match)
+
+
+def test_predict_tpu_listing_answers_the_exercise():
+    """The collectives exercise 2 lists for XLA:TPU (one layer of the committed 8-chip program: kind, dtype,
+    shape) costed by the ring model are the checker's XLA:TPU bytes for SP at those sizes."""
+    layer = [
+        o for o in collective_ops(aot.hlo_text("lesson10.sp_forward"), {"model": 8}) if o.in_loop
+    ]
+    assert sorted(o.shape.split("[")[0] + " " + o.op for o in layer) == [
+        "bf16 all-gather", "bf16 all-gather", "f32 all-reduce", "f32 all-reduce"
+    ]  # fmt: skip
+    sent = sum(comms.ring_bytes(o.op, o.nbytes, N_DEVICES) for o in layer)
+    b, s, d = LESSON10_BATCH, LESSON10_CONFIG.seq_len, LESSON10_CONFIG.d_model
+    assert math.isclose(sent, a.predict("sp", "XLA:TPU", b, s, d, N_DEVICES)[0])
 
 
 def test_predict_hint_gives_no_formula():

@@ -74,3 +74,31 @@ def test_attention_temporaries(report):
         M.attention_temporaries(
             fns, (16,), report.devices, (1, 4, 2, 4), jnp.float32, jax.random.key(0), CONTEXT
         )
+
+
+def test_attention_temporaries_at_the_lessons_sizes(report):
+    """Section 3's claims on XLA:CPU, at its block (4 sequences, 8 positions, 8 heads of 4) on rings of 3, 4
+    and 8: the fori_loop ring stays flat, the unrolled ring grows by more than a block per device added,
+    Ulysses grows; temporaries_table lays them out in blocks."""
+    import functools
+
+    import numpy as np
+
+    fns = {
+        "ring": splits.ring_attention,
+        "ring, unrolled": functools.partial(splits.ring_attention, unroll=True),
+        "ulysses": splits.ulysses_attention,
+    }
+    rings, shape = [3, 4, 8], (4, 8, 8, 4)
+    temps = M.attention_temporaries(
+        fns, rings, report.devices, shape, jnp.float32, jax.random.key(30), CONTEXT,
+        compiler_options={"xla_backend_optimization_level": 0}, heads_split={"ulysses"},
+    )  # fmt: skip
+    table = M.temporaries_table(temps, int(np.prod(shape)) * 4)
+    assert list(table.columns) == rings and np.isnan(table.loc["ulysses", 3])  # 8 heads over 3: no
+    ring = table.loc["ring", rings]
+    assert ring.max() < 1.1 * ring.min()
+    assert (np.diff(table.loc["ring, unrolled", rings]) > np.diff(rings)).all()
+    assert table.loc["ulysses", 4] < table.loc["ulysses", 8]
+    with pytest.raises(ValueError, match="must be positive"):
+        M.temporaries_table(temps, 0)

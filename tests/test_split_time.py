@@ -152,3 +152,26 @@ ENTRY %main (x: f32[2,2]) -> f32[2,2] {
     assert [w["done_feeds_matmul"] for w in windows] == [False, True]
     got = split_time.window_counts(windows)
     assert got == dict(windows=2, overlapped=2, matmuls=[1, 1], in_flight=2, waiting=0)
+
+
+def test_bound_degrees_and_their_table():
+    """Section 6's table: transformer.GPU (batch 16) and at 131,072 tokens (batch 1), on v5e ICI and H100
+    NVLink: each split's first bound degree, 'beyond H' where TP's n* exceeds the heads, 'none' where no
+    degree up to 1024 is bound, and TP's n*."""
+    models = {
+        "gpu": (transformer.GPU, 16),
+        "long": (dataclasses.replace(transformer.GPU, seq_len=131072), 1),
+    }
+    fabrics = {k: costs.FABRICS[k] for k in ("TPU v5e", "H100")}
+    degree = split_time.bound_degrees(models, fabrics)
+    assert set(degree) == {
+        (m, f, k) for m in models for f in fabrics for k in split_time.SPLITS_BOUND
+    }
+    assert [degree["gpu", "TPU v5e", k] for k in split_time.SPLITS_BOUND] == [8, 8, 2, 4]
+    assert [degree["gpu", "H100", k] for k in split_time.SPLITS_BOUND] == [4, 4, 2, 2]
+    assert [degree["long", "TPU v5e", k] for k in split_time.SPLITS_BOUND] == [None, None, 64, None]
+    table = split_time.degree_table(models, fabrics, degree)
+    assert table.loc[("long", "H100"), "tp"] == "beyond H"  # n* 33.6 above H = 16
+    assert table.loc[("long", "H100"), "ulysses"] == "none"
+    assert list(table["n* (TP)"]) == [4.64, 4.26, 37.39, 33.6]
+    assert table.loc[("gpu", "TPU v5e"), "D"] == transformer.GPU.d_model

@@ -6,12 +6,14 @@ cases drawn afresh at every call, chosen to expose each part of the prediction: 
 B, S and D drawn afresh (S divisible by ``n``), ``n`` from 1 to 16 with an odd one on XLA:CPU, and ``n`` of 2,
 4, 8 and 16 on XLA:TPU (its committed program, ``data/tpu_reference/programs/lesson10.sp_forward``, is for 8
 chips at the lesson's ``cpu`` sizes: at other sizes and chip counts the prediction assumes XLA:TPU makes the
-same choices, a model). The values are compared with :func:`course_lib.splits.predict_tp_sp`, which the answer may
-not call, nor :func:`course_lib.split_time.split_cost` (section 6's model lists the same collectives with their
-ring bytes); :func:`course_lib.comms.ring_bytes`, the ring model the exercise names, it may. The checker builds
-no program and uses no device: its device counts are its own, so it judges alike on any number of devices
-present. A failure says how many cases each part got wrong (TP's bytes, SP's on each
-compiler, the LayerNorm counts) and gives each wrong part's hint, without the formula.
+same choices, a model). The prompt gives XLA:TPU's collectives for one layer as the committed program lists
+them (kind, dtype, shape), not their bytes nor why the compiler chose them: the learner costs them and reasons
+out the choice. The values are compared with :func:`course_lib.splits.predict_tp_sp`, which the answer may not
+call, nor :func:`course_lib.split_time.split_cost` (section 6's model lists the same collectives with their
+ring bytes); :func:`course_lib.comms.ring_bytes`, the ring model the exercise names, it may. The checker
+builds no program and uses no device: its device counts are its own, so it judges alike on any number of
+devices present. A failure says how many cases each part got wrong (TP's bytes, SP's on each compiler, the
+LayerNorm counts) and gives each wrong part's hint, without the formula.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ HINTS = {
     "sp XLA:CPU": "SP's bytes on XLA:CPU: before each sub-layer an all-gather, after it a reduce-scatter, "
     "both of the whole float32 [B, S, D] buffer; what do a ring all-gather and a ring reduce-scatter of one "
     "buffer send together, against one ring all-reduce of it?",
-    "sp XLA:TPU": "SP's bytes on XLA:TPU: per sub-layer, the all-gather of the bfloat16 copy (2 bytes an "
-    "element) and the float32 all-reduce that took the reduce-scatter's place, each of the whole [B, S, D] "
-    "buffer, each at its own ring cost",
+    "sp XLA:TPU": "SP's bytes on XLA:TPU: cost the collectives XLA:TPU's program runs for a layer (the "
+    "cell before your answer lists them), not the ones JAX wrote: each at its own kind's ring factor for n "
+    "devices, times its own dtype's bytes an element, over its whole shape",
     "ln": "LayerNorm: the elements of the [B, S, D] activation one device holds where the LayerNorm runs: "
     "under TP the residual stream is replicated, under SP it is split along the sequence",
     "ln XLA:TPU": "LayerNorm under SP on XLA:TPU: the compiler changed how the partial sums travel; did it "
