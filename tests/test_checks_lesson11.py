@@ -2,6 +2,8 @@
 another correct form, rejects typical wrong answers with its own hint, and prints "not written yet" for
 the student stub (8 simulated CPU devices from conftest.py; subsets for other device counts)."""
 
+import math
+from fractions import Fraction
 from functools import partial
 
 import answers_lesson11 as a
@@ -14,7 +16,8 @@ import pytest
 from checking import not_written, rejects, stub, tpu_rules
 
 from course_lib import moe, op_schedules
-from course_tools.checks import ExerciseError, lesson11
+from course_tools.checks import ExerciseError, _attempts, lesson11
+from course_tools.checks._lesson11_exchange import cases as _exchange_cases
 from course_tools.checks._lesson11_zb import _cases
 
 
@@ -464,3 +467,90 @@ def test_tpu_rules_expert_exchange(report, monkeypatch):
     rejects(
         lesson11.check_expert_exchange, a.moe_layer_no_transpose, report.devices, match="differ"
     )
+
+
+# ---- exercise 5, first: the dispatch's bytes predicted ----------------------------------------------------
+
+
+def _bytes_reference(n_tokens, d_model, n_experts, k, capacity_factor, n_devices, itemsize):
+    cap = math.ceil(capacity_factor * k * n_tokens / n_experts)
+    return n_experts * cap * d_model * itemsize * (n_devices - 1) / n_devices
+
+
+def _bytes_by_groups(n_tokens, d_model, n_experts, k, capacity_factor, n_devices, itemsize):
+    # the n - 1 groups of E/n experts that leave the device, the capacity rounded up in whole numbers
+    cap = -(-Fraction(capacity_factor) * k * n_tokens // n_experts)
+    return (n_devices - 1) * (n_experts // n_devices) * int(cap) * d_model * itemsize
+
+
+def _bytes_whole_buffer(n_tokens, d_model, n_experts, k, capacity_factor, n_devices, itemsize):
+    return n_experts * math.ceil(capacity_factor * k * n_tokens / n_experts) * d_model * itemsize
+
+
+def _bytes_not_rounded(n_tokens, d_model, n_experts, k, capacity_factor, n_devices, itemsize):
+    cap = capacity_factor * k * n_tokens / n_experts
+    return n_experts * cap * d_model * itemsize * (n_devices - 1) / n_devices
+
+
+def _bytes_without_k(n_tokens, d_model, n_experts, k, capacity_factor, n_devices, itemsize):
+    cap = math.ceil(capacity_factor * n_tokens / n_experts)
+    return n_experts * cap * d_model * itemsize * (n_devices - 1) / n_devices
+
+
+def _bytes_one_group(n_tokens, d_model, n_experts, k, capacity_factor, n_devices, itemsize):
+    cap = math.ceil(capacity_factor * k * n_tokens / n_experts)
+    return n_experts * cap * d_model * itemsize / n_devices
+
+
+def _bytes_from_library(n_tokens, d_model, n_experts, k, capacity_factor, n_devices, itemsize):
+    cap = moe.capacity(n_tokens, n_experts, k, capacity_factor)
+    return n_experts * cap * d_model * itemsize * (n_devices - 1) / n_devices
+
+
+def _bytes_text(*args):
+    return "a lot"
+
+
+def test_exchange_bytes_stub_prints_not_written(monkeypatch, capsys):
+    not_written(lesson11.check_exchange_bytes, stub, monkeypatch=monkeypatch, capsys=capsys)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, None])
+@pytest.mark.parametrize("answer", [_bytes_reference, _bytes_by_groups])
+def test_exchange_bytes_accepts_correct_forms(answer, seed):
+    assert lesson11.check_exchange_bytes(answer, seed=seed)
+
+
+def test_exchange_bytes_cases_include_one_device_and_a_rounded_capacity():
+    for seed in range(20):
+        drawn = _exchange_cases(np.random.default_rng(seed))
+        assert any(c[5] == 1 for c in drawn)
+        assert any(not (c[4] * c[3] * c[0] / c[2]).is_integer() for c in drawn)
+        assert all(c[2] % c[5] == 0 and c[3] <= c[2] for c in drawn)
+
+
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (_bytes_whole_buffer, r"of 10 cases are off"),
+        (_bytes_not_rounded, r"of 10 cases are off"),
+        (_bytes_without_k, r"of 10 cases are off"),
+        (_bytes_one_group, r"of 10 cases are off"),
+        (_bytes_from_library, r"calls course_lib \(moe.capacity\)"),
+        (_bytes_text, r"not a number"),
+    ],
+)
+def test_exchange_bytes_rejects(answer, match):
+    for seed in range(5):  # wrong on every draw
+        rejects(partial(lesson11.check_exchange_bytes, seed=seed), answer, match=match)
+
+
+def test_exchange_bytes_counts_attempts_and_names_no_case():
+    _attempts.reset("lesson11 exchange_bytes")
+    with pytest.raises(ExerciseError) as wrong:
+        lesson11.check_exchange_bytes(_bytes_whole_buffer, seed=3)
+    assert "attempt 1 (1 wrong so far)" in str(wrong.value)
+    assert "exchange_bytes(" not in str(wrong.value)  # how many are off, never which
+    assert lesson11.check_exchange_bytes(_bytes_reference, seed=3)
+    assert _attempts.attempts("lesson11 exchange_bytes") == (2, 1)
+    _attempts.reset("lesson11 exchange_bytes")

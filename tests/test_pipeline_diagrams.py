@@ -86,3 +86,17 @@ def test_expert_exchange_draws_every_row_and_names_the_shapes():
     with pytest.raises(ValueError, match="multiple of n_devices=3"):
         PD.expert_exchange(8, 3, 3)
     plt.close("all")
+
+
+def test_tp_stage_draws_five_all_reduces_and_the_predicted_totals():
+    predicted = {"model": {"count": 21, "sent": 1234.0}, "stage": {"count": 9, "sent": 999.0}}
+    fig = PD.tp_stage(2, 8192, 1024, predicted)
+    ax = fig.axes[0]
+    assert len(ax.patches) == 21
+    assert sum(p.get_facecolor()[:3] == (214 / 255, 39 / 255, 40 / 255) for p in ax.patches) == 5
+    texts = [t.get_text() for t in ax.texts]
+    assert sum("8,192 B" in t for t in texts) == 6  # 4 all-reduces, one send each way
+    assert "21 collectives" in ax.get_title(loc="left")
+    plt.close(fig)
+    with pytest.raises(ValueError, match="n_model"):
+        PD.tp_stage(0, 8192, 1024)

@@ -1,7 +1,8 @@
 """Checkers for ``11_pipeline_experts.ipynb``: a GPipe forward pipeline built from ``ppermute`` (a project),
 the bubble and stash of schedules predicted before they are read from the tables, ZB-H1's orders built by
 hand (:mod:`._lesson11_zb`), a router whose silent bug only shows when experts fill up, and the
-``all_to_all`` exchange of a MoE layer whose experts sit beside data (:mod:`._lesson11_experts`).
+``all_to_all`` exchange of a MoE layer whose experts sit beside data (:mod:`._lesson11_experts`), its bytes
+predicted first (:mod:`._lesson11_exchange`).
 
 None of them holds an answer: the pipeline is compared with applying the stages in order on one device
 (values and gradients, under ``shard_map`` on the devices present) and its ticks and sends are read from its
@@ -26,6 +27,7 @@ from jax import lax
 from course_lib import moe, op_schedules, pipeline, pipeline_measure, pipeline_memory, schedules
 
 from ._common import call_answer, checker, fail, judged_on, passed
+from ._lesson11_exchange import check_exchange_bytes
 from ._lesson11_experts import check_expert_exchange
 from ._lesson11_gpipe import ROWS, SHAPE_CASE, WIDTH, check_pairs, gpipe_structure, gpipe_values
 from ._lesson11_zb import check_zb_h1_orders
@@ -36,6 +38,7 @@ __all__ = [
     "check_predict_pipeline",
     "check_zb_h1_orders",
     "check_router",
+    "check_exchange_bytes",
     "check_expert_exchange",
 ]
 
