@@ -1,4 +1,4 @@
-"""Lab 12's prediction checkers (exercises 1, 3, 4 and 5's ``*_predictions``): each accepts the notebook's
+"""Lab 12's prediction checkers (exercises 1 to 5's ``*_predictions``): each accepts the notebook's
 predictions and other right forms (a layout tied with the best, NumPy numbers, a time worked without its
 latency terms), refuses plausible wrong predictions with how many are wrong, and prints "not written yet" for
 the student stub; every judged call is counted (``_attempts``), and a verdict after a wrong one says on which
@@ -31,6 +31,11 @@ PIPE = {
     "stage bytes: 4 stages, 8 micro-batches": 40326,
 }
 STEP = {"the fastest layout": "3d", "dp's step in ms": 66.1}
+EXPERT = {
+    "all-to-alls over expert per step": 64,
+    "the all-to-alls' time per step, expert inside a node, in ms": 6.61,
+    "their time with expert across the nodes / inside": 8.32,
+}
 
 
 CHECKS = (
@@ -38,6 +43,7 @@ CHECKS = (
     (lesson12.check_fit_prediction, lesson12.FIT_QUESTIONS, FIT),
     (lesson12.check_pipe_prediction, lesson12.PIPE_QUESTIONS, PIPE),
     (lesson12.check_step_prediction, lesson12.STEP_QUESTIONS, STEP),
+    (lesson12.check_expert_prediction, lesson12.EXPERT_QUESTIONS, EXPERT),
 )
 
 
@@ -60,6 +66,14 @@ def test_the_notebooks_predictions_pass(check, questions, right):
 
 
 def test_other_right_forms_pass():
+    # exercise 2: NumPy numbers, the time and the ratio rounded (6.5 ms, 8.0: within 5 %)
+    assert lesson12.check_expert_prediction(
+        {
+            "all-to-alls over expert per step": np.int64(64),
+            "the all-to-alls' time per step, expert inside a node, in ms": np.float64(6.5),
+            "their time with expert across the nodes / inside": 8.0,
+        }
+    )
     # NumPy numbers; a layout tied with the best (the model cannot tell them apart)
     assert lesson12.check_crossing_prediction(
         {**CROSSING, "tp_sp: the smallest batch at which data crosses": np.int64(32)}
@@ -133,6 +147,35 @@ def test_other_right_forms_pass():
         (lesson12.check_step_prediction, {**STEP, "the fastest layout": "dp"}),
         # fsdp_tp, which ties 3d when only an axis named data crosses: its fsdp axis crosses too
         (lesson12.check_step_prediction, {**STEP, "the fastest layout": "fsdp_tp"}),
+        # the forward's dispatch and return only (the backward's two left out)
+        (lesson12.check_expert_prediction, {**EXPERT, "all-to-alls over expert per step": 32}),
+        # one all-to-all per layer and direction of the whole step counted once per layer
+        (lesson12.check_expert_prediction, {**EXPERT, "all-to-alls over expert per step": 16}),
+        # the bandwidth ratio alone (9x): the alpha terms do not scale by it
+        (
+            lesson12.check_expert_prediction,
+            {**EXPERT, "their time with expert across the nodes / inside": 9.0},
+        ),
+        # the alpha ratio alone (2x)
+        (
+            lesson12.check_expert_prediction,
+            {**EXPERT, "their time with expert across the nodes / inside": 2.0},
+        ),
+        # the buffer in float32 (4 bytes): about twice the time
+        (
+            lesson12.check_expert_prediction,
+            {**EXPERT, "the all-to-alls' time per step, expert inside a node, in ms": 12.6},
+        ),
+        # the capacity of the whole batch's tokens (16 x one device's): about 15 x the time
+        (
+            lesson12.check_expert_prediction,
+            {**EXPERT, "the all-to-alls' time per step, expert inside a node, in ms": 96.1},
+        ),
+        # the alpha terms left out (64 x 10 us): 5.97 ms, 10 % short
+        (
+            lesson12.check_expert_prediction,
+            {**EXPERT, "the all-to-alls' time per step, expert inside a node, in ms": 5.97},
+        ),
     ],
 )
 def test_wrong_predictions_are_refused(check, wrong):

@@ -1,7 +1,8 @@
 """Lab 12's predictions (``notebooks/12_transformer_lab.ipynb``; re-exported by
 :mod:`course_tools.checks.lesson12`): exercises 1, 3, 4 and 5 open with a dict of questions (left ``None`` in the
 student version) that the learner fills in before writing the exercise's function; a cell judges it, and the
-exercise's check cell then prints what the model says.
+exercise's check cell then prints what the model says. Exercise 2's (:data:`EXPERT_QUESTIONS`) is judged
+the same way.
 
 Each judge compares the dict with the cost model itself (:mod:`course_lib.lm_costs`, which the check cell's
 printed table and asserts come from), never with the learner's function: a right prediction from a wrong
@@ -29,10 +30,12 @@ from ._common import checker, fail, not_written, passed, plain
 
 __all__ = [
     "CROSSING_QUESTIONS",
+    "EXPERT_QUESTIONS",
     "FIT_QUESTIONS",
     "PIPE_QUESTIONS",
     "STEP_QUESTIONS",
     "check_crossing_prediction",
+    "check_expert_prediction",
     "check_fit_prediction",
     "check_pipe_prediction",
     "check_step_prediction",
@@ -91,6 +94,16 @@ global batch 32, each over the lab's (ratios); and in bytes with data=2 × stage
 stage), 8 micro-batches, global batch 16."""
 PIPE_TINY4 = dataclasses.replace(transformer.TINY, n_layers=4)
 """Exercise 1's 4-stage pipeline: the ``TINY`` size with 4 layers (``TINY`` has 2)."""
+EXPERT_QUESTIONS = (
+    "all-to-alls over expert per step",
+    "the all-to-alls' time per step, expert inside a node, in ms",
+    "their time with expert across the nodes / inside",
+)
+"""Exercise 2, ``ep_dp`` on two nodes of 8 × H100 (``mesh_axes("ep_dp", 16)``: data=8 × expert=2), the
+``GPU`` configuration (16 layers) at batch 64, capacity factor 1.25, bfloat16: how many all-to-alls over
+``expert`` one step runs (a count), their time with ``data`` across the nodes on InfiniBand NDR and
+``expert`` inside on NVLink 4 (milliseconds), and the ratio of their time with ``expert`` across to that."""
+EXPERT_BATCH, EXPERT_CAPACITY = 64, 1.25
 STEP_QUESTIONS = ("the fastest layout", "dp's step in ms")
 """Exercise 5, 8 × H100 with each layout's outermost axis across the servers on InfiniBand
 (:func:`step_fabric`), batch 16, data-parallel traffic hidden: the fastest layout but the pipeline (a name)
@@ -172,6 +185,27 @@ def _pipe_truth() -> dict:
         PIPE_QUESTIONS[0]: _pipe_sent(2, 4) / lab,
         PIPE_QUESTIONS[1]: _pipe_sent(2, 2, batch=32) / lab,
         PIPE_QUESTIONS[2]: float(_pipe_sent(4, 8, cfg=PIPE_TINY4)),
+    }
+
+
+def _expert_truth() -> dict:
+    from course_lib import lm_experts
+
+    from ._lesson12_experts import model_seconds
+
+    sizes = lm_layouts.mesh_axes("ep_dp", 16)
+    sent = lm_experts.predict_bytes(_G, EXPERT_BATCH, sizes, itemsize=2,
+                                    capacity_factor=EXPERT_CAPACITY)  # fmt: skip
+    seconds = {
+        across: model_seconds(
+            _G, EXPERT_BATCH, sizes, _H100.with_axis(across, _IB), EXPERT_CAPACITY
+        )
+        for across in ("data", "expert")
+    }
+    return {
+        EXPERT_QUESTIONS[0]: sum(t.kind == "all-to-all" for t in sent),
+        EXPERT_QUESTIONS[1]: seconds["data"] * 1e3,
+        EXPERT_QUESTIONS[2]: seconds["expert"] / seconds["data"],
     }
 
 
@@ -286,6 +320,23 @@ def check_pipe_prediction(predictions: Mapping | None) -> bool:
         "of the devices send); beside them the gradients of the token and position embeddings, the final "
         "LayerNorm and the head, and the loss, are all-reduced over stage, whatever the batch or the "
         "micro-batches. See what cancels at p = 2 and what does not at p = 4",
+    )  # fmt: skip
+
+
+@checker
+def check_expert_prediction(predictions: Mapping | None) -> bool:
+    """Exercise 2's predictions (:data:`EXPERT_QUESTIONS`) against
+    :func:`course_lib.lm_experts.predict_bytes` (the count) and
+    :func:`course_tools.checks._lesson12_experts.model_seconds` (the times), the count exactly, the time
+    and the ratio within :data:`REL_NUMBER`."""
+    return _judge(
+        "expert_predictions", predictions, EXPERT_QUESTIONS, _expert_truth,
+        "count per layer: the tokens go to their experts' devices and the outputs come back, and the "
+        "backward pass runs both again, transposed; each all-to-all moves the dispatch buffer [E, C, D] in "
+        "bfloat16, C = moe.capacity of the tokens ONE device routes (global_batch / 16 sequences of "
+        "seq_len), and costs (n - 1) α + (n - 1)/n of the buffer over the link's bandwidth on the expert "
+        "axis's link (n = 2). In the ratio the count cancels, the α terms do not: work both terms out on "
+        "each link before dividing",
     )  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 main exercise, :mod:`._lesson12_nodes`), the largest model that fits a memory limit under each layout, the
 pipeline's bytes per mesh axis, a layout's step time predicted by hand (:mod:`._lesson12_time`), and the
 time ``ep_dp``'s all-to-alls take over the expert axis (:mod:`._lesson12_experts`); and the predictions that
-open exercises 1, 3, 4 and 5, judged against the model (:mod:`._lesson12_predict`).
+open exercises 1 to 5, judged against the model (:mod:`._lesson12_predict`).
 
 None of them holds an answer: each compares the learner's function, on cases drawn afresh at every call
 (``seed``: for tests), with :mod:`course_lib.lm_costs` — the step-time model
@@ -30,12 +30,14 @@ from ._lesson12_experts import check_expert_a2a_seconds
 from ._lesson12_nodes import check_node_placement
 from ._lesson12_predict import (
     CROSSING_QUESTIONS,
+    EXPERT_QUESTIONS,
     FIT_QUESTIONS,
     KINDS,
     PIPE_QUESTIONS,
     PIPE_TINY4,
     STEP_QUESTIONS,
     check_crossing_prediction,
+    check_expert_prediction,
     check_fit_prediction,
     check_pipe_prediction,
     check_step_prediction,
@@ -46,12 +48,14 @@ from ._unaided import call_unaided as _call_unaided
 
 __all__ = [
     "CROSSING_QUESTIONS",
+    "EXPERT_QUESTIONS",
     "FIT_QUESTIONS",
     "KINDS",
     "PIPE_QUESTIONS",
     "PIPE_TINY4",
     "STEP_QUESTIONS",
     "check_crossing_prediction",
+    "check_expert_prediction",
     "check_fit_prediction",
     "check_pipe_prediction",
     "check_step_prediction",
