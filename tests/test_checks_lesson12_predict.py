@@ -18,12 +18,12 @@ CROSSING = {
     "tp_sp: the smallest batch at which data crosses": 32,
 }
 FIT = {
-    "the most layers": "pp_dp",
     "the most layers, the pipeline aside": "tp_sp",
-    "the fewest layers": "dp",
     "what fills most of dp's memory at its limit": "activations",
     "what fills most of dp's memory at its limit, with remat": "state",
     "the most layers with remat, the pipeline aside": "fsdp_tp",
+    "the most layers with remat, the pipeline included": "fsdp_tp",
+    "the most layers with remat at batch 64, the pipeline aside": "tp_sp",
 }
 PIPE = {
     "stage: 4 micro-batches / the lab's 2": 1.0,
@@ -78,7 +78,6 @@ def test_other_right_forms_pass():
     assert lesson12.check_crossing_prediction(
         {**CROSSING, "tp_sp: the smallest batch at which data crosses": np.int64(32)}
     )
-    assert lesson12.check_fit_prediction({**FIT, "the fewest layers": "dp_cp"})
     # the pipeline's bytes worked by hand: rounded, and as NumPy numbers
     assert lesson12.check_pipe_prediction(
         {
@@ -135,8 +134,17 @@ def test_other_right_forms_pass():
         (lesson12.check_pipe_prediction, {**PIPE, "stage bytes: 4 stages, 8 micro-batches": 50566}),
         # the activations alone, the stage all-reduce of embedding and head left out
         (lesson12.check_pipe_prediction, {**PIPE, "stage bytes: 4 stages, 8 micro-batches": 30720}),
-        # the pipeline as the fewest (it holds the least)
-        (lesson12.check_fit_prediction, {**FIT, "the fewest layers": "pp_dp"}),
+        # the pipeline, the most without remat: with remat for every layout fsdp_tp fits twice its layers
+        (
+            lesson12.check_fit_prediction,
+            {**FIT, "the most layers with remat, the pipeline included": "pp_dp"},
+        ),
+        # fsdp_tp again at batch 64: tp_sp's split of the kept residual stream now outweighs fsdp's of
+        # the state
+        (
+            lesson12.check_fit_prediction,
+            {**FIT, "the most layers with remat at batch 64, the pipeline aside": "fsdp_tp"},
+        ),
         # dp's compute alone: the hidden traffic taken as free though it outlasts the compute
         (lesson12.check_step_prediction, {**STEP, "dp's step in ms": 25.0}),
         # the gradients as float32 (4 bytes): twice the time
@@ -202,15 +210,19 @@ def test_attempts_are_counted_per_exercise(capsys):
     # a right answer judged again is not called a guess; malformed ones are not attempts
     assert lesson12.check_fit_prediction(FIT)
     assert "again (attempt 2; none wrong)" in capsys.readouterr().out
-    rejects(lesson12.check_fit_prediction, {**FIT, "the fewest layers": "ddp"}, match="not one of")
+    rejects(
+        lesson12.check_fit_prediction,
+        {**FIT, "the most layers, the pipeline aside": "ddp"},
+        match="not one of",
+    )
     assert _attempts.attempts("fit_predictions") == (2, 0)
 
 
 def test_missing_and_malformed_predictions_are_refused():
     rejects(
         lesson12.check_fit_prediction,
-        {**FIT, "the fewest layers": None},
-        match="no prediction for 'the fewest layers'",
+        {**FIT, "the most layers, the pipeline aside": None},
+        match="no prediction for 'the most layers, the pipeline aside'",
     )
     rejects(
         lesson12.check_crossing_prediction,
@@ -239,7 +251,7 @@ def test_names_outside_the_choices_lists_and_units_get_their_own_hint():
         )
     rejects(
         lesson12.check_fit_prediction,
-        {**FIT, "the most layers": "PP_DP"},
+        {**FIT, "the most layers, the pipeline aside": "PP_DP"},
         match="not one of the names it can be",
     )
     rejects(lesson12.check_step_prediction, list(STEP.items()), match="is a list, not a dict")

@@ -72,15 +72,17 @@ CROSSING_QUESTIONS = (
 """Exercise 3, two nodes of 8 × H100 on InfiniBand, the ``GPU`` configuration: the axis across the nodes
 (a name), and of 8, 16, 32, 64, 128 the first global batch where ``tp_sp`` puts ``data`` across."""
 FIT_QUESTIONS = (
-    "the most layers",
     "the most layers, the pipeline aside",
-    "the fewest layers",
     "what fills most of dp's memory at its limit",
     "what fills most of dp's memory at its limit, with remat",
     "the most layers with remat, the pipeline aside",
+    "the most layers with remat, the pipeline included",
+    "the most layers with remat at batch 64, the pipeline aside",
 )
-"""Exercise 4, the ``GPU`` width at batch 32 in 40 GB: four layouts (names) and, for ``dp`` at its largest
-layer count, the larger of its two kinds of memory (:data:`KINDS`), without and with recomputation."""
+"""Exercise 4, the ``GPU`` width at batch 32 (the last question: 64) in 40 GB: the layout that fits the
+most layers (a name; the pipeline always recomputes, so ``remat`` leaves it unchanged) and, for ``dp`` at
+its largest layer count, the larger of its two kinds of memory (:data:`KINDS`), without and with
+recomputation."""
 KINDS = ("state", "activations")
 """What a device holds, in two: ``state`` (parameters + momentum + gradients) and ``activations``."""
 PIPE_QUESTIONS = (
@@ -140,22 +142,21 @@ def fits(limit: float = FIT_LIMIT, batch: int = FIT_BATCH) -> dict[str, int]:
 
 
 def _fit_truth() -> dict:
+    def most(batch: int, pipeline: bool) -> set[str]:
+        keys = [k for k in lm_layouts.DENSE_KEYS if pipeline or k != "pp_dp"]
+        layers = {k: lm_costs.largest_layers(k, _G, batch, FIT_LIMIT, remat=True) for k in keys}
+        return {k for k, v in layers.items() if v == max(layers.values())}
+
     layers = fits()
     rest = {k: v for k, v in layers.items() if k != "pp_dp"}
-    remat = {k: lm_costs.largest_layers(k, _G, FIT_BATCH, FIT_LIMIT, remat=True) for k in rest}
+    dp_remat = lm_costs.largest_layers("dp", _G, FIT_BATCH, FIT_LIMIT, remat=True)
     return {
-        FIT_QUESTIONS[0]: {k for k, v in layers.items() if v == max(layers.values())},
-        FIT_QUESTIONS[1]: {k for k, v in rest.items() if v == max(rest.values())},
-        FIT_QUESTIONS[2]: {k for k, v in layers.items() if v == min(layers.values())},
-        FIT_QUESTIONS[3]: {_larger_kind("dp", layers["dp"], remat=False)},
-        FIT_QUESTIONS[4]: {
-            _larger_kind(
-                "dp",
-                lm_costs.largest_layers("dp", _G, FIT_BATCH, FIT_LIMIT, remat=True),
-                remat=True,
-            )
-        },
-        FIT_QUESTIONS[5]: {k for k, v in remat.items() if v == max(remat.values())},
+        FIT_QUESTIONS[0]: {k for k, v in rest.items() if v == max(rest.values())},
+        FIT_QUESTIONS[1]: {_larger_kind("dp", layers["dp"], remat=False)},
+        FIT_QUESTIONS[2]: {_larger_kind("dp", dp_remat, remat=True)},
+        FIT_QUESTIONS[3]: most(FIT_BATCH, pipeline=False),
+        FIT_QUESTIONS[4]: most(FIT_BATCH, pipeline=True),
+        FIT_QUESTIONS[5]: most(2 * FIT_BATCH, pipeline=False),
     }
 
 
@@ -302,8 +303,9 @@ def check_fit_prediction(predictions: Mapping | None) -> bool:
         "and the activations its batch, heads or sequence share leave it. Ask per layer which of the two "
         "grows faster: at sequence 2048 the attention scores [b, H, S, S] outweigh a layer's weights, and "
         "every layout splits them 8 ways; with remat a layer keeps only its input [b, S, D]: set that "
-        "beside the layer's state as each layout's specs split it; the pipeline holds its stage's layers "
-        "and one micro-batch's values",
+        "beside the layer's state as each layout's specs split it, at each batch; the pipeline always "
+        "recomputes (remat changes nothing there): it holds its stage's layers and one micro-batch's "
+        "values",
     )  # fmt: skip
 
 

@@ -1,5 +1,6 @@
 """Checkers for ``12_transformer_lab.ipynb``: which axis crosses the nodes of a two-tier network (the lab's
-main exercise, :mod:`._lesson12_nodes`), the largest model that fits a memory limit under each layout, the
+main exercise, :mod:`._lesson12_nodes`), the memory a device holds under each layout
+(:mod:`._lesson12_memory`) and the largest model that fits a memory limit, the
 pipeline's bytes per mesh axis, a layout's step time predicted by hand (:mod:`._lesson12_time`), and the
 time ``ep_dp``'s all-to-alls take over the expert axis (:mod:`._lesson12_experts`); and the predictions that
 open exercises 1 to 5, judged against the model (:mod:`._lesson12_predict`).
@@ -27,6 +28,7 @@ from course_lib import comms, lm_costs, lm_layouts, transformer
 
 from ._common import checker, fail, passed, plain
 from ._lesson12_experts import check_expert_a2a_seconds
+from ._lesson12_memory import check_device_memory
 from ._lesson12_nodes import check_node_placement
 from ._lesson12_predict import (
     CROSSING_QUESTIONS,
@@ -61,6 +63,7 @@ __all__ = [
     "check_step_prediction",
     "check_node_placement",
     "check_largest_model",
+    "check_device_memory",
     "check_pipeline_bytes",
     "check_step_time",
     "check_expert_a2a_seconds",
