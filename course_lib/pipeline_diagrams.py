@@ -1,12 +1,14 @@
 """Pictures of pipelines and experts, drawn from the run: schedules (ticks × stages), the layers each
 device holds, the stash over time, the experts' load against their capacity, what dropping costs, and
-the experts' ``all_to_all`` exchange, and where a tensor-parallel stage's all-reduces sit.
+the experts' ``all_to_all`` exchange, where a tensor-parallel stage's all-reduces sit, and which ticks of a
+forward-then-backward schedule send over the stage axis.
 
 Each function takes an optional ``ax``, returns the Figure, never calls ``plt.show()`` and changes no global
 style. A schedule's cells are coloured by micro-batch (pale: forward F, dark: backward B; a cell that runs
 both lanes at once is split, F above B); grey cells are the bubble: in the lockstep (masked) executors
 the stage computes there too and its result is thrown away; in a switched run (``pipeline_ops``,
-``mode="cond"``) the device computes nothing there and waits. Used by ``notebooks/11_pipeline_experts.ipynb``.
+``mode="cond"``) the device computes nothing there and waits. Used by ``notebooks/11_pipeline_experts.ipynb``
+(and :func:`sends` by ``notebooks/12_transformer_lab.ipynb``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ __all__ = [
     "op_trace",
     "ops",
     "layers",
+    "send_ticks",
+    "sends",
     "in_flight",
     "expert_load",
     "drops",
@@ -217,6 +221,35 @@ def layers(n_layers: int, n_stages: int, n_chunks: int = 1, ax=None):
     ax.set_title(f"{n_layers} layers on {n_stages} stages" + (f", {n_chunks} chunks each" if n_chunks > 1 else ""),
                  fontsize=9, loc="left")  # fmt: skip
     return ax.figure
+
+
+def send_ticks(sched: Schedule) -> list[tuple[int, int]]:
+    """The sends over the stage axis of a forward-then-backward schedule (GPipe's, as
+    :func:`course_lib.pipeline.transformer_grads` runs it): ``(tick, step)``, one per tick whose result a
+    later tick of the same lane reads, ``step = +1`` forward (stage ``s`` to ``s + 1``), ``-1`` backward.
+    Each is one ``collective-permute`` in which every stage but the last along ``step`` sends a
+    micro-batch's activation (or its gradient); ``2 (m + p − 2)`` in all, none for one stage."""
+    tf = sched.forward_ticks()
+    if sched.n_stages == 1:
+        return []
+    return [(t, +1) for t in range(tf - 1)] + [(t, -1) for t in range(tf, sched.ticks - 1)]
+
+
+def sends(sched: Schedule, ax=None, title: str | None = None):
+    """:func:`schedule`'s picture of a forward-then-backward schedule with an arrow for each send over the
+    stage axis (:func:`send_ticks`): at the end of its tick, from every stage that sends to its neighbour
+    (down forward, up backward); a tick without arrows ends without a send."""
+    fig = schedule(sched, ax=ax, title=title)
+    ax = fig.axes[0] if ax is None else ax
+    p = sched.n_stages
+    for t, step in send_ticks(sched):
+        for s in range(p) if step > 0 else range(p - 1, -1, -1):
+            if 0 <= s + step < p:  # the row of stage s is p - 1 - s, its middle + 0.5
+                y0, y1 = p - 1 - s + 0.5, p - 1 - (s + step) + 0.5
+                ax.annotate("", xy=(t + 1, y1), xytext=(t + 1, y0),
+                            arrowprops={"arrowstyle": "-|>", "color": "black", "lw": 1.0})  # fmt: skip
+    ax.set_xlabel(ax.get_xlabel() + "; arrow: a send over stage at the end of a tick", fontsize=8)
+    return fig
 
 
 def in_flight(scheds: Sequence[Schedule], stage: int = 0, ax=None):

@@ -1,4 +1,4 @@
-"""Lab 12's prediction checkers (exercises 1, 3, 4 and 5's ``*_predictions``): each accepts the notebook's
+"""Lab 12's prediction checkers (exercises 1 to 5's ``*_predictions``): each accepts the notebook's
 predictions and other right forms (a layout tied with the best, NumPy numbers, a time worked without its
 latency terms), refuses plausible wrong predictions with how many are wrong, and prints "not written yet" for
 the student stub; every judged call is counted (``_attempts``), and a verdict after a wrong one says on which
@@ -18,12 +18,12 @@ CROSSING = {
     "tp_sp: the smallest batch at which data crosses": 32,
 }
 FIT = {
-    "the most layers": "pp_dp",
     "the most layers, the pipeline aside": "tp_sp",
-    "the fewest layers": "dp",
     "what fills most of dp's memory at its limit": "activations",
     "what fills most of dp's memory at its limit, with remat": "state",
     "the most layers with remat, the pipeline aside": "fsdp_tp",
+    "the most layers with remat, the pipeline included": "fsdp_tp",
+    "the most layers with remat at batch 64, the pipeline aside": "tp_sp",
 }
 PIPE = {
     "stage: 4 micro-batches / the lab's 2": 1.0,
@@ -31,6 +31,11 @@ PIPE = {
     "stage bytes: 4 stages, 8 micro-batches": 40326,
 }
 STEP = {"the fastest layout": "3d", "dp's step in ms": 66.1}
+EXPERT = {
+    "all-to-alls over expert per step": 64,
+    "the all-to-alls' time per step, expert inside a node, in ms": 6.61,
+    "their time with expert across the nodes / inside": 8.32,
+}
 
 
 CHECKS = (
@@ -38,6 +43,7 @@ CHECKS = (
     (lesson12.check_fit_prediction, lesson12.FIT_QUESTIONS, FIT),
     (lesson12.check_pipe_prediction, lesson12.PIPE_QUESTIONS, PIPE),
     (lesson12.check_step_prediction, lesson12.STEP_QUESTIONS, STEP),
+    (lesson12.check_expert_prediction, lesson12.EXPERT_QUESTIONS, EXPERT),
 )
 
 
@@ -60,11 +66,18 @@ def test_the_notebooks_predictions_pass(check, questions, right):
 
 
 def test_other_right_forms_pass():
+    # exercise 2: NumPy numbers, the time and the ratio rounded (6.5 ms, 8.0: within 5 %)
+    assert lesson12.check_expert_prediction(
+        {
+            "all-to-alls over expert per step": np.int64(64),
+            "the all-to-alls' time per step, expert inside a node, in ms": np.float64(6.5),
+            "their time with expert across the nodes / inside": 8.0,
+        }
+    )
     # NumPy numbers; a layout tied with the best (the model cannot tell them apart)
     assert lesson12.check_crossing_prediction(
         {**CROSSING, "tp_sp: the smallest batch at which data crosses": np.int64(32)}
     )
-    assert lesson12.check_fit_prediction({**FIT, "the fewest layers": "dp_cp"})
     # the pipeline's bytes worked by hand: rounded, and as NumPy numbers
     assert lesson12.check_pipe_prediction(
         {
@@ -121,8 +134,17 @@ def test_other_right_forms_pass():
         (lesson12.check_pipe_prediction, {**PIPE, "stage bytes: 4 stages, 8 micro-batches": 50566}),
         # the activations alone, the stage all-reduce of embedding and head left out
         (lesson12.check_pipe_prediction, {**PIPE, "stage bytes: 4 stages, 8 micro-batches": 30720}),
-        # the pipeline as the fewest (it holds the least)
-        (lesson12.check_fit_prediction, {**FIT, "the fewest layers": "pp_dp"}),
+        # the pipeline, the most without remat: with remat for every layout fsdp_tp fits twice its layers
+        (
+            lesson12.check_fit_prediction,
+            {**FIT, "the most layers with remat, the pipeline included": "pp_dp"},
+        ),
+        # fsdp_tp again at batch 64: tp_sp's split of the kept residual stream now outweighs fsdp's of
+        # the state
+        (
+            lesson12.check_fit_prediction,
+            {**FIT, "the most layers with remat at batch 64, the pipeline aside": "fsdp_tp"},
+        ),
         # dp's compute alone: the hidden traffic taken as free though it outlasts the compute
         (lesson12.check_step_prediction, {**STEP, "dp's step in ms": 25.0}),
         # the gradients as float32 (4 bytes): twice the time
@@ -133,6 +155,35 @@ def test_other_right_forms_pass():
         (lesson12.check_step_prediction, {**STEP, "the fastest layout": "dp"}),
         # fsdp_tp, which ties 3d when only an axis named data crosses: its fsdp axis crosses too
         (lesson12.check_step_prediction, {**STEP, "the fastest layout": "fsdp_tp"}),
+        # the forward's dispatch and return only (the backward's two left out)
+        (lesson12.check_expert_prediction, {**EXPERT, "all-to-alls over expert per step": 32}),
+        # one all-to-all per layer and direction of the whole step counted once per layer
+        (lesson12.check_expert_prediction, {**EXPERT, "all-to-alls over expert per step": 16}),
+        # the bandwidth ratio alone (9x): the alpha terms do not scale by it
+        (
+            lesson12.check_expert_prediction,
+            {**EXPERT, "their time with expert across the nodes / inside": 9.0},
+        ),
+        # the alpha ratio alone (2x)
+        (
+            lesson12.check_expert_prediction,
+            {**EXPERT, "their time with expert across the nodes / inside": 2.0},
+        ),
+        # the buffer in float32 (4 bytes): about twice the time
+        (
+            lesson12.check_expert_prediction,
+            {**EXPERT, "the all-to-alls' time per step, expert inside a node, in ms": 12.6},
+        ),
+        # the capacity of the whole batch's tokens (16 x one device's): about 15 x the time
+        (
+            lesson12.check_expert_prediction,
+            {**EXPERT, "the all-to-alls' time per step, expert inside a node, in ms": 96.1},
+        ),
+        # the alpha terms left out (64 x 10 us): 5.97 ms, 10 % short
+        (
+            lesson12.check_expert_prediction,
+            {**EXPERT, "the all-to-alls' time per step, expert inside a node, in ms": 5.97},
+        ),
     ],
 )
 def test_wrong_predictions_are_refused(check, wrong):
@@ -159,15 +210,19 @@ def test_attempts_are_counted_per_exercise(capsys):
     # a right answer judged again is not called a guess; malformed ones are not attempts
     assert lesson12.check_fit_prediction(FIT)
     assert "again (attempt 2; none wrong)" in capsys.readouterr().out
-    rejects(lesson12.check_fit_prediction, {**FIT, "the fewest layers": "ddp"}, match="not one of")
+    rejects(
+        lesson12.check_fit_prediction,
+        {**FIT, "the most layers, the pipeline aside": "ddp"},
+        match="not one of",
+    )
     assert _attempts.attempts("fit_predictions") == (2, 0)
 
 
 def test_missing_and_malformed_predictions_are_refused():
     rejects(
         lesson12.check_fit_prediction,
-        {**FIT, "the fewest layers": None},
-        match="no prediction for 'the fewest layers'",
+        {**FIT, "the most layers, the pipeline aside": None},
+        match="no prediction for 'the most layers, the pipeline aside'",
     )
     rejects(
         lesson12.check_crossing_prediction,
@@ -196,7 +251,7 @@ def test_names_outside_the_choices_lists_and_units_get_their_own_hint():
         )
     rejects(
         lesson12.check_fit_prediction,
-        {**FIT, "the most layers": "PP_DP"},
+        {**FIT, "the most layers, the pipeline aside": "PP_DP"},
         match="not one of the names it can be",
     )
     rejects(lesson12.check_step_prediction, list(STEP.items()), match="is a list, not a dict")

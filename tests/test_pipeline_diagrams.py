@@ -1,5 +1,7 @@
 """Pictures of schedules, layers, the stash and the experts' load: drawn, with the right cells."""
 
+import dataclasses
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -100,3 +102,30 @@ def test_tp_stage_draws_five_all_reduces_and_the_predicted_totals():
     plt.close(fig)
     with pytest.raises(ValueError, match="n_model"):
         PD.tp_stage(0, 8192, 1024)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (4, 8), (2, 1), (1, 3)])
+def test_sends_are_the_collective_permutes_the_model_counts(p, m):
+    # lab 12's pp_dp: as many sends over stage as lm_costs.predict_bytes has collective-permutes, each an
+    # arrow from every stage but the last along its direction
+    from course_lib import lm_costs, transformer
+
+    sched = S.gpipe(p, m)
+    ticks = PD.send_ticks(sched)
+    cfg = dataclasses.replace(transformer.TINY, n_layers=4)
+    sent = lm_costs.predict_bytes(
+        "pp_dp", cfg, 8 * m, {"data": 1, "stage": p}, itemsize=4, n_micro=m
+    )
+    assert (
+        len(ticks) == sum(t.kind == "collective-permute" for t in sent) == 2 * (m + p - 2) * (p > 1)
+    )
+    # forward sends end forward ticks before the last; backward ones start after the forward lane
+    tf = sched.forward_ticks()
+    assert all(t < tf - 1 for t, step in ticks if step > 0)
+    assert all(tf <= t < sched.ticks - 1 for t, step in ticks if step < 0)
+    fig = PD.sends(sched)
+    ax = fig.axes[0]
+    arrows = [a for a in ax.texts if getattr(a, "arrow_patch", None) is not None]
+    assert len(arrows) == len(ticks) * (p - 1)
+    assert "arrow: a send over stage" in ax.get_xlabel()
+    plt.close(fig)

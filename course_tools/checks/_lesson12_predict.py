@@ -1,7 +1,8 @@
 """Lab 12's predictions (``notebooks/12_transformer_lab.ipynb``; re-exported by
 :mod:`course_tools.checks.lesson12`): exercises 1, 3, 4 and 5 open with a dict of questions (left ``None`` in the
 student version) that the learner fills in before writing the exercise's function; a cell judges it, and the
-exercise's check cell then prints what the model says.
+exercise's check cell then prints what the model says. Exercise 2's (:data:`EXPERT_QUESTIONS`) is judged
+the same way.
 
 Each judge compares the dict with the cost model itself (:mod:`course_lib.lm_costs`, which the check cell's
 printed table and asserts come from), never with the learner's function: a right prediction from a wrong
@@ -29,10 +30,12 @@ from ._common import checker, fail, not_written, passed, plain
 
 __all__ = [
     "CROSSING_QUESTIONS",
+    "EXPERT_QUESTIONS",
     "FIT_QUESTIONS",
     "PIPE_QUESTIONS",
     "STEP_QUESTIONS",
     "check_crossing_prediction",
+    "check_expert_prediction",
     "check_fit_prediction",
     "check_pipe_prediction",
     "check_step_prediction",
@@ -69,15 +72,17 @@ CROSSING_QUESTIONS = (
 """Exercise 3, two nodes of 8 × H100 on InfiniBand, the ``GPU`` configuration: the axis across the nodes
 (a name), and of 8, 16, 32, 64, 128 the first global batch where ``tp_sp`` puts ``data`` across."""
 FIT_QUESTIONS = (
-    "the most layers",
     "the most layers, the pipeline aside",
-    "the fewest layers",
     "what fills most of dp's memory at its limit",
     "what fills most of dp's memory at its limit, with remat",
     "the most layers with remat, the pipeline aside",
+    "the most layers with remat, the pipeline included",
+    "the most layers with remat at batch 64, the pipeline aside",
 )
-"""Exercise 4, the ``GPU`` width at batch 32 in 40 GB: four layouts (names) and, for ``dp`` at its largest
-layer count, the larger of its two kinds of memory (:data:`KINDS`), without and with recomputation."""
+"""Exercise 4, the ``GPU`` width at batch 32 (the last question: 64) in 40 GB: the layout that fits the
+most layers (a name; the pipeline always recomputes, so ``remat`` leaves it unchanged) and, for ``dp`` at
+its largest layer count, the larger of its two kinds of memory (:data:`KINDS`), without and with
+recomputation."""
 KINDS = ("state", "activations")
 """What a device holds, in two: ``state`` (parameters + momentum + gradients) and ``activations``."""
 PIPE_QUESTIONS = (
@@ -91,6 +96,16 @@ global batch 32, each over the lab's (ratios); and in bytes with data=2 × stage
 stage), 8 micro-batches, global batch 16."""
 PIPE_TINY4 = dataclasses.replace(transformer.TINY, n_layers=4)
 """Exercise 1's 4-stage pipeline: the ``TINY`` size with 4 layers (``TINY`` has 2)."""
+EXPERT_QUESTIONS = (
+    "all-to-alls over expert per step",
+    "the all-to-alls' time per step, expert inside a node, in ms",
+    "their time with expert across the nodes / inside",
+)
+"""Exercise 2, ``ep_dp`` on two nodes of 8 × H100 (``mesh_axes("ep_dp", 16)``: data=8 × expert=2), the
+``GPU`` configuration (16 layers) at batch 64, capacity factor 1.25, bfloat16: how many all-to-alls over
+``expert`` one step runs (a count), their time with ``data`` across the nodes on InfiniBand NDR and
+``expert`` inside on NVLink 4 (milliseconds), and the ratio of their time with ``expert`` across to that."""
+EXPERT_BATCH, EXPERT_CAPACITY = 64, 1.25
 STEP_QUESTIONS = ("the fastest layout", "dp's step in ms")
 """Exercise 5, 8 × H100 with each layout's outermost axis across the servers on InfiniBand
 (:func:`step_fabric`), batch 16, data-parallel traffic hidden: the fastest layout but the pipeline (a name)
@@ -127,22 +142,21 @@ def fits(limit: float = FIT_LIMIT, batch: int = FIT_BATCH) -> dict[str, int]:
 
 
 def _fit_truth() -> dict:
+    def most(batch: int, pipeline: bool) -> set[str]:
+        keys = [k for k in lm_layouts.DENSE_KEYS if pipeline or k != "pp_dp"]
+        layers = {k: lm_costs.largest_layers(k, _G, batch, FIT_LIMIT, remat=True) for k in keys}
+        return {k for k, v in layers.items() if v == max(layers.values())}
+
     layers = fits()
     rest = {k: v for k, v in layers.items() if k != "pp_dp"}
-    remat = {k: lm_costs.largest_layers(k, _G, FIT_BATCH, FIT_LIMIT, remat=True) for k in rest}
+    dp_remat = lm_costs.largest_layers("dp", _G, FIT_BATCH, FIT_LIMIT, remat=True)
     return {
-        FIT_QUESTIONS[0]: {k for k, v in layers.items() if v == max(layers.values())},
-        FIT_QUESTIONS[1]: {k for k, v in rest.items() if v == max(rest.values())},
-        FIT_QUESTIONS[2]: {k for k, v in layers.items() if v == min(layers.values())},
-        FIT_QUESTIONS[3]: {_larger_kind("dp", layers["dp"], remat=False)},
-        FIT_QUESTIONS[4]: {
-            _larger_kind(
-                "dp",
-                lm_costs.largest_layers("dp", _G, FIT_BATCH, FIT_LIMIT, remat=True),
-                remat=True,
-            )
-        },
-        FIT_QUESTIONS[5]: {k for k, v in remat.items() if v == max(remat.values())},
+        FIT_QUESTIONS[0]: {k for k, v in rest.items() if v == max(rest.values())},
+        FIT_QUESTIONS[1]: {_larger_kind("dp", layers["dp"], remat=False)},
+        FIT_QUESTIONS[2]: {_larger_kind("dp", dp_remat, remat=True)},
+        FIT_QUESTIONS[3]: most(FIT_BATCH, pipeline=False),
+        FIT_QUESTIONS[4]: most(FIT_BATCH, pipeline=True),
+        FIT_QUESTIONS[5]: most(2 * FIT_BATCH, pipeline=False),
     }
 
 
@@ -172,6 +186,27 @@ def _pipe_truth() -> dict:
         PIPE_QUESTIONS[0]: _pipe_sent(2, 4) / lab,
         PIPE_QUESTIONS[1]: _pipe_sent(2, 2, batch=32) / lab,
         PIPE_QUESTIONS[2]: float(_pipe_sent(4, 8, cfg=PIPE_TINY4)),
+    }
+
+
+def _expert_truth() -> dict:
+    from course_lib import lm_experts
+
+    from ._lesson12_experts import model_seconds
+
+    sizes = lm_layouts.mesh_axes("ep_dp", 16)
+    sent = lm_experts.predict_bytes(_G, EXPERT_BATCH, sizes, itemsize=2,
+                                    capacity_factor=EXPERT_CAPACITY)  # fmt: skip
+    seconds = {
+        across: model_seconds(
+            _G, EXPERT_BATCH, sizes, _H100.with_axis(across, _IB), EXPERT_CAPACITY
+        )
+        for across in ("data", "expert")
+    }
+    return {
+        EXPERT_QUESTIONS[0]: sum(t.kind == "all-to-all" for t in sent),
+        EXPERT_QUESTIONS[1]: seconds["data"] * 1e3,
+        EXPERT_QUESTIONS[2]: seconds["expert"] / seconds["data"],
     }
 
 
@@ -268,8 +303,9 @@ def check_fit_prediction(predictions: Mapping | None) -> bool:
         "and the activations its batch, heads or sequence share leave it. Ask per layer which of the two "
         "grows faster: at sequence 2048 the attention scores [b, H, S, S] outweigh a layer's weights, and "
         "every layout splits them 8 ways; with remat a layer keeps only its input [b, S, D]: set that "
-        "beside the layer's state as each layout's specs split it; the pipeline holds its stage's layers "
-        "and one micro-batch's values",
+        "beside the layer's state as each layout's specs split it, at each batch; the pipeline always "
+        "recomputes (remat changes nothing there): it holds its stage's layers and one micro-batch's "
+        "values",
     )  # fmt: skip
 
 
@@ -286,6 +322,23 @@ def check_pipe_prediction(predictions: Mapping | None) -> bool:
         "of the devices send); beside them the gradients of the token and position embeddings, the final "
         "LayerNorm and the head, and the loss, are all-reduced over stage, whatever the batch or the "
         "micro-batches. See what cancels at p = 2 and what does not at p = 4",
+    )  # fmt: skip
+
+
+@checker
+def check_expert_prediction(predictions: Mapping | None) -> bool:
+    """Exercise 2's predictions (:data:`EXPERT_QUESTIONS`) against
+    :func:`course_lib.lm_experts.predict_bytes` (the count) and
+    :func:`course_tools.checks._lesson12_experts.model_seconds` (the times), the count exactly, the time
+    and the ratio within :data:`REL_NUMBER`."""
+    return _judge(
+        "expert_predictions", predictions, EXPERT_QUESTIONS, _expert_truth,
+        "count per layer: the tokens go to their experts' devices and the outputs come back, and the "
+        "backward pass runs both again, transposed; each all-to-all moves the dispatch buffer [E, C, D] in "
+        "bfloat16, C = moe.capacity of the tokens ONE device routes (global_batch / 16 sequences of "
+        "seq_len), and costs (n - 1) α + (n - 1)/n of the buffer over the link's bandwidth on the expert "
+        "axis's link (n = 2). In the ratio the count cancels, the α terms do not: work both terms out on "
+        "each link before dividing",
     )  # fmt: skip
 
 

@@ -1,8 +1,9 @@
 """Checkers for ``12_transformer_lab.ipynb``: which axis crosses the nodes of a two-tier network (the lab's
-main exercise, :mod:`._lesson12_nodes`), the largest model that fits a memory limit under each layout, the
+main exercise, :mod:`._lesson12_nodes`), the memory a device holds under each layout
+(:mod:`._lesson12_memory`) and the largest model that fits a memory limit, the
 pipeline's bytes per mesh axis, a layout's step time predicted by hand (:mod:`._lesson12_time`), and the
 time ``ep_dp``'s all-to-alls take over the expert axis (:mod:`._lesson12_experts`); and the predictions that
-open exercises 1, 3, 4 and 5, judged against the model (:mod:`._lesson12_predict`).
+open exercises 1 to 5, judged against the model (:mod:`._lesson12_predict`).
 
 None of them holds an answer: each compares the learner's function, on cases drawn afresh at every call
 (``seed``: for tests), with :mod:`course_lib.lm_costs` — the step-time model
@@ -27,15 +28,18 @@ from course_lib import comms, lm_costs, lm_layouts, transformer
 
 from ._common import checker, fail, passed, plain
 from ._lesson12_experts import check_expert_a2a_seconds
+from ._lesson12_memory import check_device_memory
 from ._lesson12_nodes import check_node_placement
 from ._lesson12_predict import (
     CROSSING_QUESTIONS,
+    EXPERT_QUESTIONS,
     FIT_QUESTIONS,
     KINDS,
     PIPE_QUESTIONS,
     PIPE_TINY4,
     STEP_QUESTIONS,
     check_crossing_prediction,
+    check_expert_prediction,
     check_fit_prediction,
     check_pipe_prediction,
     check_step_prediction,
@@ -46,17 +50,20 @@ from ._unaided import call_unaided as _call_unaided
 
 __all__ = [
     "CROSSING_QUESTIONS",
+    "EXPERT_QUESTIONS",
     "FIT_QUESTIONS",
     "KINDS",
     "PIPE_QUESTIONS",
     "PIPE_TINY4",
     "STEP_QUESTIONS",
     "check_crossing_prediction",
+    "check_expert_prediction",
     "check_fit_prediction",
     "check_pipe_prediction",
     "check_step_prediction",
     "check_node_placement",
     "check_largest_model",
+    "check_device_memory",
     "check_pipeline_bytes",
     "check_step_time",
     "check_expert_a2a_seconds",

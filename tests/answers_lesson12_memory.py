@@ -1,0 +1,94 @@
+"""Answers to lab 12's exercise 4 (``device_memory``): the reference, another right form, and wrong ones
+the checker must refuse (``tests/test_checks_lesson12_memory.py``)."""
+
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from course_lib import lm_costs, lm_layouts, transformer
+
+
+def _share(layout_key, cfg, sizes):
+    """Values of one device's block of every parameter: the pipeline's blocks as [1, L, ...]."""
+    shapes = jax.eval_shape(lambda: transformer.init_model(jax.random.key(0), cfg)[1])
+    if "stage" in sizes:
+        shapes = {**shapes, "blocks": jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape), a.dtype),
+                                                   shapes["blocks"])}  # fmt: skip
+    specs = lm_layouts.param_specs(layout_key, shapes, sizes)
+    total = 0
+    for leaf, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+                          strict=True):  # fmt: skip
+        entries = [e for e in spec if e is not None]
+        names = [a for e in entries for a in (e if isinstance(e, tuple) else (e,))]
+        total += math.prod(leaf.shape) // math.prod(sizes[a] for a in names)
+    return total
+
+
+def reference(
+    layout_key, cfg, global_batch, remat, *, itemsize=2, copies=3, whole=False, micro=None
+):
+    sizes = lm_layouts.mesh_axes(layout_key, 8)
+    m = micro or 4 * sizes.get("stage", 1)
+    state = transformer.param_count(cfg) if whole else _share(layout_key, cfg, sizes)
+    acts = lm_costs.activation_bytes(layout_key, cfg, global_batch, sizes, itemsize, m, remat=remat)
+    return copies * state * itemsize + acts
+
+
+def by_local_bytes(layout_key, cfg, global_batch, remat):
+    """Right, another form: lm_layouts.local_bytes per leaf, in a leaf-by-leaf loop over the paths."""
+    sizes = lm_layouts.mesh_axes(layout_key, 8)
+    shapes = jax.eval_shape(lambda: transformer.init_model(jax.random.key(0), cfg)[1])
+    if sizes.get("stage", 1) > 1:
+        shapes["blocks"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape), a.dtype),
+                                        shapes["blocks"])  # fmt: skip
+    specs = lm_layouts.param_specs(layout_key, shapes, sizes)
+    flat = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    state = sum(3 * lm_layouts.local_bytes(leaf.shape, spec, sizes, 2)
+                for leaf, spec in zip(jax.tree.leaves(shapes), flat, strict=True))  # fmt: skip
+    n_micro = 4 * sizes.get("stage", 1)
+    return state + lm_costs.activation_bytes(
+        layout_key, cfg, global_batch, sizes, 2, n_micro, remat=remat
+    )
+
+
+def float32(layout_key, cfg, global_batch, remat):
+    """Wrong: 4 bytes a value."""
+    return reference(layout_key, cfg, global_batch, remat, itemsize=4)
+
+
+def no_gradients(layout_key, cfg, global_batch, remat):
+    """Wrong: parameters and momentum, the gradients forgotten."""
+    return reference(layout_key, cfg, global_batch, remat, copies=2)
+
+
+def unsplit(layout_key, cfg, global_batch, remat):
+    """Wrong: the whole model's state on every device (the specs ignored)."""
+    return reference(layout_key, cfg, global_batch, remat, whole=True)
+
+
+def two_micro_batches(layout_key, cfg, global_batch, remat):
+    """Wrong: activation_bytes' default n_micro (2), not 4 x stages."""
+    return reference(layout_key, cfg, global_batch, remat, micro=2)
+
+
+def remat_ignored(layout_key, cfg, global_batch, remat):
+    """Wrong: the activations as without recomputation, whatever remat says."""
+    return reference(layout_key, cfg, global_batch, False)
+
+
+def by_the_model(layout_key, cfg, global_batch, remat):
+    """Wrong: the memory model's own sum."""
+    sizes = lm_layouts.mesh_axes(layout_key, 8)
+    mem = lm_costs.predict_memory(layout_key, cfg, global_batch, sizes, 2, 4 * sizes.get("stage", 1),
+                                  remat=remat)  # fmt: skip
+    return mem["params"] + mem["optimizer"] + mem["gradients"] + mem["activations"]
+
+
+def by_param_bytes(layout_key, cfg, global_batch, remat):
+    """Wrong: the state from lm_costs.param_bytes (the piece the exercise asks for)."""
+    sizes = lm_layouts.mesh_axes(layout_key, 8)
+    n_micro = 4 * sizes.get("stage", 1)
+    return 3 * lm_costs.param_bytes(layout_key, cfg, sizes, 2) + lm_costs.activation_bytes(
+        layout_key, cfg, global_batch, sizes, 2, n_micro, remat=remat
+    )
