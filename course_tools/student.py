@@ -20,6 +20,7 @@ OVERWRITE=1``), and a notebook edited since it was written is kept in ``DST/edit
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
@@ -269,7 +270,11 @@ def package(root: Path, zip_path: Path, overwrite: bool = False) -> Path:
                 for nb in sorted(Path(tmp).glob("*.ipynb")):
                     z.write(nb, f"{TOP}/notebooks/{nb.name}")
                 for inside, source in sorted(_package_files(root).items()):
-                    z.write(root / source, f"{TOP}/{inside}")
+                    if inside.startswith(HELD_IN) and inside.endswith(".py"):
+                        text = (root / source).read_text(encoding="utf-8")
+                        z.writestr(f"{TOP}/{inside}", library_source(text, inside))
+                    else:
+                        z.write(root / source, f"{TOP}/{inside}")
         os.replace(tmp_zip, zip_path)
     except BaseException as e:
         tmp_zip.unlink(missing_ok=True)
@@ -279,6 +284,29 @@ def package(root: Path, zip_path: Path, overwrite: bool = False) -> Path:
             ) from None
         raise
     return zip_path
+
+
+HELD_IN = "course_lib/"
+"""The folder whose ``.py`` files the package strips of solutions (:func:`library_source`)."""
+
+
+def library_source(text: str, where: str = "module") -> str:
+    """A library module as the student package holds it: each marked block cut out and replaced by its
+    stub (:func:`strip_solutions`); unchanged when it has none.
+
+    Raises:
+      ValueError: unbalanced markers, or a module that no longer parses once stripped (naming ``where``).
+    """
+    stripped, n = strip_solutions(text, where)
+    if not n:
+        return text
+    try:
+        ast.parse(stripped, where)
+    except SyntaxError as e:
+        raise ValueError(
+            f"{where}: stripped of its solutions, line {e.lineno} does not parse"
+        ) from None
+    return stripped + "\n"
 
 
 def _package_files(root: Path) -> dict[str, str]:

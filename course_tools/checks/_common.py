@@ -86,6 +86,28 @@ def checker(fn):
     return wrapper
 
 
+def registers(name: str):
+    """Decorate a checker whose exercise writes a function the student package holds out (``name`` in
+    :data:`course_lib.held.EXERCISES`): an answer it accepts (its first argument, when it returns True) is
+    registered with :func:`course_lib.held.register`, so the later cells that call the library function
+    run the learner's answer there. Outermost, above :func:`checker`."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(answer, *args, **kwargs):
+            ok = fn(answer, *args, **kwargs)
+            if ok is True:
+                from course_lib import held
+
+                held.register(name, answer)
+            return ok
+
+        wrapper.registers = name  # the held function its accepted answer stands in for
+        return wrapper
+
+    return decorate
+
+
 def fail(what: str, hint: str) -> None:
     """Raise :class:`ExerciseError` with ``"✗ {what}\\n  hint: {hint}"``."""
     raise ExerciseError(f"✗ {what}\n  hint: {hint}")

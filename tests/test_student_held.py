@@ -1,0 +1,223 @@
+"""Library functions held out of the student package (:mod:`course_lib.held`): the package's modules hold
+no body of a held function, its stub names the exercise, the checker's accepted answer runs in its place,
+and the repository (instructors, CI, papermill runs) keeps the whole function."""
+
+import ast
+import importlib
+import inspect
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from course_lib import held
+from course_tools import checks
+from course_tools import student as student_mod
+from course_tools.checks import _common
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module_and_function(name: str) -> tuple[str, str]:
+    module, function = name.split(".")
+    return f"course_lib/{module}.py", function
+
+
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    (found,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    return found
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> Path:
+    """The student package, unpacked: its top folder."""
+    tmp = tmp_path_factory.mktemp("held")
+    with zipfile.ZipFile(student_mod.package(ROOT, tmp / "student.zip")) as z:
+        z.extractall(tmp / "unpacked")
+    return tmp / "unpacked" / student_mod.TOP
+
+
+@pytest.mark.parametrize("name", sorted(held.EXERCISES))
+def test_the_package_holds_no_body_of_a_held_function(package, name):
+    path, function = _module_and_function(name)
+    repo_text = (ROOT / path).read_text()
+    whole = _function(ast.parse(repo_text), function)
+    assert len(whole.body) > 3  # the repository's function is whole
+    ours = _function(ast.parse((package / path).read_text()), function)
+    body = ours.body[1:] if isinstance(ours.body[0].value, ast.Constant) else ours.body
+    assert len(body) == 1 and isinstance(body[0], ast.Return), ast.unparse(ours)
+    call = body[0].value
+    assert ast.unparse(call.func) == "held.call" and call.args[0].value == name
+    statements = {
+        ast.unparse(s) for b in whole.body[1:] for s in ast.walk(b) if isinstance(s, ast.stmt)
+    }
+    assert not statements & {ast.unparse(s) for s in ast.walk(body[0])}
+
+
+def test_the_repository_marks_exactly_the_held_functions():
+    """Every marked block in course_lib is a held function's body, and every held function is marked."""
+    marked = set()
+    for path in sorted((ROOT / "course_lib").glob("*.py")):
+        text = path.read_text()
+        if "# BEGIN SOLUTION" not in text:
+            continue
+        stripped = student_mod.library_source(text, path.name)
+        for node in ast.parse(stripped).body:
+            if isinstance(node, ast.FunctionDef) and "held.call(" in ast.unparse(node):
+                marked.add(f"{path.stem}.{node.name}")
+    assert marked == set(held.EXERCISES)
+
+
+def test_a_checker_registers_each_held_function():
+    registering = set()
+    for lesson in sorted(Path(checks.__file__).parent.glob("lesson[0-9][0-9].py")):
+        module = importlib.import_module(f"course_tools.checks.{lesson.stem}")
+        for _, fn in inspect.getmembers(module, callable):
+            if getattr(fn, "registers", None):
+                registering.add(fn.registers)
+    assert registering == set(held.EXERCISES)
+
+
+def test_registers_keeps_an_accepted_answer_only(monkeypatch):
+    monkeypatch.setattr(held, "_ANSWERS", {})
+    name = sorted(held.EXERCISES)[0]
+
+    @_common.registers(name)
+    def check(answer, verdict):
+        return verdict
+
+    def answer():
+        return "mine"
+
+    assert check(answer, False) is False and held.registered(name) is None
+    assert check(answer, True) is True and held.registered(name) is answer
+    assert held.call(name) == "mine"
+    with pytest.raises(KeyError, match="not a held function"):
+        held.register("splits.tp_block", answer)
+
+
+def test_the_stub_names_the_exercise(monkeypatch):
+    monkeypatch.setattr(held, "_ANSWERS", {})
+    with pytest.raises(held.HeldOut, match=r"splits.ring_attention is exercise 3 of lesson 10"):
+        held.call("splits.ring_attention", 1, 2, 3, "context")
+
+
+def test_the_repository_runs_its_own_function_whatever_is_registered(monkeypatch):
+    """The instructor path: the whole function runs; a registered answer is never called."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from course_lib import splits, transformer
+
+    def wrong(*args, **kwargs):
+        raise AssertionError("the repository called a registered answer")
+
+    monkeypatch.setattr(held, "_ANSWERS", {"splits.ring_attention": wrong})
+    mesh = Mesh(jax.devices()[:1], ("context",))
+    seq = P(None, "context")
+    q = jax.random.normal(jax.random.key(0), (2, 8, 2, 4))
+    ring = jax.shard_map(
+        lambda q, k, v: splits.ring_attention(q, k, v, "context"),
+        mesh=mesh,
+        in_specs=(seq,) * 3,
+        out_specs=seq,
+    )
+    want = transformer.causal_attention(q, q, q)
+    assert np.allclose(ring(q, q, q), want, atol=1e-5)
+
+
+def test_unrolled_loops_write_out_fori_loop_and_scan():
+    import jax
+    import jax.numpy as jnp
+
+    def looped(x):
+        x = jax.lax.fori_loop(0, 3, lambda i, c: c * 2 + i, x)
+        x, ys = jax.lax.scan(lambda c, a: (c + a, c * a), x, jnp.arange(4.0))
+        return x, ys
+
+    x = jnp.float32(1.0)
+    real = jax.lax.fori_loop, jax.lax.scan
+    # a fori_loop of known bounds is a scan; a new lambda each time (make_jaxpr keeps traces by function)
+    assert str(jax.make_jaxpr(lambda x: looped(x))(x)).count("scan[") == 2
+    with held.unrolled_loops():
+        text = str(jax.make_jaxpr(lambda x: looped(x))(x))
+        got = looped(x)
+    assert "while[" not in text and "scan[" not in text
+    want = looped(x)
+    assert float(got[0]) == float(want[0]) and (got[1] == want[1]).all()
+    assert (jax.lax.fori_loop, jax.lax.scan) == real  # put back
+    assert "scan[" in str(jax.make_jaxpr(lambda x: looped(x))(x))
+
+
+LEARNER = """
+import jax, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+from course_lib import held, splits, transformer
+
+mesh = Mesh(jax.devices()[:1], ("context",))
+seq = P(None, "context")
+q = jax.random.normal(jax.random.key(0), (2, 8, 2, 4))
+
+
+def mapped(fn, **kw):
+    return jax.shard_map(lambda q, k, v: fn(q, k, v, "context", **kw), mesh=mesh,
+                         in_specs=(seq,) * 3, out_specs=seq)
+
+
+try:
+    mapped(splits.ring_attention)(q, q, q)
+    raise SystemExit("the package ran ring_attention with no answer registered")
+except held.HeldOut as e:
+    print("HeldOut:", e)
+
+
+def answer(q, k, v, axis_name):  # a ring of one device: causal attention, in a loop of one trip
+    return jax.lax.fori_loop(0, 1, lambda i, o: o, transformer.causal_attention(q, k, v))
+
+
+held.register("splits.ring_attention", answer)
+want = transformer.causal_attention(q, q, q)
+assert np.allclose(mapped(splits.ring_attention)(q, q, q), want, atol=1e-5)
+assert "scan[" in str(jax.make_jaxpr(mapped(splits.ring_attention))(q, q, q))
+unrolled = mapped(splits.ring_attention, unroll=True)
+assert "scan[" not in str(jax.make_jaxpr(unrolled)(q, q, q))
+assert np.allclose(unrolled(q, q, q), want, atol=1e-5)
+print("registered answer ran")
+"""
+
+
+def test_in_the_package_the_learners_answer_powers_the_later_cells(package):
+    env = {**os.environ, "PYTHONPATH": str(package), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", LEARNER],
+        cwd=package,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "HeldOut: splits.ring_attention is exercise 3 of lesson 10" in done.stdout
+    assert "registered answer ran" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("def f():\n    # BEGIN SOLUTION\n    return 1\n", "without END"),
+        (
+            "def f():\n    # BEGIN SOLUTION  # STUB: return (\n    return 1\n    # END SOLUTION\n",
+            "parse",
+        ),
+    ],
+)
+def test_a_library_module_with_bad_markers_is_refused(text, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        student_mod.library_source(text, "course_lib/x.py")
+    assert student_mod.library_source("x = 1\n", "course_lib/y.py") == "x = 1\n"
