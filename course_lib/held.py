@@ -18,16 +18,27 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["EXERCISES", "HeldOut", "call", "register", "registered", "unrolled_loops"]
+__all__ = [
+    "EXERCISES",
+    "HeldOut",
+    "call",
+    "checkpoint_policy",
+    "register",
+    "registered",
+    "unrolled_loops",
+]
 
 EXERCISES = {
     "splits.ring_attention": (
         "exercise 3 of lesson 10 (notebooks/10_transformers.ipynb, ring_attention)"
     ),
+    "splits.zero3_blocks": "exercise 4 of lesson 10 (notebooks/10_transformers.ipynb, zero3_blocks)",
 }
 """The held functions (``module.name`` in :mod:`course_lib`) and the exercise that writes each."""
 
 _ANSWERS: dict[str, Callable] = {}
+_GIVEN = object()
+"""``call``'s ``checkpoint`` when not given: the answer's own ``jax.checkpoint`` calls are left alone."""
 
 
 class HeldOut(RuntimeError):
@@ -51,9 +62,13 @@ def registered(name: str) -> Callable | None:
     return _ANSWERS.get(name)
 
 
-def call(name: str, *args: Any, unroll: bool = False, **kwargs: Any) -> Any:
+def call(
+    name: str, *args: Any, unroll: bool = False, checkpoint: Any = _GIVEN, **kwargs: Any
+) -> Any:
     """``name``'s registered answer called with ``args`` and ``kwargs``: what a held function's stub runs.
-    With ``unroll``, its ``fori_loop`` and ``scan`` loops are written out (:func:`unrolled_loops`).
+    The answer takes the exercise's arguments; the library's own options become contexts around it:
+    ``unroll`` writes its ``fori_loop`` and ``scan`` loops out (:func:`unrolled_loops`), ``checkpoint``
+    (a policy, or None for no checkpoint) replaces its ``jax.checkpoint`` policy (:func:`checkpoint_policy`).
 
     Raises:
       HeldOut: no answer is registered; the message names the exercise that writes it.
@@ -64,8 +79,35 @@ def call(name: str, *args: Any, unroll: bool = False, **kwargs: Any) -> Any:
             f"{name} is {EXERCISES[name]}: the student package holds its body out. Write it there "
             "and run its check: once the check accepts your answer, this function runs it"
         )
-    with unrolled_loops() if unroll else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if unroll:
+            stack.enter_context(unrolled_loops())
+        if checkpoint is not _GIVEN:
+            stack.enter_context(checkpoint_policy(checkpoint))
         return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def checkpoint_policy(policy: Callable | None) -> Iterator[None]:
+    """While the block runs, ``jax.checkpoint`` (and ``jax.remat``) use ``policy`` whatever policy they are
+    given; with None they return the function unchecked (no checkpoint). What
+    ``splits.zero3_blocks(…, policy=)`` compiles, for a registered answer that checkpoints its layer."""
+    import jax
+
+    real = jax.checkpoint, jax.remat
+
+    def checkpoint(fun=None, *args, **kw):
+        if fun is None:
+            return functools.partial(checkpoint, *args, **kw)
+        if policy is None:
+            return fun
+        return real[0](fun, *args, **{**kw, "policy": policy})
+
+    jax.checkpoint = jax.remat = checkpoint
+    try:
+        yield
+    finally:
+        jax.checkpoint, jax.remat = real
 
 
 @contextlib.contextmanager

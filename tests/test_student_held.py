@@ -103,6 +103,8 @@ def test_the_stub_names_the_exercise(monkeypatch):
     monkeypatch.setattr(held, "_ANSWERS", {})
     with pytest.raises(held.HeldOut, match=r"splits.ring_attention is exercise 3 of lesson 10"):
         held.call("splits.ring_attention", 1, 2, 3, "context")
+    with pytest.raises(held.HeldOut, match=r"splits.zero3_blocks is exercise 4 of lesson 10"):
+        held.call("splits.zero3_blocks", 1, {}, "data", checkpoint=None)
 
 
 def test_the_repository_runs_its_own_function_whatever_is_registered(monkeypatch):
@@ -187,6 +189,31 @@ assert "scan[" in str(jax.make_jaxpr(mapped(splits.ring_attention))(q, q, q))
 unrolled = mapped(splits.ring_attention, unroll=True)
 assert "scan[" not in str(jax.make_jaxpr(unrolled)(q, q, q))
 assert np.allclose(unrolled(q, q, q), want, atol=1e-5)
+
+
+def zero3(x, blocks, axis_name):  # a layer under the answer's own policy, dots_saveable
+    def layer(h, shard):
+        full = jax.tree.map(lambda a: jax.lax.all_gather(a, axis_name, axis=0, tiled=True), shard)
+        return h * full["w"].sum()
+
+    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)
+    return jax.lax.scan(lambda h, s: (layer(h, s), None), x, blocks)[0]
+
+
+def zero3_jaxpr(**kw):
+    f = jax.shard_map(lambda x, b: splits.zero3_blocks(x, b, "context", **kw), mesh=mesh,
+                      in_specs=(P("context"), P(None, "context")), out_specs=P("context"))
+    return str(jax.make_jaxpr(f)(jax.numpy.ones(3), {"w": jax.numpy.ones((2, 4))}))
+
+
+try:
+    zero3_jaxpr()
+    raise SystemExit("the package ran zero3_blocks with no answer registered")
+except held.HeldOut as e:
+    print("HeldOut:", e)
+held.register("splits.zero3_blocks", zero3)
+assert "nothing_saveable" in zero3_jaxpr() and "dots_saveable" not in zero3_jaxpr()
+assert "checkpoint[" not in zero3_jaxpr(policy=None)
 print("registered answer ran")
 """
 
@@ -204,6 +231,7 @@ def test_in_the_package_the_learners_answer_powers_the_later_cells(package):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "HeldOut: splits.ring_attention is exercise 3 of lesson 10" in done.stdout
+    assert "HeldOut: splits.zero3_blocks is exercise 4 of lesson 10" in done.stdout
     assert "registered answer ran" in done.stdout
 
 

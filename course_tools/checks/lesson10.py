@@ -323,6 +323,7 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
 # ---- exercise 4: ZeRO-3 ---------------------------------------------------------------------------------
 
 
+@registers("splits.zero3_blocks")
 @checker
 @judged_on(2, "on one device a ZeRO-3 step has no collectives to judge")
 def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
