@@ -33,6 +33,9 @@ EXERCISES = {
         "exercise 3 of lesson 10 (notebooks/10_transformers.ipynb, ring_attention)"
     ),
     "splits.zero3_blocks": "exercise 4 of lesson 10 (notebooks/10_transformers.ipynb, zero3_blocks)",
+    "op_schedules.zb_h1": (
+        "exercise 3 of lesson 11 (notebooks/11_pipeline_experts.ipynb, zb_h1_orders)"
+    ),
 }
 """The held functions (``module.name`` in :mod:`course_lib`) and the exercise that writes each."""
 

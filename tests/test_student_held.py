@@ -42,19 +42,26 @@ def package(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name", sorted(held.EXERCISES))
 def test_the_package_holds_no_body_of_a_held_function(package, name):
+    """The package's function is its stub: a ``held.call`` of its name and no statement of the body."""
     path, function = _module_and_function(name)
     repo_text = (ROOT / path).read_text()
+    lines = repo_text.splitlines()
     whole = _function(ast.parse(repo_text), function)
-    assert len(whole.body) > 3  # the repository's function is whole
-    ours = _function(ast.parse((package / path).read_text()), function)
-    body = ours.body[1:] if isinstance(ours.body[0].value, ast.Constant) else ours.body
-    assert len(body) == 1 and isinstance(body[0], ast.Return), ast.unparse(ours)
-    call = body[0].value
-    assert ast.unparse(call.func) == "held.call" and call.args[0].value == name
-    statements = {
-        ast.unparse(s) for b in whole.body[1:] for s in ast.walk(b) if isinstance(s, ast.stmt)
+    span = range(whole.lineno, whole.end_lineno + 1)  # an END after the last statement too
+    inside = [i + 1 for i in span if "SOLUTION" in lines[i]]
+    assert len(inside) == 2, inside  # the repository's body is marked, once
+    body = {
+        ast.unparse(s)
+        for s in ast.walk(whole)
+        if isinstance(s, ast.stmt) and inside[0] < s.lineno < inside[1]
     }
-    assert not statements & {ast.unparse(s) for s in ast.walk(body[0])}
+    assert len(body) > 3  # and whole
+    ours = _function(ast.parse((package / path).read_text()), function)
+    calls = [n for n in ast.walk(ours) if isinstance(n, ast.Call)]
+    stubs = [c for c in calls if ast.unparse(c.func).endswith("held.call")]
+    assert len(stubs) == 1 and stubs[0].args[0].value == name, ast.unparse(ours)
+    assert not body & {ast.unparse(s) for s in ast.walk(ours) if isinstance(s, ast.stmt)}
+    assert len(ours.body) <= 4, ast.unparse(ours)  # docstring, argument checks, the stub, a return
 
 
 def test_the_repository_marks_exactly_the_held_functions():
@@ -157,13 +164,18 @@ def test_unrolled_loops_write_out_fori_loop_and_scan():
 
 
 LEARNER = """
+import sys
+
 import jax, numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
-from course_lib import held, splits, transformer
+from course_lib import held, op_schedules, splits, transformer
 
-mesh = Mesh(jax.devices()[:1], ("context",))
+sys.path.insert(0, sys.argv[1])  # the repository's tests: answers the checkers accept
+import answers_lesson10, answers_lesson11_zb
+
+mesh = Mesh(jax.devices()[:4], ("context",))
 seq = P(None, "context")
-q = jax.random.normal(jax.random.key(0), (2, 8, 2, 4))
+q = jax.random.normal(jax.random.key(0), (2, 16, 2, 4))
 
 
 def mapped(fn, **kw):
@@ -176,19 +188,23 @@ try:
     raise SystemExit("the package ran ring_attention with no answer registered")
 except held.HeldOut as e:
     print("HeldOut:", e)
-
-
-def answer(q, k, v, axis_name):  # a ring of one device: causal attention, in a loop of one trip
-    return jax.lax.fori_loop(0, 1, lambda i, o: o, transformer.causal_attention(q, k, v))
-
-
-held.register("splits.ring_attention", answer)
+held.register("splits.ring_attention", answers_lesson10.ring_scan)  # a lax.scan ring
 want = transformer.causal_attention(q, q, q)
 assert np.allclose(mapped(splits.ring_attention)(q, q, q), want, atol=1e-5)
 assert "scan[" in str(jax.make_jaxpr(mapped(splits.ring_attention))(q, q, q))
 unrolled = mapped(splits.ring_attention, unroll=True)
 assert "scan[" not in str(jax.make_jaxpr(unrolled)(q, q, q))
 assert np.allclose(unrolled(q, q, q), want, atol=1e-5)
+
+try:
+    op_schedules.zb_h1(4, 8)
+    raise SystemExit("the package ran zb_h1 with no answer registered")
+except held.HeldOut as e:
+    print("HeldOut:", e)
+held.register("op_schedules.zb_h1", answers_lesson11_zb.zb_h1_orders)
+table = op_schedules.zb_h1(4, 8)
+assert op_schedules.measured_bubble(table) == op_schedules.predicted_bubble("zb_h1", 4, 8)
+op_schedules.validate(table)
 
 
 def zero3(x, blocks, axis_name):  # a layer under the answer's own policy, dots_saveable
@@ -203,7 +219,7 @@ def zero3(x, blocks, axis_name):  # a layer under the answer's own policy, dots_
 def zero3_jaxpr(**kw):
     f = jax.shard_map(lambda x, b: splits.zero3_blocks(x, b, "context", **kw), mesh=mesh,
                       in_specs=(P("context"), P(None, "context")), out_specs=P("context"))
-    return str(jax.make_jaxpr(f)(jax.numpy.ones(3), {"w": jax.numpy.ones((2, 4))}))
+    return str(jax.make_jaxpr(f)(jax.numpy.ones(4), {"w": jax.numpy.ones((2, 8))}))
 
 
 try:
@@ -220,9 +236,9 @@ print("registered answer ran")
 
 def test_in_the_package_the_learners_answer_powers_the_later_cells(package):
     env = {**os.environ, "PYTHONPATH": str(package), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     done = subprocess.run(
-        [sys.executable, "-c", LEARNER],
+        [sys.executable, "-c", LEARNER, str(ROOT / "tests")],
         cwd=package,
         env=env,
         capture_output=True,
@@ -232,6 +248,7 @@ def test_in_the_package_the_learners_answer_powers_the_later_cells(package):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "HeldOut: splits.ring_attention is exercise 3 of lesson 10" in done.stdout
     assert "HeldOut: splits.zero3_blocks is exercise 4 of lesson 10" in done.stdout
+    assert "HeldOut: op_schedules.zb_h1 is exercise 3 of lesson 11" in done.stdout
     assert "registered answer ran" in done.stdout
 
 
