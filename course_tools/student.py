@@ -15,6 +15,12 @@ by ``raise NotImplementedError("Exercise: write this part")`` at the same indent
 
 Outputs are cleared; an earlier student version is replaced only with ``--overwrite`` (``make student
 OVERWRITE=1``), and a notebook edited since it was written is kept in ``DST/edited-<date>/``.
+
+The zip (``--zip``) strips the library too: a ``course_lib`` function that answers an exercise has its body
+between the same markers, and the package's module keeps the stub on the BEGIN line
+(:func:`library_source`), a call of :func:`course_lib.held.call` that runs the answer the exercise's checker
+accepted (registered with :func:`course_lib.held.register`) or raises :class:`course_lib.held.HeldOut`
+naming the exercise. The repository keeps the whole functions (:data:`course_lib.held.EXERCISES` lists them).
 """
 
 from __future__ import annotations
