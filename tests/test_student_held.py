@@ -73,9 +73,11 @@ def test_the_repository_marks_exactly_the_held_functions():
             continue
         stripped = student_mod.library_source(text, path.name)
         for node in ast.parse(stripped).body:
-            if isinstance(node, ast.FunctionDef) and "held.call(" in ast.unparse(node):
+            if isinstance(node, ast.FunctionDef) and "# BEGIN SOLUTION" in ast.get_source_segment(
+                text, _function(ast.parse(text), node.name)
+            ):
                 marked.add(f"{path.stem}.{node.name}")
-    assert marked == set(held.EXERCISES)
+    assert marked == set(held.EXERCISES) | set(held.REPLACED)
 
 
 def test_a_checker_registers_each_held_function():
@@ -140,6 +142,28 @@ def test_the_repository_runs_its_own_function_whatever_is_registered(monkeypatch
     assert np.allclose(ring(q, q, q), want, atol=1e-5)
 
 
+def test_the_repository_keeps_the_zigzag_ring():
+    """``ring_attention_at`` is a ring in the repository (the package computes its values by gathering)."""
+    import jax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from course_lib import splits_zigzag
+
+    mesh = Mesh(jax.devices()[:1], ("context",))
+    q = jax.numpy.ones((1, 4, 1, 2))
+    pos = jax.numpy.arange(4, dtype=jax.numpy.int32)
+    for fn, collective in ((splits_zigzag.ring_attention_at, "ppermute"),
+                           (splits_zigzag._gathered_at, "all_gather")):  # fmt: skip
+        at = jax.shard_map(
+            lambda q, k, v, pos, fn=fn: fn(q, k, v, pos, "context"),
+            mesh=mesh,
+            in_specs=(P(None, "context"),) * 3 + (P("context"),),
+            out_specs=P(None, "context"),
+        )
+        assert collective in str(jax.make_jaxpr(at)(q, q, q, pos))
+
+
 def test_unrolled_loops_write_out_fori_loop_and_scan():
     import jax
     import jax.numpy as jnp
@@ -196,6 +220,19 @@ unrolled = mapped(splits.ring_attention, unroll=True)
 assert "scan[" not in str(jax.make_jaxpr(unrolled)(q, q, q))
 assert np.allclose(unrolled(q, q, q), want, atol=1e-5)
 
+# the zig-zag ring's values, computed in the package without a ring
+from course_lib import splits_zigzag
+
+order = splits_zigzag.zigzag_order(16, 4)
+at = jax.shard_map(lambda q, k, v, pos: splits_zigzag.ring_attention_at(q, k, v, pos, "context"),
+                   mesh=mesh, in_specs=(seq,) * 3 + (P("context"),), out_specs=seq)
+laid = q[:, order]
+out = at(laid, laid, laid, jax.numpy.asarray(order, jax.numpy.int32))
+assert np.allclose(out[:, np.argsort(order)], want, atol=1e-5)
+text = str(jax.make_jaxpr(at)(laid, laid, laid, jax.numpy.asarray(order, jax.numpy.int32)))
+assert "ppermute" not in text and "all_gather" in text
+print("zig-zag values without a ring")
+
 try:
     op_schedules.zb_h1(4, 8)
     raise SystemExit("the package ran zb_h1 with no answer registered")
@@ -249,6 +286,7 @@ def test_in_the_package_the_learners_answer_powers_the_later_cells(package):
     assert "HeldOut: splits.ring_attention is exercise 3 of lesson 10" in done.stdout
     assert "HeldOut: splits.zero3_blocks is exercise 4 of lesson 10" in done.stdout
     assert "HeldOut: op_schedules.zb_h1 is exercise 3 of lesson 11" in done.stdout
+    assert "zig-zag values without a ring" in done.stdout
     assert "registered answer ran" in done.stdout
 
 
