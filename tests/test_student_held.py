@@ -304,3 +304,18 @@ def test_a_library_module_with_bad_markers_is_refused(text, fragment):
     with pytest.raises(ValueError, match=fragment):
         student_mod.library_source(text, "course_lib/x.py")
     assert student_mod.library_source("x = 1\n", "course_lib/y.py") == "x = 1\n"
+
+
+def test_the_judging_process_registers_the_accepted_answers_again(tmp_path, monkeypatch):
+    """A checker judged in a fresh process (``judged_on``) that calls a held function runs the answer
+    registered here: it travels beside the answer as a module."""
+    import answers_lesson10
+
+    monkeypatch.setattr(held, "_ANSWERS", {})
+    assert _common._ship_held(str(tmp_path)) == []
+    held.register("splits.ring_attention", answers_lesson10.ring_scan)
+    ((name, module),) = _common._ship_held(str(tmp_path))
+    assert name == "splits.ring_attention"
+    namespace: dict = {}
+    exec((tmp_path / f"{module}.py").read_text(), namespace)  # noqa: S102
+    assert namespace["answer"] is answers_lesson10.ring_scan
