@@ -319,3 +319,17 @@ def test_the_judging_process_registers_the_accepted_answers_again(tmp_path, monk
     namespace: dict = {}
     exec((tmp_path / f"{module}.py").read_text(), namespace)  # noqa: S102
     assert namespace["answer"] is answers_lesson10.ring_scan
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("stem", ["10_transformers", "11_pipeline_experts"])
+def test_the_lessons_run_on_the_package_with_their_answers_accepted(package, stem, tmp_path):
+    """The lessons that call held functions, every answer written (the solution notebook), run top to
+    bottom on the package's course_lib at 4 devices: each accepted answer powers the later cells."""
+    import shutil
+
+    from course_tools.execution import execute
+
+    nb = shutil.copy(ROOT / "notebooks" / f"{stem}.ipynb", package / f"{stem}.ipynb")
+    env = {"PYTHONPATH": str(package), "COURSE_STRICT_CHECKS": "1", "MPLBACKEND": "Agg"}
+    execute(Path(nb), tmp_path / f"{stem}.ipynb", {"n_devices": 4, "platform": "cpu"}, False, env)
