@@ -79,7 +79,10 @@ def ring_attention_at(
     bytes a step), so the mask ``query position >= key position`` holds for any layout
     (:func:`zigzag_order`, :func:`contiguous_order`). Equal to
     :func:`course_lib.transformer.causal_attention` on the sequence in order (float64: to 1e-10).
+    This ring is lesson 10's exercise 3 with positions: the student package runs :func:`_gathered_at`
+    instead (the same values from K, V and positions gathered whole; :data:`course_lib.held.REPLACED`).
     """
+    # BEGIN SOLUTION  # STUB: return _gathered_at(q, k, v, pos, axis)
     n = lax.axis_size(axis)
     scale = 1.0 / math.sqrt(q.shape[-1])
     ring = [(i, (i + 1) % n) for i in range(n)]
@@ -105,6 +108,19 @@ def ring_attention_at(
     carry = (k, v, pos, *fold(k, v, pos, m, jnp.zeros_like(m), o))
     *_, denom, o = lax.fori_loop(1, n, step, carry)
     return (o / jnp.where(denom > 0, denom, 1.0)[..., None]).transpose(0, 2, 1, 3)
+    # END SOLUTION
+
+
+def _gathered_at(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, axis: str) -> jax.Array:
+    """:func:`ring_attention_at`'s values without its ring (what the student package runs in its place):
+    K, V [B, S/n, H, Dh] and the positions [S/n] gathered whole with ``all_gather``, each query scored
+    against every key whose position is not after its own. It holds the whole sequence's K and V, so it is
+    no answer to exercise 3 (whose checker refuses any collective but ``ppermute``)."""
+    k, v = (lax.all_gather(a, axis, axis=1, tiled=True) for a in (k, v))
+    kpos = lax.all_gather(pos, axis, axis=0, tiled=True)
+    s = jnp.einsum("bqhk,bthk->bhqt", q, k) / math.sqrt(q.shape[-1])
+    w = jax.nn.softmax(jnp.where(pos[:, None] >= kpos[None, :], s, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqt,bthk->bqhk", w, v)
 
 
 def block_masks(order: np.ndarray, n: int) -> np.ndarray:

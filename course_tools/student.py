@@ -15,11 +15,18 @@ by ``raise NotImplementedError("Exercise: write this part")`` at the same indent
 
 Outputs are cleared; an earlier student version is replaced only with ``--overwrite`` (``make student
 OVERWRITE=1``), and a notebook edited since it was written is kept in ``DST/edited-<date>/``.
+
+The zip (``--zip``) strips the library too: a ``course_lib`` function that answers an exercise has its body
+between the same markers, and the package's module keeps the stub on the BEGIN line
+(:func:`library_source`), a call of :func:`course_lib.held.call` that runs the answer the exercise's checker
+accepted (registered with :func:`course_lib.held.register`) or raises :class:`course_lib.held.HeldOut`
+naming the exercise. The repository keeps the whole functions (:data:`course_lib.held.EXERCISES` lists them).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
@@ -269,7 +276,11 @@ def package(root: Path, zip_path: Path, overwrite: bool = False) -> Path:
                 for nb in sorted(Path(tmp).glob("*.ipynb")):
                     z.write(nb, f"{TOP}/notebooks/{nb.name}")
                 for inside, source in sorted(_package_files(root).items()):
-                    z.write(root / source, f"{TOP}/{inside}")
+                    if inside.startswith(HELD_IN) and inside.endswith(".py"):
+                        text = (root / source).read_text(encoding="utf-8")
+                        z.writestr(f"{TOP}/{inside}", library_source(text, inside))
+                    else:
+                        z.write(root / source, f"{TOP}/{inside}")
         os.replace(tmp_zip, zip_path)
     except BaseException as e:
         tmp_zip.unlink(missing_ok=True)
@@ -279,6 +290,29 @@ def package(root: Path, zip_path: Path, overwrite: bool = False) -> Path:
             ) from None
         raise
     return zip_path
+
+
+HELD_IN = "course_lib/"
+"""The folder whose ``.py`` files the package strips of solutions (:func:`library_source`)."""
+
+
+def library_source(text: str, where: str = "module") -> str:
+    """A library module as the student package holds it: each marked block cut out and replaced by its
+    stub (:func:`strip_solutions`); unchanged when it has none.
+
+    Raises:
+      ValueError: unbalanced markers, or a module that no longer parses once stripped (naming ``where``).
+    """
+    stripped, n = strip_solutions(text, where)
+    if not n:
+        return text
+    try:
+        ast.parse(stripped, where)
+    except SyntaxError as e:
+        raise ValueError(
+            f"{where}: stripped of its solutions, line {e.lineno} does not parse"
+        ) from None
+    return stripped + "\n"
 
 
 def _package_files(root: Path) -> dict[str, str]:

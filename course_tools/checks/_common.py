@@ -86,6 +86,28 @@ def checker(fn):
     return wrapper
 
 
+def registers(name: str):
+    """Decorate a checker whose exercise writes a function the student package holds out (``name`` in
+    :data:`course_lib.held.EXERCISES`): an answer it accepts (its first argument, when it returns True) is
+    registered with :func:`course_lib.held.register`, so the later cells that call the library function
+    run the learner's answer there. Outermost, above :func:`checker`."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(answer, *args, **kwargs):
+            ok = fn(answer, *args, **kwargs)
+            if ok is True:
+                from course_lib import held
+
+                held.register(name, answer)
+            return ok
+
+        wrapper.registers = name  # the held function its accepted answer stands in for
+        return wrapper
+
+    return decorate
+
+
 def fail(what: str, hint: str) -> None:
     """Raise :class:`ExerciseError` with ``"✗ {what}\\n  hint: {hint}"``."""
     raise ExerciseError(f"✗ {what}\n  hint: {hint}")
@@ -252,9 +274,14 @@ def judge_on(check, answer, devices, *, need: int, why: str, **kwargs) -> bool |
     try:
         with open(os.path.join(folder, "notebook_answer.py"), "w") as f:
             f.write(source)
+        held = _ship_held(folder)
         got = run_json(
             _JUDGE.format(
-                folder=folder, module=check.__module__, name=check.__name__, kwargs=repr(kwargs)
+                folder=folder,
+                module=check.__module__,
+                name=check.__name__,
+                kwargs=repr(kwargs),
+                held=repr(held),
             ),
             JUDGE_DEVICES,
             timeout_s=900,
@@ -308,12 +335,39 @@ def _plain_kwarg(v) -> bool:
     return type(v) in (tuple, list) and all(map(_plain_kwarg, v))
 
 
+def _ship_held(folder: str) -> list[tuple[str, str]]:
+    """The answers registered for held library functions (:mod:`course_lib.held`), written into ``folder``
+    as modules for :func:`judge_on`'s fresh process to register again (a checker there may call a held
+    function: lesson 10's ``check_ring_vjp`` measures ``splits.ring_attention``); ``(name, module)`` each.
+    An answer that cannot be sent is left out (the held function then raises there, naming its exercise).
+    """
+    from course_lib import held
+
+    from ._ship import CannotShip, ship
+
+    shipped = []
+    for i, name in enumerate(sorted(held.EXERCISES)):
+        fn = held.registered(name)
+        try:
+            source = ship(fn) if fn is not None else None
+        except CannotShip:
+            source = None
+        if source is not None:
+            with open(os.path.join(folder, f"held_answer_{i}.py"), "w") as f:
+                f.write(source)
+            shipped.append((name, f"held_answer_{i}"))
+    return shipped
+
+
 _JUDGE = """
 import contextlib, importlib, io, json, sys
 sys.path.insert(0, {folder!r})
 import notebook_answer
 import jax
+from course_lib import held
 from course_tools.checks import _common
+for held_name, held_module in {held}:
+    held.register(held_name, importlib.import_module(held_module).answer)
 check = getattr(importlib.import_module({module!r}), {name!r})
 out, got = io.StringIO(), {{}}
 try:

@@ -27,7 +27,7 @@ import numpy as np
 
 from course_lib import op_schedules as ops
 
-from ._common import checker, fail, passed
+from ._common import checker, fail, passed, registers
 from ._unaided import call_unaided
 
 __all__ = ["check_zb_h1_orders"]
@@ -140,6 +140,7 @@ def _memory_problem(table: ops.OpSchedule, p: int, m: int) -> tuple[str, str] | 
     )
 
 
+@registers("op_schedules.zb_h1")
 @checker
 def check_zb_h1_orders(zb_h1_orders: Callable, *, seed: int | None = None) -> bool:
     """``zb_h1_orders(p, m)`` → ``p`` lists, stage ``s``'s operations ``(op, micro_batch)`` in the order it

@@ -37,7 +37,7 @@ from course_lib.meshes import CONTEXT, DATA, MODEL, mesh_of
 from course_lib.programs import jaxpr_equations
 
 from . import _lesson10_mlp as _mlp
-from ._common import call_answer, checker, fail, judged_on, passed
+from ._common import call_answer, checker, fail, judged_on, passed, registers
 from ._lesson10_mlp import MLP_D, MLP_F, MLP_T, mlp_collectives, mlp_counts, mlp_hint, mlp_shape
 from ._lesson10_predict import check_predict_tp_sp
 from ._lesson10_ring import RING_B as _B
@@ -229,6 +229,7 @@ def _ring_memory(fn) -> tuple[int, int, int]:
     return held_bytes(device_program(jaxpr)), c * kv // 2, c * kv
 
 
+@registers("splits.ring_attention")
 @checker
 @judged_on(
     8,
@@ -322,6 +323,7 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
 # ---- exercise 4: ZeRO-3 ---------------------------------------------------------------------------------
 
 
+@registers("splits.zero3_blocks")
 @checker
 @judged_on(2, "on one device a ZeRO-3 step has no collectives to judge")
 def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
