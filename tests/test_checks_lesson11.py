@@ -315,7 +315,8 @@ def test_router_keep_as_numbers_runs_in_moe_output(form):
     [
         (
             a.route_given,
-            "first choice place 1, so a full expert keeps capacity - 1.*row 0 is never filled",
+            "lets a full expert keep capacity - 1 choices, one fewer than its capacity.*"
+            r"beside the rows of its buffer \[capacity, D\]$",
         ),
         (a.route_from_one_le, r"first choice place 1 \(.*0 … capacity-1$"),
         (

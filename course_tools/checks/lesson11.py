@@ -322,9 +322,9 @@ def _router_hint(r, ref, logits, k, cap) -> tuple[str, str]:
     if np.array_equal(slot, want + 1):
         if np.array_equal(np.asarray(r.keep), slot < cap):
             return (
-                "gives every expert's first choice place 1, so a full expert keeps capacity - 1 choices",
-                "the places are the rows of an expert's buffer [capacity, D], 0 … capacity-1: with places "
-                "from 1 a full expert's row 0 is never filled",
+                "lets a full expert keep capacity - 1 choices, one fewer than its capacity",
+                "an expert chosen at least capacity times keeps capacity choices: list the places a full "
+                "expert's choices get beside the rows of its buffer [capacity, D]",
             )
         return (
             "gives every expert's first choice place 1",
