@@ -287,7 +287,7 @@ def _facts(programs: dict[str, dict], prefix: str) -> dict[str, Any]:
         "dp: collectives": None if dp is None else _joined(c["op"] for c in dp["collectives"]),
         "dp: number of collectives": None if dp is None else len(dp["collectives"]),
         "dp: dtypes": None if dp is None else _joined({d for c in dp["collectives"] for d in c["dtypes"]}),
-        "dp: bytes": None if dp is None else sum(c["bytes"] for c in dp["collectives"]),
+        "dp: array bytes (not sent)": None if dp is None else sum(c["bytes"] for c in dp["collectives"]),
     }  # fmt: skip
 
 

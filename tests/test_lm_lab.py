@@ -105,7 +105,7 @@ def test_program_facts_from_the_committed_tpu_programs():
     dp = tpu["lab12.dp"]
     assert lm_lab.dtypes_of(dp, "all-reduce", ["data"]) == {"f32"}
     assert lm_lab.collectives_of(dp, "all-gather", ["data"]) == []
-    assert t["dp: bytes"] == 4 * transformer.param_count(CFG) + 4
+    assert t["dp: array bytes (not sent)"] == 4 * transformer.param_count(CFG) + 4
     with pytest.raises(ValueError, match="lab12.ep_dp"):
         lm_lab.program_facts({k: v for k, v in tpu.items() if k != "lab12.ep_dp"})
 
