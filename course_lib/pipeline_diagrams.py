@@ -24,6 +24,7 @@ from matplotlib.ticker import MaxNLocator
 from . import op_schedules as O
 from .diagrams import device_color
 from .schedules import Schedule, bubble_fraction
+from .split_diagrams import tp_stage  # drawn with the splits' pictures; named here too
 
 __all__ = [
     "trace_arrays",
@@ -372,109 +373,4 @@ def expert_exchange(n_experts: int, capacity: int, n_devices: int, ax=None):
         fontsize=8,
         loc="left",
     )
-    return ax.figure
-
-
-_TP_FORWARD = (
-    ("LN1", "compute"),
-    ("f: nothing\n(x varies)", "compute"),
-    ("attention\nheads / n", "compute"),
-    ("all-reduce\n(g)", "model"),
-    ("+ x", "compute"),
-    ("LN2", "compute"),
-    ("f: nothing\n(x varies)", "compute"),
-    ("MLP\ncolumns / n", "compute"),
-    ("all-reduce\n(g)", "model"),
-    ("+ x", "compute"),
-)
-"""One layer of :func:`course_lib.pipeline_tp.tp_stage_block` forward, in order: (label, kind)."""
-
-_TP_BACKWARD = (
-    ("LN1'", "compute"),
-    ("f': nothing", "compute"),
-    ("attention'", "compute"),
-    ("g': cast,\nmoves nothing", "compute"),
-    ("all-reduce\n(join)", "model"),
-    ("LN2'", "compute"),
-    ("f': nothing", "compute"),
-    ("MLP'", "compute"),
-    ("g': cast,\nmoves nothing", "compute"),
-    ("all-reduce\n(join)", "model"),
-)
-"""The same layer backward, each op under the forward op it transposes (read right to left)."""
-
-_TP_COLORS = {"compute": "#dddddd", "model": "#d62728", "stage": "#1f77b4"}
-
-
-def tp_stage(n_model: int, act_bytes: int, ln_bytes: int, predicted: dict | None = None, ax=None):
-    """Where the collectives of one layer of a tensor-parallel pipeline stage sit, forward and backward.
-
-    Top row: the layer forward (:func:`course_lib.pipeline_tp.tp_stage_block`): Megatron's *f* does
-    nothing (the executor's stream already varies over ``model``) and each sub-layer ends in *g*, an
-    all-reduce over ``model`` of the activation (red). Bottom row: its backward, each op under the forward
-    op it transposes (read right to left): *g*'s ``psum`` transposes to a cast that moves nothing, and the
-    all-reduce sits at the residual add, where *g*'s replicated result joined the varying stream (the
-    transpose of that implicit cast); the four LayerNorm ``[D]`` gradients are summed over ``model`` in
-    one more all-reduce. Blue arrows: the ``ppermute`` over ``stage`` into and out of the
-    stage, one activation per tick each way. Taught in ``notebooks/11_pipeline_experts.ipynb``, section 8.
-
-    Args:
-      n_model: devices on the ``model`` axis (>= 1).
-      act_bytes: bytes of one activation ``[b, S, D]`` (what each all-reduce and ``ppermute`` carries).
-      ln_bytes: bytes of the four LayerNorm gradients, ``4·D·itemsize``.
-      predicted: optional :func:`course_lib.pipeline_tp.predict` output, ``{axis: {"count", "sent"}}``,
-        whose per-step totals go in the title.
-      ax: the Axes to draw on; a new figure when None.
-
-    Returns:
-      The Figure: one Rectangle per op, 20, and one for the LayerNorms' gradients: 21 (5 of them
-      all-reduces over ``model``).
-
-    Raises:
-      ValueError: ``n_model`` below 1 or a size below 0.
-    """
-    if n_model < 1 or min(act_bytes, ln_bytes) < 0:
-        raise ValueError(
-            f"tp_stage: n_model={n_model} must be >= 1, act_bytes={act_bytes} and ln_bytes={ln_bytes} >= 0"
-        )
-    if ax is None:
-        ax = plt.subplots(figsize=(13, 3.2))[1]
-    w, h, step = 1.0, 0.8, 1.15
-    end = (len(_TP_FORWARD) - 1) * step + w
-    blue = {"arrowstyle": "-|>", "color": _TP_COLORS["stage"]}
-    for name, y, ops in (("forward", 2.0, _TP_FORWARD), ("backward", 0.0, _TP_BACKWARD)):
-        ax.text(-0.9, y + h / 2, name, ha="right", va="center", fontsize=8)
-        for i, (label, kind) in enumerate(ops):
-            x = i * step
-            ax.add_patch(Rectangle((x, y), w, h, facecolor=_TP_COLORS[kind], edgecolor="white"))
-            text = label if kind == "compute" else f"{label}\n{act_bytes:,} B"
-            color = "white" if kind == "model" else "black"
-            ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=6, color=color)
-        into, out = ((-0.8, -0.1), (end + 0.1, end + 0.8))[:: 1 if name == "forward" else -1]
-        if name == "backward":
-            into, out = (into[1], into[0]), (out[1], out[0])
-        for a, b in (into, out):
-            ax.annotate("", xy=(b, y + h / 2), xytext=(a, y + h / 2), arrowprops=blue)
-    ax.text(end + 0.45, 2.0 + h + 0.1, f"ppermute to\nstage s+1\n{act_bytes:,} B", fontsize=6,
-            color=_TP_COLORS["stage"], ha="center")  # fmt: skip
-    ax.text(end + 0.45, -0.6, f"dy from\nstage s+1\n{act_bytes:,} B", fontsize=6,
-            color=_TP_COLORS["stage"], ha="center")  # fmt: skip
-    ax.add_patch(
-        Rectangle((0, 1.05), w * 2.2, 0.55, facecolor=_TP_COLORS["model"], edgecolor="white")
-    )
-    ax.text(1.1 * w, 1.325, f"all-reduce LN grads {ln_bytes:,} B", ha="center", va="center",
-            fontsize=6, color="white")  # fmt: skip
-    ax.set_xlim(-1.9, end + 1.1)
-    ax.set_ylim(-0.7, 3.3)
-    ax.set_axis_off()
-    title = (
-        f"one layer of a stage, model axis of {n_model}: red = all-reduce over model, blue = ppermute "
-        "over stage"
-    )
-    if predicted:
-        title += "\nper step: " + "; ".join(
-            f"{axis}: {row['count']:.0f} collectives, {row['sent']:,.0f} B sent by the busiest device"
-            for axis, row in sorted(predicted.items())
-        )
-    ax.set_title(title, fontsize=8, loc="left")
     return ax.figure
