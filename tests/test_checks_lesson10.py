@@ -142,6 +142,10 @@ def test_zero3_names_a_looser_policy(report, capsys):
         (a.zero3_one_checkpoint, "no less than data parallelism's.*not one around all the layers"),
         (a.zero3_bf16, "near data parallelism's.*rounded.*bf16"),
         (a.zero3_psum_gather, "all-reduces .* bytes per device.*lax.all_gather"),
+        (
+            a.zero3_checkpoint_made_once,
+            "jax.checkpoint switched off .* still gathers each layer again.*inside zero3_blocks",
+        ),
     ],
 )
 def test_zero3_rejects(report, answer, match):

@@ -67,6 +67,7 @@ from ._lesson10_zero3 import (
     dp_compiled,
     z_held,
     z_other_axis,
+    z_policy_obeyed,
     z_setup,
     z_step,
     z_upfront,
@@ -354,6 +355,7 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
     z_other_axis(zero3_blocks, devices, n, splits.zero3_specs)
     p_bytes = splits.block_bytes(blocks)
     wire = z_wire(zc.as_text(), mesh, n, p_bytes)
+    z_policy_obeyed(zero3_blocks, mesh, n, splits.zero3_specs(blocks, DATA), traced.jaxpr)
     mz, md = zc.memory_analysis(), dpc.memory_analysis()
     held_z, held_dp = z_held(mz), z_held(md)
     policies = sorted(
