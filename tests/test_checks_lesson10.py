@@ -62,6 +62,7 @@ def test_ring_accepts_masked_scores_filled_finite(report):
     "answer, match",
     [
         (a.ring_library, "calls course_lib.splits.ring_attention.*without course_lib.splits"),
+        (a.ring_fori_imported, "still holds a scan loop.*imported from jax.lax.*unroll=True"),
         (
             a.ring_zigzag_library,
             "calls course_lib.splits_zigzag.ring_attention_at.*without course_lib",
