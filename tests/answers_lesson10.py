@@ -6,6 +6,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.lax import fori_loop
 
 from course_lib import comms, split_time, splits, splits_zigzag, transformer
 
@@ -493,6 +494,21 @@ def zero3_loop(x, blocks, axis):
     return x
 
 
+def _gathered_block(h, shard, axis):
+    return transformer.block(h, jax.tree.map(lambda a: lax.all_gather(a, axis, tiled=True), shard))
+
+
+_checkpointed_once = jax.checkpoint(
+    _gathered_block, static_argnums=(2,), policy=jax.checkpoint_policies.nothing_saveable
+)
+
+
+def zero3_checkpoint_made_once(x, blocks, axis):
+    """Right in the repository, but its jax.checkpoint is made once, at import: the student package's
+    splits.zero3_blocks(…, policy=None) cannot switch it off (the lesson's later cells compare it)."""
+    return lax.scan(lambda h, s: (_checkpointed_once(h, s, axis), None), x, blocks)[0]
+
+
 def zero3_upfront(x, blocks, axis):
     """Gathers every layer before the scan: the memory of data parallelism."""
     full = jax.tree.map(lambda a: lax.all_gather(a, axis, axis=1, tiled=True), blocks)
@@ -839,3 +855,18 @@ def ring_axis_written_in(q, k, v, axis):
 
 def zero3_axis_written_in(x, blocks, axis):
     return zero3_reference(x, blocks, "data")
+
+
+def ring_fori_imported(q, k, v, axis):
+    """Right in the repository, but its loop is a name imported from jax.lax: the student package's
+    splits.ring_attention(…, unroll=True) cannot write it out (the lesson's later cells compare it)."""
+    n = lax.axis_size(axis)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def body(t, carry):
+        k, v, m, denom, o = carry
+        m, denom, o = _fold(q, k, v, m, denom, o, t, axis)
+        return (*lax.ppermute((k, v), axis, ring), m, denom, o)
+
+    k, v, m, denom, o = fori_loop(0, n - 1, body, (k, v, *_start(q, axis)))
+    return _finish(*_fold(q, k, v, m, denom, o, n - 1, axis)[1:])

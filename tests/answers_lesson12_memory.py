@@ -92,3 +92,14 @@ def by_param_bytes(layout_key, cfg, global_batch, remat):
     return 3 * lm_costs.param_bytes(layout_key, cfg, sizes, 2) + lm_costs.activation_bytes(
         layout_key, cfg, global_batch, sizes, 2, n_micro, remat=remat
     )
+
+
+def by_private_param_bytes(layout_key, cfg, global_batch, remat):
+    """Wrong: the state from lm_costs._param_bytes, param_bytes' own count (activation_bytes calls it for
+    FSDP's gathered parameters, so it cannot be switched off like param_bytes)."""
+    sizes = lm_layouts.mesh_axes(layout_key, 8)
+    n_micro = 4 * sizes.get("stage", 1)
+    state = lm_costs._param_bytes(layout_key, cfg, sizes, 2, None)
+    return 3 * state + lm_costs.activation_bytes(
+        layout_key, cfg, global_batch, sizes, 2, n_micro, remat=remat
+    )

@@ -62,6 +62,7 @@ def test_ring_accepts_masked_scores_filled_finite(report):
     "answer, match",
     [
         (a.ring_library, "calls course_lib.splits.ring_attention.*without course_lib.splits"),
+        (a.ring_fori_imported, "still holds a scan loop.*imported from jax.lax.*unroll=True"),
         (
             a.ring_zigzag_library,
             "calls course_lib.splits_zigzag.ring_attention_at.*without course_lib",
@@ -142,6 +143,10 @@ def test_zero3_names_a_looser_policy(report, capsys):
         (a.zero3_one_checkpoint, "no less than data parallelism's.*not one around all the layers"),
         (a.zero3_bf16, "near data parallelism's.*rounded.*bf16"),
         (a.zero3_psum_gather, "all-reduces .* bytes per device.*lax.all_gather"),
+        (
+            a.zero3_checkpoint_made_once,
+            "jax.checkpoint switched off .* still gathers each layer again.*inside zero3_blocks",
+        ),
     ],
 )
 def test_zero3_rejects(report, answer, match):

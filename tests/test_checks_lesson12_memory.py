@@ -1,6 +1,6 @@
 """Lab 12's exercise 4 checker (``device_memory``): the reference and another right form pass on fresh
 cases; plausible wrong answers are refused, each with the hint its mistake calls for; the library's own
-model (``predict_memory``, ``param_bytes``) is refused. Analytic: no compile."""
+model (``predict_memory``, ``param_bytes``, its private count ``_param_bytes``) is refused. Analytic: no compile."""
 
 import functools
 
@@ -40,6 +40,6 @@ def test_wrong_answers_are_refused_with_their_hint(answer, match):
     rejects(seeded, answer, match=r"\d+ of 12 cases are wrong.*" + match)
 
 
-@pytest.mark.parametrize("answer", [a.by_the_model, a.by_param_bytes])
+@pytest.mark.parametrize("answer", [a.by_the_model, a.by_param_bytes, a.by_private_param_bytes])
 def test_the_library_model_is_refused(answer):
-    rejects(seeded, answer, match="calls lm_\\w+\\.(predict_memory|param_bytes)")
+    rejects(seeded, answer, match="calls lm_\\w+\\.(predict_memory|_?param_bytes)")

@@ -333,3 +333,34 @@ def test_the_lessons_run_on_the_package_with_their_answers_accepted(package, ste
     nb = shutil.copy(ROOT / "notebooks" / f"{stem}.ipynb", package / f"{stem}.ipynb")
     env = {"PYTHONPATH": str(package), "COURSE_STRICT_CHECKS": "1", "MPLBACKEND": "Agg"}
     execute(Path(nb), tmp_path / f"{stem}.ipynb", {"n_devices": 4, "platform": "cpu"}, False, env)
+
+
+ZERO3_AS_A_LOOP = """def zero3_blocks(x, blocks, axis_name):
+    @jax.checkpoint
+    def layer(h, shard):
+        full = jax.tree.map(lambda a: lax.all_gather(a, axis_name, axis=0, tiled=True), shard)
+        return transformer.block(h, full)
+
+    for i in range(jax.tree.leaves(blocks)[0].shape[0]):
+        x = layer(x, jax.tree.map(lambda a, i=i: a[i], blocks))
+    return x
+"""
+"""A right ZeRO-3 the checker accepts, written as a Python loop over the layers: in the package it runs
+section 4's cells, whose temporaries differ from the scanned library function's."""
+
+
+@pytest.mark.notebook
+def test_lesson10_runs_on_the_package_with_another_right_zero3(package, tmp_path):
+    """Lesson 10 on the package at 2 devices with exercise 4 answered by a Python loop (not the solution's
+    scan): the later cells that run the learner's function hold for it too."""
+    import json
+
+    from course_tools.execution import execute
+
+    nb = json.loads((ROOT / "notebooks" / "10_transformers.ipynb").read_text())
+    (cell,) = [c for c in nb["cells"] if "".join(c["source"]).startswith("def zero3_blocks(")]
+    cell["source"] = ZERO3_AS_A_LOOP
+    path = package / "10_loop.ipynb"
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    env = {"PYTHONPATH": str(package), "COURSE_STRICT_CHECKS": "1", "MPLBACKEND": "Agg"}
+    execute(path, tmp_path / "10_loop.ipynb", {"n_devices": 2, "platform": "cpu"}, False, env)

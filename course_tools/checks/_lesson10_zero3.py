@@ -26,6 +26,7 @@ __all__ = [
     "policy_name",
     "z_held",
     "z_other_axis",
+    "z_policy_obeyed",
     "z_setup",
     "z_step",
     "z_upfront",
@@ -231,3 +232,31 @@ def z_other_axis(zero3_blocks, devices, n: int, specs_of) -> None:
         lambda got: None if close(got, want) else f"by {np.abs(got - want).max():.2e}",
         f"{n} devices, the forward pass",
     )
+
+
+def _gathers(jaxpr) -> int:
+    """``all_gather`` equations in ``jaxpr`` and its inner jaxprs (a loop body counted once)."""
+    return sum(eqn.primitive.name.startswith("all_gather") for eqn, _ in jaxpr_equations(jaxpr))
+
+
+def z_policy_obeyed(zero3_blocks, mesh, n: int, specs, jaxpr) -> None:
+    """Refuse an answer whose ``jax.checkpoint`` ignores the policy the library asks for: the student
+    package runs the accepted answer in ``splits.zero3_blocks``' place, and the lesson's later cells call
+    it with ``policy=None`` (no checkpoint), which :func:`course_lib.held.checkpoint_policy` gives to the
+    ``jax.checkpoint`` calls the answer makes while it runs. Traced so, the step must gather less than
+    ``jaxpr`` (the answer's own step): without the checkpoint the backward pass gathers no layer again."""
+    from course_lib import held
+
+    blocks, x, _ = z_setup(n)
+    with held.checkpoint_policy(None):
+        step = z_step(lambda x, b: zero3_blocks(x, b, DATA), mesh, n, specs)
+        unchecked = call_answer(f"zero3_blocks on {n} device(s)", step.trace, blocks, x).jaxpr
+    if _gathers(unchecked) >= _gathers(jaxpr):
+        fail(
+            f"on {n} devices, with jax.checkpoint switched off while zero3_blocks runs, the step still "
+            "gathers each layer again in the backward pass: the checkpoint is made once, outside the "
+            "call, so no policy reaches it (the student package runs your function for "
+            "splits.zero3_blocks, and the lesson's later cells ask it for policy=None: no checkpoint)",
+            "call jax.checkpoint inside zero3_blocks, on the function that gathers a layer and runs its "
+            "block, so that each call makes its own",
+        )

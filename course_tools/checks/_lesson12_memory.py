@@ -6,7 +6,8 @@ pipeline with ``n_micro`` = 4 × stages): ``params + optimizer + gradients + act
 drawn afresh at each call (``seed``: for tests): every dense layout, with and without recomputation, widths,
 sequences, vocabularies, layer counts and batches drawn. The activations are a given piece
 (:func:`course_lib.lm_costs.activation_bytes` may be called); the state is the exercise: an answer that calls
-``predict_memory``, ``param_bytes``, ``largest_layers``, ``step_time`` or ``rank_layouts`` is refused
+``predict_memory``, ``param_bytes`` (or its private count ``_param_bytes``), ``largest_layers``,
+``step_time`` or ``rank_layouts`` is refused
 (:mod:`._unaided`). Says how many cases are wrong, never which, and, where every wrong case shares one
 mistake (float32, two copies of the state, the whole model on each device, the pipeline's micro-batches,
 recomputation ignored), that mistake.
@@ -34,6 +35,9 @@ _FORBIDDEN = (
     lm_costs.step_time,
     lm_costs.rank_layouts,
 )
+_PRIVATE = (lm_costs._param_bytes,)
+"""``param_bytes``' count: ``activation_bytes`` (allowed) calls it for FSDP's gathered parameters; an
+answer's own call is refused."""
 _CONFIGS = {
     "transformer.GPU": _G,
     "dataclasses.replace(transformer.GPU, n_layers=8)": dataclasses.replace(_G, n_layers=8),
@@ -111,7 +115,7 @@ def check_device_memory(device_memory: Callable, *, seed: int | None = None) -> 
             what, device_memory, _FORBIDDEN,
             "count each parameter's block from lm_layouts.param_specs and the mesh's sizes (activations: "
             "lm_costs.activation_bytes may be called); predict_memory is what the checker compares with",
-            key, cfg, batch, remat,
+            key, cfg, batch, remat, private=_PRIVATE,
         )  # fmt: skip
         try:
             value = float(got)

@@ -12,7 +12,10 @@ it three ways:
   beside its module's imports): the same bytecode and constants (source pasted into a cell without
   those imports compiles to other bytecode on CPython 3.12, and is judged as any other answer);
 - the hook must still be in place when the answer returns: an answer that switches it off
-  (``sys.setprofile(None)``) or replaces it is refused.
+  (``sys.setprofile(None)``) or replaces it is refused;
+- a ``private`` function (a piece of the compared function that an allowed one calls too, such as
+  ``lm_costs._param_bytes`` under ``activation_bytes``) keeps its code: the hook refuses a call to it (or to
+  a copy of its code) made from outside its own module, and lets its module's own calls through.
 
 What it cannot catch: a copy of the source that is edited (or one run in another thread), or a result
 computed beforehand and kept. The checkers are a self-test for the learner, not an exam.
@@ -58,9 +61,10 @@ def _signature(code) -> tuple:
 
 
 @contextmanager
-def unaided(what: str, forbidden: tuple, hint: str):
+def unaided(what: str, forbidden: tuple, hint: str, private: tuple = ()):
     """While the ``with`` block runs, each of ``forbidden`` (module-level functions) raises when called, and a
-    call to a copy of their code is seen (see the module docstring). An :class:`ExerciseError` raised in the
+    call to a copy of their code is seen (see the module docstring); so is a call to one of ``private``
+    from outside the module that defines it. An :class:`ExerciseError` raised in the
     block after a forbidden call (the answer's error, wrapped by the checker) is replaced by the refusal.
     Used where a checker calls the answer through its own machinery (tracing under ``shard_map``).
 
@@ -70,6 +74,7 @@ def unaided(what: str, forbidden: tuple, hint: str):
     """
     signatures = {_signature(f.__code__): _qualified(f) for f in forbidden}
     by_name = {f.__name__: _qualified(f) for f in forbidden}
+    inner = {_signature(f.__code__): (f.__module__, _qualified(f)) for f in private}
     seen: list[str] = []
 
     def refuse(name):
@@ -79,6 +84,11 @@ def unaided(what: str, forbidden: tuple, hint: str):
     def watch(frame, event, arg):
         if event == "call" and _signature(frame.f_code) in signatures:
             seen.append(signatures[_signature(frame.f_code)])
+        elif event == "call" and _signature(frame.f_code) in inner:
+            home, name = inner[_signature(frame.f_code)]
+            caller = frame.f_back.f_globals.get("__name__") if frame.f_back else None
+            if caller != home:  # the answer's call, not the library's own
+                seen.append(name)
 
     with _LOCK:
         saved = [(f, f.__code__, f.__globals__.get(_HOOK)) for f in forbidden]
@@ -110,15 +120,16 @@ def unaided(what: str, forbidden: tuple, hint: str):
         )
 
 
-def call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args, explain=None):
+def call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args, explain=None,
+                 private: tuple = ()):  # fmt: skip
     """``fn(*args)`` (through :func:`course_tools.checks._common.call_answer`, ``explain`` passed on),
     refused with ``hint`` if it calls one of ``forbidden`` (module-level functions: the ones the checker
-    compares with), a copy of their code, or switches off the profile hook; see the module docstring for
-    what cannot be caught.
+    compares with), a copy of their code, one of ``private`` from outside its module, or switches off the
+    profile hook; see the module docstring for what cannot be caught.
 
     Raises:
       ExerciseError: the answer called a forbidden function, ran a copy of one, or removed the hook; or (as
         :func:`call_answer`) it raised.
     """
-    with unaided(what, forbidden, hint):
+    with unaided(what, forbidden, hint, private):
         return call_answer(what, fn, *args, explain=explain)

@@ -67,6 +67,7 @@ from ._lesson10_zero3 import (
     dp_compiled,
     z_held,
     z_other_axis,
+    z_policy_obeyed,
     z_setup,
     z_step,
     z_upfront,
@@ -188,6 +189,27 @@ def _ring_jaxpr(fn, c, shape):
     what = f"ring_attention on a {c}-device mesh"
     return _call_unaided(what, jax.make_jaxpr(mapped), arg, arg, arg, name="ring_attention",
                          explain=functools.partial(_explain_ring, what))  # fmt: skip
+
+
+def _ring_unrolls(fn) -> None:
+    """Refuse a ring whose loop the student package cannot write out: it runs the accepted answer for
+    ``splits.ring_attention``, and the lesson's later cells call that with ``unroll=True``, which
+    replaces ``jax.lax.fori_loop`` and ``jax.lax.scan`` while the answer runs
+    (:func:`course_lib.held.unrolled_loops`); a loop called by a name imported from ``jax.lax`` stays."""
+    from course_lib import held
+
+    with held.unrolled_loops():
+        jaxpr = _ring_jaxpr(fn, 4, (_B, _S, _H, _DH))
+    loops = sorted({e.primitive.name for e, _ in jaxpr_equations(jaxpr)} & {"while", "scan"})
+    if loops:
+        fail(
+            f"on a ring of 4 devices, with jax.lax.fori_loop and jax.lax.scan written out while "
+            f"ring_attention runs, its program still holds a {loops[0]} loop: one called by a name "
+            "imported from jax.lax (the student package runs your function for splits.ring_attention, "
+            "and the lesson's later cells ask it for unroll=True, the steps written out)",
+            "call the loop as lax.fori_loop(…) or lax.scan(…), looked up in jax.lax when the ring runs, "
+            "not as a name imported from it",
+        )
 
 
 def _ring_structure(fn, c) -> tuple[float | None, int, str | None, bool]:
@@ -312,6 +334,7 @@ def check_ring_attention(ring_attention: Callable, devices: Sequence[Any]) -> bo
             "fold each block into a running maximum, sum and output as it arrives (the online "
             "softmax: rescale what is summed when the maximum grows) and let it go before the next",
         )
+    _ring_unrolls(ring_attention)
     rings, temps = ring_temporaries(ring_attention, list(devices), _call_unaided) or ((), {})
     return passed(
         f"ring attention and its gradients equal causal attention's on {' and '.join(map(str, ran))} device(s); "
@@ -354,6 +377,7 @@ def check_zero3(zero3_blocks: Callable, devices: Sequence[Any]) -> bool:
     z_other_axis(zero3_blocks, devices, n, splits.zero3_specs)
     p_bytes = splits.block_bytes(blocks)
     wire = z_wire(zc.as_text(), mesh, n, p_bytes)
+    z_policy_obeyed(zero3_blocks, mesh, n, splits.zero3_specs(blocks, DATA), traced.jaxpr)
     mz, md = zc.memory_analysis(), dpc.memory_analysis()
     held_z, held_dp = z_held(mz), z_held(md)
     policies = sorted(
