@@ -13,7 +13,6 @@ refused.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from numbers import Number
 
@@ -22,7 +21,8 @@ import numpy as np
 from course_lib import comms, moe, moe_layout
 
 from . import _attempts
-from ._common import call_answer, checker, fail, passed
+from ._common import checker, fail, passed
+from ._unaided import call_outside
 
 __all__ = ["check_exchange_bytes"]
 
@@ -70,33 +70,13 @@ def truth(n_tokens, d_model, n_experts, k, capacity_factor, n_devices, itemsize)
 
 def _call_unaided(what: str, predict: Callable, *args):
     """``predict(*args)``, refused if it calls into the modules that hold the closed forms, or if it
-    replaces the profile hook that watches those calls."""
-    seen: list[str] = []
-
-    def watch(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename in _LIBRARY:
-            seen.append(f"{_LIBRARY[frame.f_code.co_filename]}.{frame.f_code.co_name}")
-
-    old = sys.getprofile()
-    sys.setprofile(watch)
-    try:
-        got = call_answer(what, predict, *args)
-        intact = sys.getprofile() is watch
-    finally:
-        sys.setprofile(old)
-    if not intact:
-        fail(
-            f"{what} switched off or replaced the checker's profile hook (sys.setprofile)",
-            "leave sys.setprofile alone, and predict from the sizes alone",
-        )
-    if seen:
-        fail(
-            f"{what} calls course_lib ({seen[0]}): the library's closed form is the answer, not a "
-            "prediction",
-            "work it out from the sizes: the capacity C, the buffer E·C·D, and the share of it that "
-            "leaves the device",
-        )
-    return got
+    replaces the profile hook that watches those calls (``_unaided.call_outside``)."""
+    return call_outside(
+        what, predict, _LIBRARY,
+        ("calls course_lib", ": the library's closed form is the answer, not a prediction"),
+        "work it out from the sizes: the capacity C, the buffer E·C·D, and the share of it that leaves "
+        "the device", *args,
+    )  # fmt: skip
 
 
 @checker

@@ -133,3 +133,38 @@ def call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args, ex
     """
     with unaided(what, forbidden, hint, private):
         return call_answer(what, fn, *args, explain=explain)
+
+
+def call_outside(
+    what: str, fn: Callable, library: dict, refused: tuple[str, str], hint: str, *args
+):
+    """``fn(*args)`` (through :func:`course_tools.checks._common.call_answer`), refused if it calls any
+    function of the modules in ``library`` (``{file name: module label}``) or switches off or replaces the
+    profile hook that watches those calls (``sys.setprofile``). ``refused`` is the message's two parts
+    around the first call seen (``f"{what} {refused[0]} ({call}){refused[1]}"``), ``hint`` the fix for both.
+
+    Raises:
+      ExerciseError: the answer called into ``library`` or removed the hook; or (as :func:`call_answer`)
+        it raised.
+    """
+    seen: list[str] = []
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename in library:
+            seen.append(f"{library[frame.f_code.co_filename]}.{frame.f_code.co_name}")
+
+    old = sys.getprofile()
+    sys.setprofile(watch)
+    try:
+        got = call_answer(what, fn, *args)
+        intact = sys.getprofile() is watch
+    finally:
+        sys.setprofile(old)
+    if not intact:
+        fail(
+            f"{what} switched off or replaced the checker's profile hook (sys.setprofile)",
+            f"leave sys.setprofile alone, and {hint}",
+        )
+    if seen:
+        fail(f"{what} {refused[0]} ({seen[0]}){refused[1]}", hint)
+    return got

@@ -15,7 +15,6 @@ refused, and the predictions may not call into the schedules' modules.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,12 +25,12 @@ from jax import lax
 
 from course_lib import moe, op_schedules, pipeline, pipeline_measure, pipeline_memory, schedules
 
-from ._common import call_answer, checker, fail, judged_on, passed
+from ._common import checker, fail, judged_on, passed
 from ._lesson11_exchange import check_exchange_bytes
 from ._lesson11_experts import check_expert_exchange
 from ._lesson11_gpipe import ROWS, SHAPE_CASE, WIDTH, check_pairs, gpipe_structure, gpipe_values
 from ._lesson11_zb import check_zb_h1_orders
-from ._unaided import call_unaided, unaided
+from ._unaided import call_outside, call_unaided, unaided
 
 __all__ = [
     "check_gpipe",
@@ -181,33 +180,12 @@ def _predict_cases(rng: np.random.Generator) -> list[tuple[str, int, int, int]]:
 
 def _call_unaided(what: str, predict: Callable, *args):
     """``predict(*args)``, refused if it calls into the library that builds the tables it predicts, or if it
-    switches off or replaces the profile hook that watches those calls (``sys.setprofile(None)``), as
-    :func:`course_tools.checks._unaided.unaided` does."""
-    seen: list[str] = []
-
-    def watch(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename in _LIBRARY:
-            seen.append(f"{_LIBRARY[frame.f_code.co_filename]}.{frame.f_code.co_name}")
-
-    old = sys.getprofile()
-    sys.setprofile(watch)
-    try:
-        got = call_answer(what, predict, *args)
-        intact = sys.getprofile() is watch
-    finally:
-        sys.setprofile(old)
-    if not intact:
-        fail(
-            f"{what} switched off or replaced the checker's profile hook (sys.setprofile)",
-            "leave sys.setprofile alone, and predict from p, m and v alone",
-        )
-    if seen:
-        fail(
-            f"{what} calls course_lib's schedules ({seen[0]}): it reads the tables it is asked to "
-            "predict, or their closed forms",
-            "predict from p, m and v alone: a prediction is what you expect before you build the table",
-        )
-    return got
+    switches off or replaces the profile hook that watches those calls (``_unaided.call_outside``)."""
+    return call_outside(
+        what, predict, _LIBRARY,
+        ("calls course_lib's schedules", ": it reads the tables it is asked to predict, or their closed forms"),
+        "predict from p, m and v alone: a prediction is what you expect before you build the table", *args,
+    )  # fmt: skip
 
 
 def _pair(got, what):
