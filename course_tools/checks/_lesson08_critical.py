@@ -265,8 +265,12 @@ def _judge_run(fn: Callable, run) -> str:
     if not math.isclose(answer, lab, rel_tol=0.02, abs_tol=1e-9):
         fail(
             f"right at the checker's cases, but {answer:.4g} images per device for this run's E, where the "
-            f"lab's model of its compiled program gives {lab:.4g}",
-            "pass the run's FLOPs and bytes accessed PER IMAGE (divide by the images one device holds)",
+            f"lab's model of its compiled program gives {lab:.4g}; the checker called it with this run's "
+            f"FLOPs {stats.flops_per_device / b:g} and HBM bytes {stats.bytes_accessed / b:g} per image "
+            f"(per device ÷ the {b} images one device holds), {len(gathers)} leaves of "
+            f"{sum(gathers):g} bytes in all, n_devices={n} and the fabric {fabric.name!r}",
+            "call your function with those arguments yourself: its value must follow from its arguments "
+            "alone (not from the notebook's variables), for any number of leaves and of devices",
         )
     kind = "a prediction for" if predicted else "on"
     return (
