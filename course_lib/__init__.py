@@ -26,7 +26,8 @@ Modules (import them explicitly; importing ``course_lib`` starts no JAX backend 
 - ``lab``         — one measured run per strategy, the scaling sweep
 - ``distributed`` — multi-process JAX: processes, each process's rows, one global mesh
 - ``splits``      — the transformer split in ``shard_map``: TP, SP, ring and Ulysses attention, per-layer ZeRO-3
-- ``split_diagrams`` — pictures of heads over devices, the ring of key/value blocks, ZeRO-3's per-layer timeline
+- ``split_diagrams`` — pictures of heads over devices, the ring of key/value blocks, Ulysses' layout change,
+  ZeRO-3's per-layer timeline
 - ``split_time``  — time beside bytes for those splits: FLOPs per byte sent, the communication-bound degree on a
   named fabric, a ring matmul's overlap plan and XLA:TPU's start/done windows (a model, not a measurement)
 - ``split_measure`` — reading those splits' programs in one call each: residual bytes, primitive counts, a

@@ -1,6 +1,7 @@
 """Pictures of the transformer split over devices, drawn from the run's shapes: the heads each device of
 the model axis holds, the ring of key/value blocks of ring attention (which block each device scores at
-each step, and how much of it the causal mask keeps), sequence parallelism's layouts region by region
+each step, and how much of it the causal mask keeps), Ulysses' swap of a sequence split for a head split,
+sequence parallelism's layouts region by region
 of a block, one collective matmul's steps (which block each
 device multiplies while it sends it on), ZeRO-3's per-layer gather/free timeline and where a
 tensor-parallel pipeline stage's all-reduces sit (lesson 11, also named in ``pipeline_diagrams``).
@@ -27,6 +28,8 @@ __all__ = [
     "sp_layout",
     "sp_regions",
     "tp_stage",
+    "ulysses_layout",
+    "ulysses_owners",
     "zero3_timeline",
 ]
 
@@ -96,6 +99,52 @@ def ring_blocks(n_devices: int, ax=None):
     useful = int((seen > 0).sum())
     ax.set_title(f"ring attention on {n_devices}: ◣ diagonal (masked by position), ✗ masked entirely "
                  f"({n_devices * n_devices - useful} of {n_devices * n_devices} cells)", fontsize=8,
+                 loc="left")  # fmt: skip
+    return ax.figure
+
+
+def ulysses_owners(n_heads: int, n_devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which device holds each (sequence block, head) of q, k or v in Ulysses
+    (:func:`course_lib.splits.ulysses_attention`): before the ``all_to_all``, device ``r`` holds
+    sequence block ``r`` of every head; after it, device ``d`` holds heads ``d·H/n … (d+1)·H/n − 1`` of
+    the whole sequence. Both int [n_devices, n_heads], indexed [sequence block, head].
+
+    Raises:
+      ValueError: ``n_heads`` not divisible by ``n_devices``.
+    """
+    if n_devices < 1 or n_heads % n_devices:
+        raise ValueError(f"{n_heads} heads do not split over {n_devices} devices")
+    blocks, heads = np.indices((n_devices, n_heads))
+    return blocks, heads // (n_heads // n_devices)
+
+
+def ulysses_layout(n_heads: int, n_devices: int, ax=None):
+    """:func:`ulysses_owners` drawn: two grids of sequence blocks (rows) × heads (columns), each piece
+    coloured by the device that holds it, sequence-split on the left, head-split on the right, the
+    ``all_to_all`` between them. Returns the Matplotlib Figure.
+
+    Raises:
+      ValueError: ``n_heads`` not divisible by ``n_devices``.
+    """
+    owners = ulysses_owners(n_heads, n_devices)
+    if ax is None:
+        ax = plt.subplots(figsize=(max(6, 0.5 * n_heads + 2), max(1.8, 0.3 * n_devices + 1.2)))[1]
+    x0s, gap = (0.0, n_heads + 3.0), 3.0
+    labels = ("sequence split [B, S/n, H, Dh]", "head split [B, S, H/n, Dh]")
+    for x0, owner, label in zip(x0s, owners, labels):
+        for (s, h), d in np.ndenumerate(owner):
+            ax.add_patch(Rectangle((x0 + h, s), 1, 1, fc=device_color(int(d)), ec="white", lw=1))
+        ax.text(x0 + n_heads / 2, -0.3, label, ha="center", va="bottom", fontsize=8)
+    mid = n_devices / 2
+    ax.annotate(
+        "", (n_heads + gap - 0.3, mid), (n_heads + 0.3, mid), arrowprops=dict(arrowstyle="->")
+    )
+    ax.text(n_heads + gap / 2, mid - 0.2, "all_to_all", ha="center", va="bottom", fontsize=7)
+    ax.set_xlim(-0.5, 2 * n_heads + gap + 0.5)
+    ax.set_ylim(n_devices + 0.2, -1.6)
+    ax.set_axis_off()
+    ax.set_title(f"Ulysses on {n_devices}: rows = sequence blocks, columns = heads, a colour per device"
+                 "\nq, k and v go left to right; the output comes back right to left", fontsize=8,
                  loc="left")  # fmt: skip
     return ax.figure
 

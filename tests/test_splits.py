@@ -197,6 +197,20 @@ def test_sp_picture_follows_sp_block():
         SD.sp_layout(2, 10, 8, 4)
 
 
+def test_ulysses_picture_swaps_the_sequence_split_for_a_head_split():
+    """Before the all_to_all device r holds sequence block r of every head; after it, H/n heads of every
+    block: each device holds n·H/n pieces either way (splits.ulysses_attention's tiled all_to_all)."""
+    before, after = SD.ulysses_owners(8, 4)
+    assert before[:, 0].tolist() == [0, 1, 2, 3] and (before == before[:, :1]).all()
+    assert after[0].tolist() == [0, 0, 1, 1, 2, 2, 3, 3] and (after == after[:1]).all()
+    assert [int((o == d).sum()) for o in (before, after) for d in range(4)] == [8] * 8
+    fig = SD.ulysses_layout(8, 4)
+    assert len(fig.axes[0].patches) == 2 * 4 * 8
+    matplotlib.pyplot.close(fig)
+    with pytest.raises(ValueError, match="do not split"):
+        SD.ulysses_owners(6, 4)
+
+
 def test_collective_matmul_picture_follows_the_ring():
     """Every device multiplies each block once, sends n - 1 times, and what it sends at step t is the
     block its neighbour multiplies at step t + 1 (splits.collective_matmul's ppermute to r + 1)."""
