@@ -87,7 +87,7 @@ def param_bytes(key: str, config, sizes: dict[str, int], itemsize: int = 4, wher
 
 
 def _param_bytes(key: str, config, sizes: dict[str, int], itemsize: int, where) -> int:
-    # param_bytes' count, which gathered_bytes (and so activation_bytes) calls: lab 12's exercise 4 refuses
+    # param_bytes' count, which gathered_bytes (and so activation_bytes) calls: lab 12's exercise 2 refuses
     # an answer that calls param_bytes, not one that calls activation_bytes
     abstract = _abstract_params(config, key)
     specs = param_specs(key, abstract, sizes)

@@ -77,9 +77,20 @@ def label(share: float, tol: float = 0.01) -> str:
     return f"{share:.0%} (1/{1 / share:.1f})" if share > 0 else "none"
 
 
-def grid(shares_df: pd.DataFrame, n_devices: int, ax=None):
+def grid(shares_df: pd.DataFrame, n_devices: int, ax=None, title: str | None = None):
     """Draw :func:`shares` as a grid: a cell per kind and strategy, shaded by the share one device holds,
-    written as :func:`label` gives it. Returns the Figure."""
+    written as :func:`label` gives it (08_lab; 12_transformer_lab draws its layouts' parameters with it).
+
+    Args:
+      shares_df: one device's share (1.0: whole; 0.125: 1/8) per row (a kind of array) and column (a
+        strategy); a column named in :data:`COLUMNS` is labelled from it, any other by its own name.
+      n_devices: the devices the shares are of (named in the default title).
+      ax: the Axes to draw on; a new Figure where None.
+      title: the title; None gives "What one device holds of each kind, on n devices".
+
+    Returns:
+      The Figure.
+    """
     if ax is None:
         fig, ax = plt.subplots(
             figsize=(2.3 * shares_df.shape[1] + 1.6, 0.55 * len(shares_df) + 1.2)
@@ -90,10 +101,13 @@ def grid(shares_df: pd.DataFrame, n_devices: int, ax=None):
     ax.imshow(np.clip(values, 0, 1), cmap=mpl.colormaps["Blues"], vmin=0, vmax=1.6, aspect="auto")
     for (i, j), v in np.ndenumerate(values):
         ax.text(j, i, label(v), ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(values.shape[1]), [COLUMNS[k] for k in shares_df.columns], fontsize=8)
+    ax.set_xticks(
+        range(values.shape[1]), [COLUMNS.get(k, k) for k in shares_df.columns], fontsize=8
+    )
     ax.set_yticks(range(values.shape[0]), list(shares_df.index), fontsize=8)
     ax.set_title(
-        f"What one device holds of each kind, on {n_devices} devices (this run's shardings)",
+        title
+        or f"What one device holds of each kind, on {n_devices} devices (this run's shardings)",
         fontsize=9,
         loc="left",
     )

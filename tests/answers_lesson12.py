@@ -5,7 +5,7 @@ import sys
 import types
 from concurrent.futures import ThreadPoolExecutor
 
-# ---- exercise 3: which axis crosses the nodes (tests/answers_lesson12_nodes.py) ---------------------------
+# ---- exercise 4: which axis crosses the nodes (tests/answers_lesson12_nodes.py) ---------------------------
 from answers_lesson12_nodes import by_the_library
 from answers_lesson12_nodes import reference as across_nodes
 
@@ -52,7 +52,7 @@ def largest_in_a_thread(layout_key, cfg, global_batch, memory_limit):
         return pool.submit(largest_by_lookup, layout_key, cfg, global_batch, memory_limit).result()
 
 
-# ---- exercise 4: the largest model that fits ---------------------------------------------------------------
+# ---- exercise 2: the largest model that fits ---------------------------------------------------------------
 
 
 def _mem_at(

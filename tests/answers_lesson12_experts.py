@@ -1,4 +1,4 @@
-"""Answers to lab 12's exercise 2 (``ep_dp``'s all-to-all time over the expert axis) for
+"""Answers to lab 12's exercise 3 (``ep_dp``'s all-to-all time over the expert axis) for
 ``tests/test_checks_lesson12.py``: the reference, another correct form, plausible wrong ones and one that
 reads the library."""
 

@@ -1,4 +1,4 @@
-"""Answers to lab 12's exercise 4 (``device_memory``): the reference, another right form, and wrong ones
+"""Answers to lab 12's exercise 2 (``device_memory``): the reference, another right form, and wrong ones
 the checker must refuse (``tests/test_checks_lesson12_memory.py``)."""
 
 import math

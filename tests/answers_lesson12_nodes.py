@@ -1,4 +1,4 @@
-"""Answers to lab 12's exercise 3 (``across_nodes``) for ``tests/test_checks_lesson12.py``: the reference,
+"""Answers to lab 12's exercise 4 (``across_nodes``) for ``tests/test_checks_lesson12.py``: the reference,
 other correct forms, and plausible wrong ones (each says what it gets wrong)."""
 
 from __future__ import annotations

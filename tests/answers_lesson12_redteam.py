@@ -1,4 +1,4 @@
-"""Wrong answers to lab 12's exercises 3, 4 and 5 that an earlier version of the checkers accepted (a red
+"""Wrong answers to lab 12's exercises 2, 4 and 5 that an earlier version of the checkers accepted (a red
 team's repro), for ``tests/test_checks_lesson12_redteam.py``: each says what it gets wrong."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _fastest(times):
     return best, times[best]
 
 
-# ---- exercise 3 ----
+# ---- exercise 4 ----
 
 
 def across_rule_of_thumb(layout_key, cfg, global_batch, fabric, inter_link):
@@ -146,7 +146,7 @@ def step_six_n(*args):
     return _step(*args, six_n=True)
 
 
-# ---- exercise 4 ----
+# ---- exercise 2 ----
 
 
 def largest_as_string(*args):

@@ -357,7 +357,7 @@ def test_step_time_case_as_code_is_the_case():
         assert eval(code, scope) == fabric
 
 
-# ---- exercise 2: ep_dp's all-to-alls over the expert axis, in seconds -----------------------------------------
+# ---- exercise 3: ep_dp's all-to-alls over the expert axis, in seconds -----------------------------------------
 
 N_A2A_CASES = len(experts._FAMILIES)
 

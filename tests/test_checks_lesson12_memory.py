@@ -1,4 +1,4 @@
-"""Lab 12's exercise 4 checker (``device_memory``): the reference and another right form pass on fresh
+"""Lab 12's exercise 2 checker (``device_memory``): the reference and another right form pass on fresh
 cases; plausible wrong answers are refused, each with the hint its mistake calls for; the library's own
 model (``predict_memory``, ``param_bytes``, its private count ``_param_bytes``) is refused. Analytic: no compile."""
 

@@ -66,7 +66,7 @@ def test_the_notebooks_predictions_pass(check, questions, right):
 
 
 def test_other_right_forms_pass():
-    # exercise 2: NumPy numbers, the time and the ratio rounded (6.5 ms, 8.0: within 5 %)
+    # exercise 3: NumPy numbers, the time and the ratio rounded (6.5 ms, 8.0: within 5 %)
     assert lesson12.check_expert_prediction(
         {
             "all-to-alls over expert per step": np.int64(64),
@@ -195,7 +195,7 @@ def test_wrong_predictions_are_refused(check, wrong):
 
 
 def test_attempts_are_counted_per_exercise(capsys):
-    # two wrong attempts at exercise 1, then the right one: the verdict says so; exercise 4 counts apart
+    # two wrong attempts at exercise 1, then the right one: the verdict says so; exercise 2 counts apart
     for _ in range(2):
         rejects(
             lesson12.check_pipe_prediction,

@@ -1,7 +1,7 @@
-"""Lab 12's checkers against the wrong answers a red team found accepted by an earlier version (exercise 3:
+"""Lab 12's checkers against the wrong answers a red team found accepted by an earlier version (exercise 4:
 a hard-coded rule, ``fabric`` or ``inter_link`` ignored, a two-axis group on one link, a switch formula on a
 ring; exercise 5: hidden traffic never counted, one link for every axis, the max of the hidden collectives,
-H100's peak, FSDP's gathers added, 6N FLOPs; exercise 4: a count that is not an int, a search capped at 64
+H100's peak, FSDP's gathers added, 6N FLOPs; exercise 2: a count that is not an int, a search capped at 64
 or 100 layers): each refused on every seed of :data:`SEEDS`, the right answers accepted on the same seeds,
 and the properties of the drawn cases that make it so asserted on their own."""
 
@@ -22,7 +22,7 @@ from course_tools.checks import lesson12
 SEEDS = tuple(range(10))
 
 
-# ---- exercise 3 ----------------------------------------------------------------------------------------------
+# ---- exercise 4 ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -178,7 +178,7 @@ def test_step_time_case_as_code_is_the_case():
         assert eval(code, scope) == fabric
 
 
-# ---- exercise 4 ----------------------------------------------------------------------------------------------
+# ---- exercise 2 ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", SEEDS)

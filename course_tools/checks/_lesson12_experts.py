@@ -1,4 +1,4 @@
-"""Checker of lab 12's exercise 2: the seconds one ``ep_dp`` step spends in its all-to-alls over the
+"""Checker of lab 12's exercise 3: the seconds one ``ep_dp`` step spends in its all-to-alls over the
 ``expert`` axis (``notebooks/12_transformer_lab.ipynb``; re-exported by :mod:`course_tools.checks.lesson12`).
 
 The answer is compared with :func:`model_seconds`: the course's one time model on the all-to-alls that

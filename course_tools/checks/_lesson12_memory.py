@@ -1,4 +1,4 @@
-"""Checker of lab 12's exercise 4: the memory one device holds during a step under each dense layout
+"""Checker of lab 12's exercise 2: the memory one device holds during a step under each dense layout
 (``notebooks/12_transformer_lab.ipynb``; re-exported by :mod:`course_tools.checks.lesson12`).
 
 The answer is compared with :func:`course_lib.lm_costs.predict_memory` on 8 devices in bfloat16 (the

@@ -1,4 +1,4 @@
-"""Checker of lab 12's exercise 3: which mesh axis crosses the nodes of a two-tier network, and the time its
+"""Checker of lab 12's exercise 4: which mesh axis crosses the nodes of a two-tier network, and the time its
 collectives take (``notebooks/12_transformer_lab.ipynb``; re-exported by :mod:`course_tools.checks.lesson12`).
 
 Two nodes of 8 devices (16 in all, :func:`course_lib.lm_layouts.mesh_axes` of the layout on 16): inside a

@@ -1,7 +1,7 @@
 """Lab 12's predictions (``notebooks/12_transformer_lab.ipynb``; re-exported by
-:mod:`course_tools.checks.lesson12`): exercises 1, 3, 4 and 5 open with a dict of questions (left ``None`` in the
+:mod:`course_tools.checks.lesson12`): exercises 1, 2, 4 and 5 open with a dict of questions (left ``None`` in the
 student version) that the learner fills in before writing the exercise's function; a cell judges it, and the
-exercise's check cell then prints what the model says. Exercise 2's (:data:`EXPERT_QUESTIONS`) is judged
+exercise's check cell then prints what the model says. Exercise 3's (:data:`EXPERT_QUESTIONS`) is judged
 the same way.
 
 Each judge compares the dict with the cost model itself (:mod:`course_lib.lm_costs`, which the check cell's
@@ -51,7 +51,7 @@ _G = transformer.GPU
 _H100, _IB = costs.FABRICS["H100"], costs.LINKS["InfiniBand NDR"]
 _CROSS_BATCHES = (8, 16, 32, 64, 128)
 FIT_BATCH, FIT_LIMIT = 32, 40e9
-"""Exercise 4's question: the GPU configuration's width at batch 32 in 40 GB (40e9 bytes) per device."""
+"""Exercise 2's question: the GPU configuration's width at batch 32 in 40 GB (40e9 bytes) per device."""
 STEP_BATCH = 16
 
 
@@ -69,7 +69,7 @@ CROSSING_QUESTIONS = (
     "pp_dp at batch 128",
     "tp_sp: the smallest batch at which data crosses",
 )
-"""Exercise 3, two nodes of 8 × H100 on InfiniBand, the ``GPU`` configuration: the axis across the nodes
+"""Exercise 4, two nodes of 8 × H100 on InfiniBand, the ``GPU`` configuration: the axis across the nodes
 (a name), and of 8, 16, 32, 64, 128 the first global batch where ``tp_sp`` puts ``data`` across."""
 FIT_QUESTIONS = (
     "the most layers, the pipeline aside",
@@ -79,7 +79,7 @@ FIT_QUESTIONS = (
     "the most layers with remat, the pipeline included",
     "the most layers with remat at batch 64, the pipeline aside",
 )
-"""Exercise 4, the ``GPU`` width at batch 32 (the last question: 64) in 40 GB: the layout that fits the
+"""Exercise 2, the ``GPU`` width at batch 32 (the last question: 64) in 40 GB: the layout that fits the
 most layers (a name; the pipeline always recomputes, so ``remat`` leaves it unchanged) and, for ``dp`` at
 its largest layer count, the larger of its two kinds of memory (:data:`KINDS`), without and with
 recomputation."""
@@ -101,7 +101,7 @@ EXPERT_QUESTIONS = (
     "the all-to-alls' time per step, expert inside a node, in ms",
     "their time with expert across the nodes / inside",
 )
-"""Exercise 2, ``ep_dp`` on two nodes of 8 × H100 (``mesh_axes("ep_dp", 16)``: data=8 × expert=2), the
+"""Exercise 3, ``ep_dp`` on two nodes of 8 × H100 (``mesh_axes("ep_dp", 16)``: data=8 × expert=2), the
 ``GPU`` configuration (16 layers) at batch 64, capacity factor 1.25, bfloat16: how many all-to-alls over
 ``expert`` one step runs (a count), their time with ``data`` across the nodes on InfiniBand NDR and
 ``expert`` inside on NVLink 4 (milliseconds), and the ratio of their time with ``expert`` across to that."""
@@ -279,7 +279,7 @@ def _names(question: str) -> set[str]:
 
 @checker
 def check_crossing_prediction(predictions: Mapping | None) -> bool:
-    """Exercise 3's predictions (:data:`CROSSING_QUESTIONS`) against the two-tier model
+    """Exercise 4's predictions (:data:`CROSSING_QUESTIONS`) against the two-tier model
     (:func:`course_tools.checks._lesson12_nodes.placement_times`: two nodes of 8 × H100 on InfiniBand
     NDR, the ``GPU`` configuration, bfloat16); an axis within :data:`TIE` of the fastest placement counts."""
     return _judge(
@@ -294,7 +294,7 @@ def check_crossing_prediction(predictions: Mapping | None) -> bool:
 
 @checker
 def check_fit_prediction(predictions: Mapping | None) -> bool:
-    """Exercise 4's predictions (:data:`FIT_QUESTIONS`) against :func:`fits` and
+    """Exercise 2's predictions (:data:`FIT_QUESTIONS`) against :func:`fits` and
     :func:`course_lib.lm_costs.predict_memory` (the memory model); a layout tied with the most (or the
     fewest) counts as right; a kind of memory is one of :data:`KINDS`."""
     return _judge(
@@ -327,7 +327,7 @@ def check_pipe_prediction(predictions: Mapping | None) -> bool:
 
 @checker
 def check_expert_prediction(predictions: Mapping | None) -> bool:
-    """Exercise 2's predictions (:data:`EXPERT_QUESTIONS`) against
+    """Exercise 3's predictions (:data:`EXPERT_QUESTIONS`) against
     :func:`course_lib.lm_experts.predict_bytes` (the count) and
     :func:`course_tools.checks._lesson12_experts.model_seconds` (the times), the count exactly, the time
     and the ratio within :data:`REL_NUMBER`."""

@@ -136,15 +136,15 @@ def check_step_time(predict_step: Callable, *, seed: int | None = None) -> bool:
                 "of the forward's), each collective's latency (α per step: "
                 "2(n-1) steps for an all-reduce, n-1 for an all-gather or a reduce-scatter), the "
                 "all-reduce's two halves (2(n-1)/n of the array), the TP/SP/CP collectives, which are "
-                "not hidden: the next matmul waits for them, or the hidden ones where together they outlast "
-                "the compute (then the step waits for them); each collective on its own axis's link "
+                "not hidden: the next matmul waits for them, or the hidden ones, which hide only as far as "
+                "there is compute to hide behind; each collective on its own axis's link "
                 "(fabric.link_of(t.axis)), the FLOPs at this fabric's chip's peak"
             )
         if slow:
             hints.append(
                 "too slow: something is counted that the model hides or does not have — the gradients', "
                 "the gathered parameters' and the loss's collectives hide behind the compute "
-                "(they cost time only beyond it, not on top of it); the FLOPs are split over the 8 "
+                "(they run while the GPU computes); the FLOPs are split over the 8 "
                 "devices, at the chip's bfloat16 peak; an all-gather "
                 "or a reduce-scatter sends (n-1)/n of its size_bytes, not all of it; size_bytes are bytes "
                 "and bytes_per_s bytes per second (no factor 8 for bits)"

@@ -90,7 +90,7 @@ def _config_expr(cfg) -> str:
     return min(options)[1]
 
 
-# ---- exercise 4: the largest model that fits ---------------------------------------------------------------
+# ---- exercise 2: the largest model that fits ---------------------------------------------------------------
 
 
 def _fit_configs(rng) -> list:
