@@ -123,9 +123,10 @@ MISTAKES: tuple[tuple[Callable, str], ...] = (
 """Wrong answers the checker names when an answer equals one of them on every case."""
 
 _GENERIC = (
-    "per device, the matmuls take T·(8D² + 4SD + 4DF) / n FLOPs ÷ the bfloat16 peak (fabric.chip.bf16 is "
-    "TFLOP/s); the two all-reduces of T·D bfloat16 values send 2 × 2 (n − 1) / n × 2·T·D bytes at "
-    "fabric.link.bytes_per_s (one way; both ways on a ring); T = batch × S. Set the two equal and solve for n"
+    "per device, compare two times for one block: its matmul FLOPs (count them from the block's shapes, "
+    "section 1; split n ways) ÷ the bfloat16 peak (fabric.chip.bf16 is TFLOP/s), and the bytes of its two "
+    "all-reduces of the [T, D] bfloat16 activations (ring model, section 1) ÷ fabric.link.bytes_per_s "
+    "(one way; both ways on a ring); T = batch × S. The degree is the n where they are equal"
 )
 
 
