@@ -182,7 +182,8 @@ def rate(peak: Peak, precision: str, matmul_precision: str = "default") -> float
 SWITCH_LATENCY_S = 10e-6
 """ASSUMPTION: α = 10 µs per step of a collective over NVLink, a pessimistic one: NCCL's tuning model
 (``src/graph/tuning.cc``) takes about 0.5–3.4 µs per NVLink ring step, by protocol, plus a base of about
-4–10 µs per collective (``notebooks/08_lab.ipynb``, section 6.6, checks its verdicts at 1 µs)."""
+4–14 µs per collective, by NCCL version and protocol (``notebooks/08_lab.ipynb``, section 6.6, checks its
+verdicts at 1 µs)."""
 
 
 @dataclasses.dataclass(frozen=True)
