@@ -780,6 +780,27 @@ def test_fsdp_critical_batch_red_team_answers():
     )  # fmt: skip
 
 
+def test_fsdp_critical_batch_wrong_peak_is_not_hinted_as_one_collective():
+    """Half the bfloat16 peak (or a GPU's TF32 rate) halves the batch at the compute-bound cases only: the
+    hint must not say that a collective is missing (one collective per leaf halves every case)."""
+    import dataclasses
+
+    def at_peak(scale):
+        def answer(f, h, p, n, fab):
+            chip = dataclasses.replace(fab.chip, bf16=scale(fab.chip) * fab.chip.bf16)
+            return critical_ref(f, h, p, n, dataclasses.replace(fab, chip=chip))
+
+        return answer
+
+    half_peak = at_peak(lambda chip: 0.5)
+    tf32_peak = at_peak(lambda chip: (chip.tf32 or chip.bf16) / chip.bf16)
+    for answer in (half_peak, tf32_peak):
+        with pytest.raises(ExerciseError) as caught:
+            lesson08.check_fsdp_critical_batch(answer)
+        assert "both directions of the step" not in str(caught.value)
+        assert "communication time = for each leaf" in str(caught.value)
+
+
 def comms_transfer(kind, n, size):
     from course_lib import comms
 

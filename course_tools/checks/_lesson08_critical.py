@@ -164,7 +164,9 @@ _WRONG = (
         "reduce-scatter sends half each way round",
     ),
     (
-        dict(both_ways="always"),  # before share=1.0: on a switch the two give the same values
+        dict(
+            both_ways="always"
+        ),  # at a switch's cases the same values as share=1.0; a ring's differ
         "only a ring (fabric.link.topology == 'ring') carries data both ways; through a switch (NVLink, a "
         "data-centre network) each device sends at fabric.link.bytes_per_s",
     ),
@@ -182,10 +184,14 @@ _WRONG = (
 
 
 def _why(got: list[float], wanted: list[float]) -> str:
-    """The hint of the one typical mistake every case fits, else one naming each part (never a false lead)."""
+    """The hint of the one typical mistake every case fits, else one naming each part (never a false lead).
+
+    A mistake's hint is given only when the answer equals that mistake's values at EVERY case, the right
+    ones included: fitting only the wrong cases is not enough (half the right batch at the compute-bound
+    cases is half the bf16 peak, not one collective per leaf, though both halve those cases)."""
     wrong = [i for i, (g, w) in enumerate(zip(got, wanted)) if not _close(g, w)]
     for keywords, hint in _WRONG:
-        if all(_close(got[i], reference(CASES[i], **keywords)) for i in wrong):
+        if all(_close(g, reference(case, **keywords)) for g, case in zip(got, CASES)):
             return hint
     if all(CASES[i][3] > 1 and _close(got[i], wanted[i] * CASES[i][3]) for i in wrong):
         return "the answer is ONE device's batch: the global batch is n times it"
