@@ -125,7 +125,7 @@ def test_predict_pipeline():
         check = partial(lesson11.check_predict_pipeline, seed=seed)
         assert check(a.predict)
         assert check(a.predict_dict)
-        # 1F1B's stash wrong wherever p < m: two of the four 1F1B cases at least, no bubble
+        # the lockstep 1F1B's stash wrong wherever p < m: two of its four cases at least, no bubble
         rejects(check, a.predict_classic_1f1b, match=r"[2-4] of 12 cases are wrong \(0 bubbles")
         rejects(check, a.predict_circular_like_gpipe, match=r"\d+ of 12 cases are wrong")
         rejects(check, a.predict_bubble_over_m, match=r"\d+ of 12 cases are wrong")
