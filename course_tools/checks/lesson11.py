@@ -280,6 +280,27 @@ def _places(expert: np.ndarray, n_experts: int, order: str) -> np.ndarray:
     return out
 
 
+_ROUTER_REPORTS: dict[str, int] = {}
+"""How often :func:`check_router` has reported each kind of mistake in this kernel: the first report of a
+places-one-late router asks where to look, a later one names the mistake."""
+
+
+def _one_place_late() -> tuple[str, str]:
+    """The reply to a router whose places start at 1 (the given router's): a question first, then the name."""
+    seen = _ROUTER_REPORTS["one late"] = _ROUTER_REPORTS.get("one late", 0) + 1
+    if seen == 1:
+        return (
+            "keeps fewer choices than the rule where an expert fills up",
+            "which places do a full expert's choices get, and which rows does its buffer [capacity, D] "
+            "have? Print slot and keep for one expert chosen more than capacity times",
+        )
+    return (
+        "lets a full expert keep capacity - 1 choices, one fewer than its capacity",
+        "its places start at 1, not 0: the first choice of an expert takes row 1, so row 0 of its buffer "
+        "[capacity, D] stays empty and its last choice finds no row",
+    )
+
+
 def _router_hint(r, ref, logits, k, cap) -> tuple[str, str]:
     if not np.array_equal(r.expert, ref.expert):
         return (
@@ -301,11 +322,7 @@ def _router_hint(r, ref, logits, k, cap) -> tuple[str, str]:
     kept = np.asarray(ref.keep)
     if np.array_equal(slot, want + 1):
         if np.array_equal(np.asarray(r.keep), slot < cap):
-            return (
-                "lets a full expert keep capacity - 1 choices, one fewer than its capacity",
-                "an expert chosen at least capacity times keeps capacity choices: list the places a full "
-                "expert's choices get beside the rows of its buffer [capacity, D]",
-            )
+            return _one_place_late()
         return (
             "gives every expert's first choice place 1",
             "the places are the rows of an expert's buffer [capacity, D]: 0 … capacity-1",
