@@ -33,7 +33,7 @@ Modules (import them explicitly; importing ``course_lib`` starts no JAX backend 
 - ``split_measure`` — reading those splits' programs in one call each: residual bytes, primitive counts, a
   training step's memory and bytes, where data parallelism's all-reduces sit, attention temporaries by ring size
 - ``split_gqa``   — grouped- and multi-query attention under tensor parallelism: key/value heads split or replicated
-- ``schedules``   — pipeline schedules as tables of ticks × stages (GPipe, 1F1B, circular), their bubble and stash
+- ``schedules``   — pipeline schedules as tables of ticks × stages (GPipe, lockstep 1F1B, circular), bubble, stash
 - ``pipeline``    — pipeline parallelism in ``shard_map``: stages as layer slices, the executors that run a table
 - ``pipeline_measure`` — a pipeline's bubble in compiled FLOPs and in time, its stash in memory, its sends
 - ``pipeline_diagrams`` — pictures of schedules (from the run), layers on stages, the stash, experts' load

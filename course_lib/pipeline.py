@@ -11,7 +11,7 @@ Two executors, called inside ``shard_map`` with the stage axis's name as an argu
 
 - :func:`forward` — the F lanes of a forward-then-backward schedule (GPipe, circular); ``jax.grad`` through
   it runs the mirrored backward (the scan's transpose).
-- :func:`train` — both lanes of any schedule (1F1B included), the backward written with ``jax.vjp``: an F
+- :func:`train` — both lanes of any schedule (the lockstep 1F1B included), the backward written with ``jax.vjp``: an F
   lane stashes its input in the table's slot, a B lane recomputes the chunk from it and sends the input's
   cotangent back. In SPMD every stage computes every lane a tick uses: the bubble is real work.
 
@@ -418,7 +418,7 @@ def transformer_grads(
     mesh: Any, sched: Schedule, *, axis: str, data_axis: str | None = None, stage_fn: Callable | None = None,
     eps: float = 1e-5, unroll: bool = False,
 ) -> Callable:  # fmt: skip
-    """``grads(params, tokens, targets) -> (loss, grads)`` through :func:`train` (any schedule, 1F1B too).
+    """``grads(params, tokens, targets) -> (loss, grads)`` through :func:`train` (any schedule, lockstep 1F1B too).
 
     Same arguments and layout as :func:`transformer_loss`; ``grads`` is laid out like ``params`` (blocks
     chunked and stage-split). The head's and the embedding's gradients are ``psum``-ed over ``axis``; with

@@ -197,8 +197,10 @@ def gpipe(n_stages: int, n_micro: int) -> Schedule:
 
 
 def one_f_one_b(n_stages: int, n_micro: int) -> Schedule:
-    """1F1B: forwards as GPipe (tick ``s + i``); the last stage runs a micro-batch's backward in the tick
-    of its forward, and the backward goes back one stage per tick (stage ``s`` at tick ``2p - 2 - s + i``).
+    """Lockstep 1F1B, ``"1f1b_lockstep"`` (PipeDream-Flush's 1F1B is
+    :func:`course_lib.op_schedules.pipedream_flush`): forwards as GPipe (tick ``s + i``); the last stage
+    runs a micro-batch's backward in the tick of its forward, and the backward goes back one stage per
+    tick (stage ``s`` at tick ``2p - 2 - s + i``).
     In the middle ticks each stage runs one F and one B. ``m + 2p - 2`` ticks; the lanes cost as much as
     GPipe's (bubble ``(p-1)/(m+p-1)``), and stage ``s`` holds at most ``min(m, 2(p-1-s)+1)`` inputs.
 
@@ -209,7 +211,7 @@ def one_f_one_b(n_stages: int, n_micro: int) -> Schedule:
     p, m = n_stages, n_micro
     f = {(s + i, s): (i, 0) for s in range(p) for i in range(m)}
     b = {(2 * p - 2 - s + i, s): (i, 0) for s in range(p) for i in range(m)}
-    return _table("1f1b", p, m, 1, f, b, m + 2 * p - 2)
+    return _table("1f1b_lockstep", p, m, 1, f, b, m + 2 * p - 2)
 
 
 def circular(n_stages: int, n_micro: int, n_chunks: int = 2) -> Schedule:
@@ -258,7 +260,7 @@ def busy(n_stages: int, n_micro: int, n_chunks: int = 1) -> Schedule:
     return _table("busy", p, m, v, f, b, 2 * n, is_pipeline=False)
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "circular": circular}
+SCHEDULES = {"gpipe": gpipe, "1f1b_lockstep": one_f_one_b, "circular": circular}
 """The pipeline schedules by name (``make(name, p, m, v)``)."""
 
 
@@ -266,10 +268,13 @@ def make(name: str, n_stages: int, n_micro: int, n_chunks: int = 1) -> Schedule:
     """The schedule ``name`` (a key of :data:`SCHEDULES`); ``n_chunks`` only for ``"circular"``.
 
     Raises:
-      ValueError: an unknown name, or ``n_chunks > 1`` for a schedule without chunks.
+      ValueError: an unknown name (the message lists the names), or ``n_chunks > 1`` for a schedule without chunks.
     """
     if name not in SCHEDULES:
-        raise ValueError(f"schedule {name!r} is not one of {sorted(SCHEDULES)}")
+        flush = (
+            " (PipeDream-Flush's 1F1B is course_lib.op_schedules' '1f1b')" if name == "1f1b" else ""
+        )
+        raise ValueError(f"schedule {name!r} is not one of {sorted(SCHEDULES)}{flush}")
     if name == "circular":
         return circular(n_stages, n_micro, n_chunks)
     if n_chunks != 1:
@@ -338,7 +343,7 @@ def lockstep_cost(sched: Schedule, f_cost: float = 1.0, b_cost: float = 2.0) -> 
 def bubble_fraction(sched: Schedule, f_cost: float = 1.0, b_cost: float = 2.0) -> float:
     """Fraction of the computed work that is wasted: ``1 - useful / (p · lockstep_cost)``, useful being
     one F and one B of every (micro-batch, chunk) on every stage. GPipe: ``(p-1)/(m+p-1)`` whatever the
-    costs; 1F1B the same; circular ``(p-1)/(v·m+p-1)``."""
+    costs; the lockstep 1F1B the same; circular ``(p-1)/(v·m+p-1)``."""
     useful = sched.n_micro * sched.n_chunks * (f_cost + b_cost)
     return 1.0 - useful / lockstep_cost(sched, f_cost, b_cost)
 

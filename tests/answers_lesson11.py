@@ -313,7 +313,7 @@ def gpipe_halves(stage_fn, stage_params, xs, axis_name):
 def predict(name, p, m, v):
     if name == "gpipe":
         return (p - 1) / (m + p - 1), m
-    if name == "1f1b":
+    if name == "1f1b_lockstep":
         return (p - 1) / (m + p - 1), min(m, 2 * p - 1)
     return (p - 1) / (v * m + p - 1), v * m
 
@@ -326,7 +326,7 @@ def predict_dict(name, p, m, v):
 def predict_classic_1f1b(name, p, m, v):
     """Wrong for this executor: the asynchronous 1F1B's p in flight."""
     bubble, stash = predict(name, p, m, v)
-    return bubble, min(m, p) if name == "1f1b" else stash
+    return bubble, min(m, p) if name == "1f1b_lockstep" else stash
 
 
 def predict_circular_like_gpipe(name, p, m, v):
@@ -382,7 +382,8 @@ def predict_reads_tables_unhooked(name, p, m, v):
 
 OLD_CASES = (  # the checker's cases when they were a public constant
     ("gpipe", 4, 8, 1), ("gpipe", 2, 6, 1), ("gpipe", 8, 4, 1), ("gpipe", 1, 5, 1),
-    ("1f1b", 4, 8, 1), ("1f1b", 4, 16, 1), ("1f1b", 2, 3, 1), ("1f1b", 8, 4, 1), ("1f1b", 3, 10, 1),
+    ("1f1b_lockstep", 4, 8, 1), ("1f1b_lockstep", 4, 16, 1), ("1f1b_lockstep", 2, 3, 1),
+    ("1f1b_lockstep", 8, 4, 1), ("1f1b_lockstep", 3, 10, 1),
     ("circular", 4, 8, 2), ("circular", 2, 6, 3), ("circular", 4, 4, 4),
 )  # fmt: skip
 
@@ -390,11 +391,11 @@ OLD_CASES = (  # the checker's cases when they were a public constant
 def predict_table(name, p, m, v):
     """Wrong (no prediction): a table of the answers at the cases once checked, GPipe's formula elsewhere."""
     table = {
-        ("1f1b", 4, 8, 1): (3 / 11, 7),
-        ("1f1b", 4, 16, 1): (3 / 19, 7),
-        ("1f1b", 2, 3, 1): (1 / 4, 3),
-        ("1f1b", 8, 4, 1): (7 / 11, 4),
-        ("1f1b", 3, 10, 1): (2 / 12, 5),
+        ("1f1b_lockstep", 4, 8, 1): (3 / 11, 7),
+        ("1f1b_lockstep", 4, 16, 1): (3 / 19, 7),
+        ("1f1b_lockstep", 2, 3, 1): (1 / 4, 3),
+        ("1f1b_lockstep", 8, 4, 1): (7 / 11, 4),
+        ("1f1b_lockstep", 3, 10, 1): (2 / 12, 5),
         ("circular", 4, 8, 2): (3 / 19, 16),
         ("circular", 2, 6, 3): (1 / 19, 18),
         ("circular", 4, 4, 4): (3 / 19, 16),

@@ -125,7 +125,7 @@ def test_predict_pipeline():
         check = partial(lesson11.check_predict_pipeline, seed=seed)
         assert check(a.predict)
         assert check(a.predict_dict)
-        # 1F1B's stash wrong wherever p < m: two of the four 1F1B cases at least, no bubble
+        # the lockstep 1F1B's stash wrong wherever p < m: two of its four cases at least, no bubble
         rejects(check, a.predict_classic_1f1b, match=r"[2-4] of 12 cases are wrong \(0 bubbles")
         rejects(check, a.predict_circular_like_gpipe, match=r"\d+ of 12 cases are wrong")
         rejects(check, a.predict_bubble_over_m, match=r"\d+ of 12 cases are wrong")
@@ -313,11 +313,6 @@ def test_router_keep_as_numbers_runs_in_moe_output(form):
 @pytest.mark.parametrize(
     "answer, match",
     [
-        (
-            a.route_given,
-            "lets a full expert keep capacity - 1 choices, one fewer than its capacity.*"
-            r"beside the rows of its buffer \[capacity, D\]$",
-        ),
         (a.route_from_one_le, r"first choice place 1 \(.*0 … capacity-1$"),
         (
             a.route_token_major,
@@ -345,6 +340,16 @@ def test_router_keep_as_numbers_runs_in_moe_output(form):
 )
 def test_router_rejects(answer, match):
     rejects(lesson11.check_router, answer, match=match)
+
+
+def test_router_given_asks_where_to_look_then_names_the_mistake(monkeypatch):
+    """The given router (places from 1): its first report is a question, a later one names the mistake."""
+    monkeypatch.setattr(lesson11, "_ROUTER_REPORTS", {})
+    question = r"keeps fewer choices than the rule.*which places do a full expert's choices get.*\?"
+    rejects(lesson11.check_router, a.route_given, match=question)
+    named = "lets a full expert keep capacity - 1 choices.*its places start at 1, not 0"
+    for _ in range(2):
+        rejects(lesson11.check_router, a.route_given, match=named)
 
 
 # ---- on a TPU: float32 comparisons within the TPU's tolerance --------------------------------------------

@@ -32,7 +32,7 @@ def _max_diff(a, b):
 
 @pytest.mark.parametrize(
     "name, p, v",
-    [("gpipe", 4, 1), ("1f1b", 4, 1), ("circular", 2, 2), ("1f1b", 1, 1)],
+    [("gpipe", 4, 1), ("1f1b_lockstep", 4, 1), ("circular", 2, 2), ("1f1b_lockstep", 1, 1)],
 )
 def test_train_equals_one_device_for_every_schedule(report, residual, name, p, v):
     params, xs, r, loss, (g_params, g_xs) = residual

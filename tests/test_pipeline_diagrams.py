@@ -49,7 +49,10 @@ def test_layers_in_flight_expert_load_and_drops():
     with pytest.raises(ValueError, match="do not split"):
         PD.layers(6, 4)
     fig = PD.in_flight([S.gpipe(4, 8), S.one_f_one_b(4, 8)])
-    assert [line.get_label() for line in fig.axes[0].lines] == ["gpipe (peak 8)", "1f1b (peak 7)"]
+    assert [line.get_label() for line in fig.axes[0].lines] == [
+        "gpipe (peak 8)",
+        "1f1b_lockstep (peak 7)",
+    ]
     fig = PD.expert_load(np.array([5, 1, 3, 7]), 4)
     assert "4 of 16 choices dropped" in fig.axes[0].get_title(loc="left")
     fig = PD.drops([0.5, 1.0, 2.0], [0.5, 0.1, 0.0], [0.6, 0.2, 0.0])

@@ -21,7 +21,7 @@ def setup(report):
     return mesh, params, xs
 
 
-@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("circular", 2)])
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b_lockstep", 1), ("circular", 2)])
 def test_flops_bubble_is_the_predicted_one(setup, name, v):
     mesh, params, xs = setup
     sched = S.make(name, P_STAGES, M, v)
@@ -54,7 +54,7 @@ def test_lane_flops_count_one_forward_and_its_backward():
 
 
 @pytest.mark.parametrize(
-    "name, v, slots_per_mb", [("gpipe", 1, 1), ("1f1b", 1, 0), ("circular", 2, 2)]
+    "name, v, slots_per_mb", [("gpipe", 1, 1), ("1f1b_lockstep", 1, 0), ("circular", 2, 2)]
 )
 def test_the_stash_is_what_grows_with_micro_batches(setup, name, v, slots_per_mb):
     mesh, params, _ = setup

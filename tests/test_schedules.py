@@ -85,8 +85,12 @@ def test_make_and_bad_sizes():
     assert S.make("circular", 2, 4, 2).n_chunks == 2 and S.make("gpipe", 2, 4).name == "gpipe"
     with pytest.raises(ValueError, match="not one of"):
         S.make("zero-bubble", 2, 4)
+    with pytest.raises(
+        ValueError, match=r"'1f1b' is not one of \['1f1b_lockstep'.*PipeDream-Flush"
+    ):
+        S.make("1f1b", 2, 4)
     with pytest.raises(ValueError, match="needs 'circular'"):
-        S.make("1f1b", 2, 4, 2)
+        S.make("1f1b_lockstep", 2, 4, 2)
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="must be a positive integer"):
             S.gpipe(bad, 4)

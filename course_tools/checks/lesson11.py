@@ -144,7 +144,7 @@ _LIBRARY = {
 
 def _predict_cases(rng: np.random.Generator) -> list[tuple[str, int, int, int]]:
     """Cases drawn afresh: each schedule at a few stage counts, with fewer and with more micro-batches than
-    the stages (1F1B: ``m <= p``, ``p < m < 2p - 1`` and ``m >= 2p``), so that each typical formula is wrong
+    the stages (lockstep 1F1B: ``m <= p``, ``p < m < 2p - 1`` and ``m >= 2p``), so that each typical formula is wrong
     somewhere; circular with ``m`` a multiple of ``p`` and ``v`` of 2 to 4. GPipe and circular have
     ``m > p`` in one case at least (drawn again where none has), where a formula that puts ``p`` for ``m``
     (a circular stash ``v·p``) is wrong."""
@@ -158,7 +158,7 @@ def _predict_cases(rng: np.random.Generator) -> list[tuple[str, int, int, int]]:
             kind
         ]
         m = rng.integers(lo, hi)  # p < m < 2p - 1, m >= 2p, or m <= p
-        out.append(("1f1b", p, int(m), 1))
+        out.append(("1f1b_lockstep", p, int(m), 1))
     for _ in range(4):
         p = int(rng.integers(1, 7))
         out.append(("circular", p, p * int(rng.integers(1, 4)), int(rng.integers(2, 5))))
@@ -200,7 +200,7 @@ def _pair(got, what):
 
 @checker
 def check_predict_pipeline(predict: Callable, *, seed: int | None = None) -> bool:
-    """``predict(name, p, m, v) -> (bubble, stash)`` for schedules ``"gpipe"``, ``"1f1b"``, ``"circular"``
+    """``predict(name, p, m, v) -> (bubble, stash)`` for schedules ``"gpipe"``, ``"1f1b_lockstep"``, ``"circular"``
     (``v`` chunks; 1 for the others): the bubble fraction (F cost 1, B cost 2) and the most micro-batch
     inputs one stage holds at once, compared with the tables of :mod:`course_lib.schedules` on
     :data:`_PREDICT_CASES` cases drawn afresh at every call (``seed``: for tests), so that a table of
@@ -227,7 +227,9 @@ def check_predict_pipeline(predict: Callable, *, seed: int | None = None) -> boo
             "the ticks' work (F 1, B 2, on every stage) that is idle; the stash is the most inputs one "
             "stage holds between a micro-batch's F and its B",
         )
-    return passed(f"bubble and stash right in all {len(cases)} cases drawn (GPipe, 1F1B, circular)")
+    return passed(
+        f"bubble and stash right in all {len(cases)} cases drawn (GPipe, lockstep 1F1B, circular)"
+    )
 
 
 # ---- exercise 4: the router --------------------------------------------------------------------------------
@@ -278,6 +280,27 @@ def _places(expert: np.ndarray, n_experts: int, order: str) -> np.ndarray:
     return out
 
 
+_ROUTER_REPORTS: dict[str, int] = {}
+"""How often :func:`check_router` has reported each kind of mistake in this kernel: the first report of a
+places-one-late router asks where to look, a later one names the mistake."""
+
+
+def _one_place_late() -> tuple[str, str]:
+    """The reply to a router whose places start at 1 (the given router's): a question first, then the name."""
+    seen = _ROUTER_REPORTS["one late"] = _ROUTER_REPORTS.get("one late", 0) + 1
+    if seen == 1:
+        return (
+            "keeps fewer choices than the rule where an expert fills up",
+            "which places do a full expert's choices get, and which rows does its buffer [capacity, D] "
+            "have? Print slot and keep for one expert chosen more than capacity times",
+        )
+    return (
+        "lets a full expert keep capacity - 1 choices, one fewer than its capacity",
+        "its places start at 1, not 0: the first choice of an expert takes row 1, so row 0 of its buffer "
+        "[capacity, D] stays empty and its last choice finds no row",
+    )
+
+
 def _router_hint(r, ref, logits, k, cap) -> tuple[str, str]:
     if not np.array_equal(r.expert, ref.expert):
         return (
@@ -299,11 +322,7 @@ def _router_hint(r, ref, logits, k, cap) -> tuple[str, str]:
     kept = np.asarray(ref.keep)
     if np.array_equal(slot, want + 1):
         if np.array_equal(np.asarray(r.keep), slot < cap):
-            return (
-                "lets a full expert keep capacity - 1 choices, one fewer than its capacity",
-                "an expert chosen at least capacity times keeps capacity choices: list the places a full "
-                "expert's choices get beside the rows of its buffer [capacity, D]",
-            )
+            return _one_place_late()
         return (
             "gives every expert's first choice place 1",
             "the places are the rows of an expert's buffer [capacity, D]: 0 … capacity-1",
