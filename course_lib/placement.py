@@ -30,8 +30,11 @@ COLUMNS = {
     "zero2": "ZeRO-2\n(B + E's gradients\nand optimizer state)",
     "fsdp": "ZeRO-3 at rest,\nFSDP (E)",
     "shard_map": "DP × TP (C)",
+    "shard_map_pairs": "DP × TP,\nlayer pairs (C2)",
+    "shard_map_article": "DP × TP,\nconv1 only (C′)",
 }
-"""Column key → label: the strategies the grid shows, in the order of the ZeRO stages."""
+"""Column key → label: the strategies the grid shows, the ZeRO stages first, then the tensor-parallel
+layouts (C, C2, C′)."""
 
 
 def shares(table: pd.DataFrame, reference: str = "jit") -> pd.DataFrame:
@@ -39,7 +42,8 @@ def shares(table: pd.DataFrame, reference: str = "jit") -> pd.DataFrame:
 
     Args:
       table: the lab's results (one row per strategy, column ``strategy``); it must hold ``reference``
-        (the one-device run), ``pmap`` and ``fsdp``; ``shard_map`` is shown when present.
+        (the one-device run), ``pmap`` and ``fsdp``; ``shard_map``, ``shard_map_pairs`` and
+        ``shard_map_article`` are shown when present.
       reference: the strategy that holds everything (A).
 
     Returns:
@@ -60,8 +64,9 @@ def shares(table: pd.DataFrame, reference: str = "jit") -> pd.DataFrame:
         out[stage] = frac["pmap"].copy()
         for kind in from_e:
             out[stage][f"{kind}_bytes_per_device"] = frac["fsdp"][f"{kind}_bytes_per_device"]
-    if "shard_map" in frac:
-        out["shard_map"] = frac["shard_map"]
+    for key in ("shard_map", "shard_map_pairs", "shard_map_article"):
+        if key in frac:
+            out[key] = frac[key]
     grid = pd.DataFrame({k: out[k] for k in COLUMNS if k in out})
     grid.index = list(KINDS)
     return grid

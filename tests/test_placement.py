@@ -20,18 +20,21 @@ def _table():
          "opt_state_bytes_per_device": 200, "activation_bytes_per_device": 800, "local_batch": 8},
         {"strategy": "shard_map", "param_bytes_per_device": 400, "grad_bytes_per_device": 400,
          "opt_state_bytes_per_device": 800, "activation_bytes_per_device": 1700, "local_batch": 16},
+        {"strategy": "shard_map_article", "param_bytes_per_device": 700, "grad_bytes_per_device": 700,
+         "opt_state_bytes_per_device": 1400, "activation_bytes_per_device": 2000, "local_batch": 16},
     ]  # fmt: skip
     return pd.DataFrame(rows)
 
 
 def test_shares_compose_the_zero_stages_from_b_and_e():
     g = placement.shares(_table())
-    assert list(g.columns) == ["pmap", "zero1", "zero2", "fsdp", "shard_map"]
+    assert list(g.columns) == ["pmap", "zero1", "zero2", "fsdp", "shard_map", "shard_map_article"]
     assert (g["pmap"][["parameters", "gradients", "optimizer state"]] == 1).all()
     assert g.loc["optimizer state", "zero1"] == 1 / 8 and g.loc["gradients", "zero1"] == 1
     assert g.loc["gradients", "zero2"] == 1 / 8 and g.loc["parameters", "zero2"] == 1
     assert (g["fsdp"][["parameters", "gradients", "optimizer state", "batch"]] == 1 / 8).all()
     assert g.loc["batch", "shard_map"] == 1 / 4
+    assert g.loc["parameters", "shard_map_article"] == 7 / 8  # C′ (C2 absent: not drawn)
 
 
 def test_labels_name_whole_one_over_n_and_shares_in_between():
@@ -46,6 +49,7 @@ def test_grid_draws_a_cell_per_kind_and_strategy():
     fig = placement.grid(g, 8)
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert len(texts) == g.size and texts.count("whole") == 6
+    assert "DP × TP,\nconv1 only (C′)" in [t.get_text() for t in fig.axes[0].get_xticklabels()]
 
 
 def test_shares_need_a_and_b_and_e():
