@@ -2,7 +2,7 @@
 the model axis holds, the ring of key/value blocks of ring attention (which block each device scores at
 each step, and how much of it the causal mask keeps), Ulysses' swap of a sequence split for a head split,
 sequence parallelism's layouts region by region
-of a block, one collective matmul's steps (which block each
+of a block, Megatron's *f* and *g* around a tensor-parallel MLP, one collective matmul's steps (which block each
 device multiplies while it sends it on), ZeRO-3's per-layer gather/free timeline and where a
 tensor-parallel pipeline stage's all-reduces sit (lesson 11, also named in ``pipeline_diagrams``).
 
@@ -23,6 +23,7 @@ __all__ = [
     "collective_matmul_schedule",
     "collective_matmul_steps",
     "heads_over_devices",
+    "megatron_fg",
     "ring_blocks",
     "ring_schedule",
     "sp_layout",
@@ -394,4 +395,55 @@ def tp_stage(n_model: int, act_bytes: int, ln_bytes: int, predicted: dict | None
             for axis, row in sorted(predicted.items())
         )
     ax.set_title(title, fontsize=8, loc="left")
+    return ax.figure
+
+
+_FG = (  # (label, forward: all-reduce?, backward: all-reduce?), left to right
+    ("x\n[T, D]", False, False),
+    ("f", False, True),
+    ("x @ W1[:, cols]\ncolumn-parallel", False, False),
+    ("GELU", False, False),
+    ("h @ W2[rows, :]\nrow-parallel", False, False),
+    ("g", True, False),
+    ("y\n[T, D]", False, False),
+)
+
+
+def megatron_fg(n_model: int, act_bytes: int, ax=None):
+    """Where Megatron's *f* and *g* sit around a tensor-parallel MLP (attention is the same, heads for
+    columns): *f* before the column-parallel matmul is the identity forward and an all-reduce of the
+    input's cotangent backward; *g* after the row-parallel matmul is an all-reduce forward and the
+    identity backward. Taught in ``notebooks/10_transformers.ipynb``, section 1.
+
+    Args:
+      n_model: devices on the ``model`` axis (>= 1).
+      act_bytes: bytes of one activation ``[T, D]``, what each all-reduce carries (>= 0).
+      ax: the Axes to draw on; a new figure when None.
+
+    Returns:
+      The Figure: 14 Rectangles (7 ops forward, 7 backward), 2 of them all-reduces (red).
+
+    Raises:
+      ValueError: ``n_model`` below 1 or ``act_bytes`` below 0.
+    """
+    if n_model < 1 or act_bytes < 0:
+        raise ValueError(f"megatron_fg: n_model={n_model} must be >= 1, act_bytes={act_bytes} >= 0")
+    ax = plt.subplots(figsize=(11, 2.4))[1] if ax is None else ax
+    for y, name, col in ((1.2, "forward", 1), (0.0, "backward", 2)):
+        ax.text(-0.15, y + 0.4, name, ha="right", va="center", fontsize=8)
+        for i, op in enumerate(_FG):
+            red = op[col]
+            text = (
+                f"all-reduce\n{act_bytes:,} B" if red else "identity" if op[0] in ("f", "g") else ""
+            )
+            label = f"{op[0]}: {text}" if op[0] in ("f", "g") else op[0]
+            ax.add_patch(Rectangle((i * 1.3, y), 1.1, 0.8, ec="white",
+                                   fc=_TP_COLORS["model"] if red else _TP_COLORS["compute"]))  # fmt: skip
+            ax.text(i * 1.3 + 0.55, y + 0.4, label, ha="center", va="center", fontsize=6,
+                    color="white" if red else "black")  # fmt: skip
+    ax.set_xlim(-1.0, len(_FG) * 1.3)
+    ax.set_ylim(-0.1, 2.1)
+    ax.set_axis_off()
+    ax.set_title(f"Megatron's f and g, model axis of {n_model}: red = all-reduce over model "
+                 "(forward left to right; the backward runs right to left)", fontsize=8, loc="left")  # fmt: skip
     return ax.figure

@@ -184,6 +184,25 @@ def test_pictures():
         SD.heads_over_devices(6, 4)
 
 
+def test_megatron_fg_picture_places_one_all_reduce_each_way():
+    fig = SD.megatron_fg(4, 1024)
+    rects = [p for p in fig.axes[0].patches if isinstance(p, matplotlib.patches.Rectangle)]
+    assert len(rects) == 14
+    red = [r for r in rects if r.get_facecolor()[:3] == matplotlib.colors.to_rgb("#d62728")]
+    # forward (upper row): g, after the row-parallel matmul; backward: f, before the column-parallel
+    (fwd,) = [r for r in red if r.get_y() > 1]
+    (bwd,) = [r for r in red if r.get_y() < 1]
+    labels = [op[0] for op in SD._FG]
+    assert fwd.get_x() == 1.3 * labels.index("g") and bwd.get_x() == 1.3 * labels.index("f")
+    assert labels.index("f") < labels.index("x @ W1[:, cols]\ncolumn-parallel")
+    assert labels.index("g") > labels.index("h @ W2[rows, :]\nrow-parallel")
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert sum("all-reduce\n1,024 B" in t for t in texts) == 2
+    matplotlib.pyplot.close(fig)
+    with pytest.raises(ValueError, match="n_model=0"):
+        SD.megatron_fg(0, 1)
+
+
 def test_sp_picture_follows_sp_block():
     """Split between the sub-layers, whole inside them: an all-gather before each sub-layer, a
     reduce-scatter after it (splits.sp_block's collectives, two of each per block)."""
