@@ -164,9 +164,8 @@ _WRONG = (
         "reduce-scatter sends half each way round",
     ),
     (
-        dict(
-            both_ways="always"
-        ),  # at a switch's cases the same values as share=1.0; a ring's differ
+        # at a switch's cases the same values as share=1.0; a ring's differ
+        dict(both_ways="always"),
         "only a ring (fabric.link.topology == 'ring') carries data both ways; through a switch (NVLink, a "
         "data-centre network) each device sends at fabric.link.bytes_per_s",
     ),
