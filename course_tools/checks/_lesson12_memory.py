@@ -7,10 +7,11 @@ drawn afresh at each call (``seed``: for tests): every dense layout, with and wi
 sequences, vocabularies, layer counts and batches drawn. The activations are a given piece
 (:func:`course_lib.lm_costs.activation_bytes` may be called); the state is the exercise: an answer that calls
 ``predict_memory``, ``param_bytes`` (or its private count ``_param_bytes``), ``largest_layers``,
-``step_time`` or ``rank_layouts`` is refused
-(:mod:`._unaided`). Says how many cases are wrong, never which, and, where every wrong case shares one
-mistake (float32, two copies of the state, the whole model on each device, the pipeline's micro-batches,
-recomputation ignored), that mistake.
+``step_time``, ``rank_layouts`` or :func:`course_lib.lm_layouts.local_bytes` (a device's block of one
+array: the piece the exercise asks for) is refused (:mod:`._unaided`). Says how many cases are wrong,
+never which, and, where every wrong case shares one mistake (float32, two copies of the state, the whole
+model on each device, the fsdp axis left out, the pipeline's micro-batches or stages, recomputation
+ignored), that mistake.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ _FORBIDDEN = (
     lm_costs.step_time,
     lm_costs.rank_layouts,
 )
-_PRIVATE = (lm_costs._param_bytes,)
-"""``param_bytes``' count: ``activation_bytes`` (allowed) calls it for FSDP's gathered parameters; an
-answer's own call is refused."""
+_PRIVATE = (lm_costs._param_bytes, lm_layouts.local_bytes)
+"""``param_bytes``' count and the block of one array it sums: ``activation_bytes`` (allowed) calls them for
+FSDP's gathered parameters; an answer's own call is refused."""
 _CONFIGS = {
     "transformer.GPU": _G,
     "dataclasses.replace(transformer.GPU, n_layers=8)": dataclasses.replace(_G, n_layers=8),
@@ -88,10 +89,16 @@ def _mistake(wrong: list[tuple]) -> str:
         if all(np.isclose(got, model_memory(k, c, b, remat=r, **change), rtol=1e-9)
                for k, c, b, r, got in wrong):  # fmt: skip
             return hint
+    if all(k in ("fsdp_tp", "3d") for k, *_ in wrong):
+        return (
+            "only the FSDP layouts' cases are wrong: their specs name the fsdp axis too, and it splits "
+            "every parameter it divides, beside the model axis"
+        )
     if all(k == "pp_dp" for k, *_ in wrong):
         return (
             "only the pipeline's cases are wrong: it runs n_micro = 4 x stages micro-batches (8 with 2 "
-            "stages: pass them to activation_bytes), and its blocks carry the layer axis split over stage"
+            "stages: pass them to activation_bytes), and only its blocks are split, their layer axis over "
+            "stage (the embedding and the head stay whole on each device)"
         )
     if all(r for _, _, _, r, _ in wrong) and all(
         np.isclose(got, model_memory(k, c, b, remat=False), rtol=1e-9) for k, c, b, _, got in wrong
@@ -105,7 +112,8 @@ def check_device_memory(device_memory: Callable, *, seed: int | None = None) -> 
     """``device_memory(layout_key, cfg, global_batch, remat) -> bytes``: one device's parameters, momentum,
     gradients and activations on 8 devices in bfloat16, compared with :func:`model_memory` on cases drawn
     afresh (``seed``: for tests), within a relative 1e-9. An answer that calls ``predict_memory``,
-    ``param_bytes``, ``largest_layers``, ``step_time`` or ``rank_layouts`` is refused."""
+    ``param_bytes``, ``largest_layers``, ``step_time``, ``rank_layouts`` or ``lm_layouts.local_bytes`` is
+    refused."""
     cases = _cases(np.random.default_rng(seed))
     wrong = []
     for key, cfg_name, batch, remat in cases:
@@ -113,8 +121,9 @@ def check_device_memory(device_memory: Callable, *, seed: int | None = None) -> 
         what = f"device_memory({key!r}, {cfg_name}, {batch}, remat={remat})"
         got = call_unaided(
             what, device_memory, _FORBIDDEN,
-            "count each parameter's block from lm_layouts.param_specs and the mesh's sizes (activations: "
-            "lm_costs.activation_bytes may be called); predict_memory is what the checker compares with",
+            "count each parameter's block yourself, from its shape, its spec (lm_layouts.param_specs) "
+            "and the mesh's sizes (activations: lm_costs.activation_bytes may be called); predict_memory "
+            "is what the checker compares with",
             key, cfg, batch, remat, private=_PRIVATE,
         )  # fmt: skip
         try:

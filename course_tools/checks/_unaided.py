@@ -14,8 +14,9 @@ it three ways:
 - the hook must still be in place when the answer returns: an answer that switches it off
   (``sys.setprofile(None)``) or replaces it is refused;
 - a ``private`` function (a piece of the compared function that an allowed one calls too, such as
-  ``lm_costs._param_bytes`` under ``activation_bytes``) keeps its code: the hook refuses a call to it (or to
-  a copy of its code) made from outside its own module, and lets its module's own calls through.
+  ``lm_costs._param_bytes`` or ``lm_layouts.local_bytes`` under ``activation_bytes``) keeps its code: the
+  hook refuses a call to it (or to a copy of its code) made from outside its library (the top-level package
+  of its module, ``course_lib``), and lets the library's own calls through.
 
 What it cannot catch: a copy of the source that is edited (or one run in another thread), or a result
 computed beforehand and kept. The checkers are a self-test for the learner, not an exam.
@@ -56,6 +57,11 @@ def _qualified(f: Callable) -> str:
     return f"{f.__module__.rsplit('.', 1)[-1]}.{f.__name__}"
 
 
+def _library(module: str | None) -> str | None:
+    """The top-level package of ``module`` (``course_lib`` of ``course_lib.lm_costs``), or None."""
+    return module.split(".", 1)[0] if module else None
+
+
 def _signature(code) -> tuple:
     return code.co_code, code.co_consts, code.co_names
 
@@ -64,7 +70,7 @@ def _signature(code) -> tuple:
 def unaided(what: str, forbidden: tuple, hint: str, private: tuple = ()):
     """While the ``with`` block runs, each of ``forbidden`` (module-level functions) raises when called, and a
     call to a copy of their code is seen (see the module docstring); so is a call to one of ``private``
-    from outside the module that defines it. An :class:`ExerciseError` raised in the
+    from outside the library (top-level package) that defines it. An :class:`ExerciseError` raised in the
     block after a forbidden call (the answer's error, wrapped by the checker) is replaced by the refusal.
     Used where a checker calls the answer through its own machinery (tracing under ``shard_map``).
 
@@ -74,7 +80,7 @@ def unaided(what: str, forbidden: tuple, hint: str, private: tuple = ()):
     """
     signatures = {_signature(f.__code__): _qualified(f) for f in forbidden}
     by_name = {f.__name__: _qualified(f) for f in forbidden}
-    inner = {_signature(f.__code__): (f.__module__, _qualified(f)) for f in private}
+    inner = {_signature(f.__code__): (_library(f.__module__), _qualified(f)) for f in private}
     seen: list[str] = []
 
     def refuse(name):
@@ -87,7 +93,7 @@ def unaided(what: str, forbidden: tuple, hint: str, private: tuple = ()):
         elif event == "call" and _signature(frame.f_code) in inner:
             home, name = inner[_signature(frame.f_code)]
             caller = frame.f_back.f_globals.get("__name__") if frame.f_back else None
-            if caller != home:  # the answer's call, not the library's own
+            if _library(caller) != home:  # the answer's call, not the library's own
                 seen.append(name)
 
     with _LOCK:
@@ -124,7 +130,7 @@ def call_unaided(what: str, fn: Callable, forbidden: tuple, hint: str, *args, ex
                  private: tuple = ()):  # fmt: skip
     """``fn(*args)`` (through :func:`course_tools.checks._common.call_answer`, ``explain`` passed on),
     refused with ``hint`` if it calls one of ``forbidden`` (module-level functions: the ones the checker
-    compares with), a copy of their code, one of ``private`` from outside its module, or switches off the
+    compares with), a copy of their code, one of ``private`` from outside its library, or switches off the
     profile hook; see the module docstring for what cannot be caught.
 
     Raises:
