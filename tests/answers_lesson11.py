@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from course_lib import moe
@@ -312,10 +313,10 @@ def gpipe_halves(stage_fn, stage_params, xs, axis_name):
 
 def predict(name, p, m, v):
     if name == "gpipe":
-        return (p - 1) / (m + p - 1), m
+        return (p - 1) / (m + p - 1), [m] * p
     if name == "1f1b_lockstep":
-        return (p - 1) / (m + p - 1), min(m, 2 * p - 1)
-    return (p - 1) / (v * m + p - 1), v * m
+        return (p - 1) / (m + p - 1), [min(m, 2 * (p - s) - 1) for s in range(p)]
+    return (p - 1) / (v * m + p - 1), [v * m] * p
 
 
 def predict_dict(name, p, m, v):
@@ -323,10 +324,44 @@ def predict_dict(name, p, m, v):
     return {"bubble": bubble, "stash": stash}
 
 
+def predict_array(name, p, m, v):
+    """Correct, another form: the stash an int array counted down from the last stage, the bubble from
+    the ticks (idle lanes over all lanes)."""
+    ticks = v * m + p - 1
+    stash = np.full(p, v * m)
+    if name == "1f1b_lockstep":
+        stash = np.minimum(m, 1 + 2 * np.arange(p)[::-1])
+    return 1 - v * m / ticks, stash
+
+
 def predict_classic_1f1b(name, p, m, v):
-    """Wrong for this executor: the asynchronous 1F1B's p in flight."""
+    """Wrong for this executor: the asynchronous 1F1B's min(m, p - s) in flight on stage s."""
     bubble, stash = predict(name, p, m, v)
-    return bubble, min(m, p) if name == "1f1b_lockstep" else stash
+    return bubble, [min(m, p - s) for s in range(p)] if name == "1f1b_lockstep" else stash
+
+
+def predict_max_everywhere(name, p, m, v):
+    """Wrong: the lockstep 1F1B's peak, min(m, 2p - 1), on every stage (right on stage 0 only)."""
+    bubble, stash = predict(name, p, m, v)
+    return bubble, [stash[0]] * p
+
+
+def predict_unclipped(name, p, m, v):
+    """Wrong: the lockstep 1F1B's 2(p - s) - 1 not clipped by m (wrong where m < 2(p - s) - 1)."""
+    bubble, stash = predict(name, p, m, v)
+    return bubble, [2 * (p - s) - 1 for s in range(p)] if name == "1f1b_lockstep" else stash
+
+
+def predict_off_by_one(name, p, m, v):
+    """Wrong: min(m, 2(p - s)), the B's own tick counted twice."""
+    bubble, stash = predict(name, p, m, v)
+    return bubble, [min(m, 2 * (p - s)) for s in range(p)] if name == "1f1b_lockstep" else stash
+
+
+def predict_scalar_stash(name, p, m, v):
+    """Wrong form: one stash for the whole pipeline, not one per stage."""
+    bubble, stash = predict(name, p, m, v)
+    return bubble, max(stash)
 
 
 def predict_circular_like_gpipe(name, p, m, v):
@@ -336,7 +371,9 @@ def predict_circular_like_gpipe(name, p, m, v):
 
 def predict_circular_stash_vp(name, p, m, v):
     """Circular's stash v·p: right only where m = p (red team, once accepted on 2 % of the draws)."""
-    return predict(name, p, m, v) if name != "circular" else (predict(name, p, m, v)[0], v * p)
+    return (
+        predict(name, p, m, v) if name != "circular" else (predict(name, p, m, v)[0], [v * p] * p)
+    )
 
 
 def predict_bubble_over_m(name, p, m, v):
@@ -350,7 +387,7 @@ def predict_reads_tables(name, p, m, v):
     from course_lib import schedules
 
     sched = schedules.make(name, p, m, v)
-    return schedules.bubble_fraction(sched), int(sched.in_flight().max())
+    return schedules.bubble_fraction(sched), sched.in_flight().tolist()
 
 
 def predict_closed_forms(name, p, m, v):
@@ -361,12 +398,12 @@ def predict_closed_forms(name, p, m, v):
     if name == "circular":
         return (
             op_schedules.predicted_bubble("interleaved", p, m, v),
-            op_schedules.predicted_in_flight("breadth_first", p, m, v)[0],
+            op_schedules.predicted_in_flight("breadth_first", p, m, v),
         )
     bubble = op_schedules.predicted_bubble("gpipe", p, m)
-    return bubble, op_schedules.predicted_in_flight("gpipe", p, m)[0] if name == "gpipe" else min(
-        m, 2 * p - 1
-    )
+    if name == "gpipe":
+        return bubble, op_schedules.predicted_in_flight("gpipe", p, m)
+    return bubble, [min(m, 2 * (p - 1 - s) + 1) for s in range(p)]
 
 
 def predict_reads_tables_unhooked(name, p, m, v):
@@ -377,7 +414,7 @@ def predict_reads_tables_unhooked(name, p, m, v):
 
     sys.setprofile(None)
     sched = schedules.make(name, p, m, v)
-    return schedules.bubble_fraction(sched), int(sched.in_flight().max())
+    return schedules.bubble_fraction(sched), sched.in_flight().tolist()
 
 
 OLD_CASES = (  # the checker's cases when they were a public constant
@@ -391,16 +428,16 @@ OLD_CASES = (  # the checker's cases when they were a public constant
 def predict_table(name, p, m, v):
     """Wrong (no prediction): a table of the answers at the cases once checked, GPipe's formula elsewhere."""
     table = {
-        ("1f1b_lockstep", 4, 8, 1): (3 / 11, 7),
-        ("1f1b_lockstep", 4, 16, 1): (3 / 19, 7),
-        ("1f1b_lockstep", 2, 3, 1): (1 / 4, 3),
-        ("1f1b_lockstep", 8, 4, 1): (7 / 11, 4),
-        ("1f1b_lockstep", 3, 10, 1): (2 / 12, 5),
-        ("circular", 4, 8, 2): (3 / 19, 16),
-        ("circular", 2, 6, 3): (1 / 19, 18),
-        ("circular", 4, 4, 4): (3 / 19, 16),
+        ("1f1b_lockstep", 4, 8, 1): (3 / 11, [7, 5, 3, 1]),
+        ("1f1b_lockstep", 4, 16, 1): (3 / 19, [7, 5, 3, 1]),
+        ("1f1b_lockstep", 2, 3, 1): (1 / 4, [3, 1]),
+        ("1f1b_lockstep", 8, 4, 1): (7 / 11, [4, 4, 4, 4, 4, 4, 3, 1]),
+        ("1f1b_lockstep", 3, 10, 1): (2 / 12, [5, 3, 1]),
+        ("circular", 4, 8, 2): (3 / 19, [16] * 4),
+        ("circular", 2, 6, 3): (1 / 19, [18] * 2),
+        ("circular", 4, 4, 4): (3 / 19, [16] * 4),
     }
-    return table.get((name, p, m, v), ((p - 1) / (m + p - 1), m))
+    return table.get((name, p, m, v), ((p - 1) / (m + p - 1), [m] * p))
 
 
 # ---- exercise 3: the router ---------------------------------------------------------------------------------

@@ -125,15 +125,21 @@ def test_predict_pipeline():
         check = partial(lesson11.check_predict_pipeline, seed=seed)
         assert check(a.predict)
         assert check(a.predict_dict)
-        # the lockstep 1F1B's stash wrong wherever p < m: two of its four cases at least, no bubble
-        rejects(check, a.predict_classic_1f1b, match=r"[2-4] of 12 cases are wrong \(0 bubbles")
+        assert check(a.predict_array)
+        # the lockstep 1F1B's stash wrong wherever 1 < m: three of its four cases at least
+        for wrong in (a.predict_classic_1f1b, a.predict_max_everywhere, a.predict_off_by_one):
+            rejects(check, wrong, match=r"[3-9] of 12 cases are wrong \(0 bubbles, [3-9] stashes")
+        # 2(p - s) - 1 not clipped by m: wrong where m < 2p - 1 (the "few" and "between" cases)
+        rejects(check, a.predict_unclipped, match=r"[2-4] of 12 cases are wrong \(0 bubbles")
         rejects(check, a.predict_circular_like_gpipe, match=r"\d+ of 12 cases are wrong")
         rejects(check, a.predict_bubble_over_m, match=r"\d+ of 12 cases are wrong")
     check = partial(lesson11.check_predict_pipeline, seed=0)
-    rejects(check, a.predict_classic_1f1b, match="3 of 12 cases are wrong")
+    rejects(check, a.predict_classic_1f1b, match="4 of 12 cases are wrong")
     rejects(
         lesson11.check_predict_pipeline, lambda *args: 0.25, match="returned 0.25.*return \\(bubble"
     )
+    # one stash for the whole pipeline: refused with the form asked for
+    rejects(check, a.predict_scalar_stash, match="returned the stash .*one number per stage")
 
 
 def test_predict_pipeline_draws_more_micro_batches_than_stages():
@@ -165,7 +171,8 @@ def test_predict_pipeline_refuses_answers_that_read_or_fit_the_tables():
     )
     # a table of the answers at the checker's old public cases: the cases are drawn anew
     for case in a.OLD_CASES:
-        assert a.predict_table(*case) == pytest.approx(a.predict(*case))
+        got, want = a.predict_table(*case), a.predict(*case)
+        assert got[0] == pytest.approx(want[0]) and got[1] == want[1]
     rejects(partial(check, seed=0), a.predict_table, match=r"\d+ of 12 cases are wrong")
     # the hint names what is measured, not where the answers are
     with pytest.raises(ExerciseError) as e:
@@ -182,7 +189,7 @@ def test_predict_pipeline_cannot_be_fitted_case_by_case():
 
     def wrong(t):
         try:
-            lesson11.check_predict_pipeline(lambda *c: t.get(c, (0.0, 0)))
+            lesson11.check_predict_pipeline(lambda *c: t.get(c, (0.0, [0] * c[1])))
             return 0
         except ExerciseError as e:
             return int(re.search(r"(\d+) of \d+", str(e)).group(1))
@@ -190,11 +197,15 @@ def test_predict_pipeline_cannot_be_fitted_case_by_case():
     base = wrong(table)
     for case in a.OLD_CASES[:4]:
         for stash in range(12):
-            trial = {**table, case: (a.predict(*case)[0], stash)}
+            trial = {**table, case: (a.predict(*case)[0], [stash] * case[1])}
             if (w := wrong(trial)) < base:
                 table, base = trial, w
                 break
-    rejects(lesson11.check_predict_pipeline, lambda *c: table.get(c, (0.0, 0)), match="of 12")
+    rejects(
+        lesson11.check_predict_pipeline,
+        lambda *c: table.get(c, (0.0, [0] * c[1])),
+        match="of 12",
+    )
 
 
 # ---- exercise 3: ZB-H1's orders ----------------------------------------------------------------------------

@@ -188,21 +188,35 @@ def _call_unaided(what: str, predict: Callable, *args):
     )  # fmt: skip
 
 
-def _pair(got, what):
+def _pair(got, what, p):
+    """``(bubble, stash)`` from an answer: the bubble a number, the stash ``p`` numbers (one per stage)."""
     if isinstance(got, dict) and {"bubble", "stash"} <= set(got):
         got = (got["bubble"], got["stash"])
     try:
         bubble, stash = got
-        return float(bubble), float(stash)
+        bubble = float(bubble)
     except (TypeError, ValueError):
-        fail(f"{what} returned {got!r}", "return (bubble fraction, stash) — e.g. (0.25, 6)")
+        fail(
+            f"{what} returned {got!r}",
+            "return (bubble fraction, stash per stage) — e.g. (0.25, [3, 1])",
+        )
+    try:
+        if np.ndim(stash) != 1 or len(stash) != p:
+            raise ValueError
+        return bubble, [float(x) for x in stash]
+    except (TypeError, ValueError):
+        fail(
+            f"{what} returned the stash {stash!r}",
+            f"the stash is one number per stage: a list of p = {p} numbers, stage 0 first",
+        )
 
 
 @checker
 def check_predict_pipeline(predict: Callable, *, seed: int | None = None) -> bool:
     """``predict(name, p, m, v) -> (bubble, stash)`` for schedules ``"gpipe"``, ``"1f1b_lockstep"``, ``"circular"``
-    (``v`` chunks; 1 for the others): the bubble fraction (F cost 1, B cost 2) and the most micro-batch
-    inputs one stage holds at once, compared with the tables of :mod:`course_lib.schedules` on
+    (``v`` chunks; 1 for the others): the bubble fraction (F cost 1, B cost 2) and, per stage, the most
+    micro-batch inputs it holds at once (``p`` numbers, stage 0 first; ``sched.in_flight()``), compared
+    with the tables of :mod:`course_lib.schedules` on
     :data:`_PREDICT_CASES` cases drawn afresh at every call (``seed``: for tests), so that a table of
     answers fitted to the checker's replies does not pass; says how many bubbles and stashes are wrong,
     not which. A ``predict`` that calls into the schedules' library is refused."""
@@ -210,9 +224,9 @@ def check_predict_pipeline(predict: Callable, *, seed: int | None = None) -> boo
     bubbles = stashes = wrong = 0
     for name, p, m, v in cases:
         what = f"predict({name!r}, {p}, {m}, {v})"
-        bubble, stash = _pair(_call_unaided(what, predict, name, p, m, v), "predict")
+        bubble, stash = _pair(_call_unaided(what, predict, name, p, m, v), what, p)
         sched = schedules.make(name, p, m, v)
-        truth = (schedules.bubble_fraction(sched), int(sched.in_flight().max()))
+        truth = (schedules.bubble_fraction(sched), sched.in_flight().tolist())
         bad_bubble, bad_stash = not abs(bubble - truth[0]) < 1e-3, stash != truth[1]
         bubbles, stashes, wrong = (
             bubbles + bad_bubble,
@@ -224,8 +238,8 @@ def check_predict_pipeline(predict: Callable, *, seed: int | None = None) -> boo
             f"{wrong} of {len(cases)} cases are wrong ({bubbles} bubbles, {stashes} stashes; the cases "
             "are drawn anew at every check)",
             "work a small case out by hand (p = 2 or 3, a few micro-batches): the bubble is the share of "
-            "the ticks' work (F 1, B 2, on every stage) that is idle; the stash is the most inputs one "
-            "stage holds between a micro-batch's F and its B",
+            "the ticks' work (F 1, B 2, on every stage) that is idle; a stage's stash is the most "
+            "inputs it holds between a micro-batch's F and its B: count it for each stage",
         )
     return passed(
         f"bubble and stash right in all {len(cases)} cases drawn (GPipe, lockstep 1F1B, circular)"
