@@ -81,3 +81,14 @@ def moe_layer_four(x, p, axis_name, k, capacity_factor):
     out = moe.experts(p, got.transpose(1, 0, 2, 3).reshape(e // n, n * cap, -1))
     back = lax.all_to_all(_to_places(out, e, n, cap), axis_name, 0, 0, tiled=True)
     return moe.combine(back.reshape(e, cap, -1), r)
+
+
+def moe_layer_stop_gradient(x, p, axis_name, k, capacity_factor):
+    """Wrong: the right exchange behind lax.stop_gradient (the right values, no gradient through the
+    experts to the tokens and the router)."""
+    buf, r, e, cap = _routed(x, p, k, capacity_factor)
+    mine = lax.all_to_all(
+        lax.stop_gradient(buf), axis_name, split_axis=0, concat_axis=1, tiled=True
+    )
+    back = lax.all_to_all(moe.experts(p, mine), axis_name, split_axis=1, concat_axis=0, tiled=True)
+    return moe.combine(back, r)

@@ -417,6 +417,15 @@ def test_expert_exchange_accepts_correct_forms(report, answer):
     assert lesson11.check_expert_exchange(answer, report.devices)
 
 
+def test_expert_exchange_says_when_jax_cannot_differentiate_the_untiled_exchange(report, capsys):
+    # JAX's transpose of an untiled all_to_all with split_axis != concat_axis raises: a right answer,
+    # whose gradient the check says it does not judge; a tiled one's gradient it judges
+    assert lesson11.check_expert_exchange(a.moe_layer_untiled, report.devices)
+    assert "its gradient not judged" in capsys.readouterr().out
+    assert lesson11.check_expert_exchange(a.moe_layer, report.devices)
+    assert "and its gradient on the first" in capsys.readouterr().out
+
+
 def test_expert_exchange_on_four_devices_judges_on_2x2_meshes(report, capsys):
     assert lesson11.check_expert_exchange(a.moe_layer, report.devices[:4])
     assert "data × expert = 2 × 2 mesh" in capsys.readouterr().out
@@ -468,6 +477,10 @@ EXCHANGE_WRONG = [
     (ax.moe_layer_weights_gathered, r"\(all-gather\).*the experts' weights"),
     (ax.moe_layer_double, r"\(all-to-all\).*carry more, or less, than the dispatch buffer"),
     (ax.moe_layer_four, r"shape \(2, 16, 16\).*4 experts first"),
+    (
+        ax.moe_layer_stop_gradient,
+        r"outputs are right, but jax.grad.*the tokens x.*no lax.stop_gradient",
+    ),
 ]
 
 

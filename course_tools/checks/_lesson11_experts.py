@@ -13,6 +13,8 @@ never by its text:
 - the compiled program's collectives: exactly two all-to-alls' bytes on the expert axis and nothing on the
   other (an ``all_gather`` sends ``n`` times more), all of them all-to-alls (``n - 1`` ppermutes send the
   same bytes in ``n - 1`` rounds); the hint names what the collectives found say;
+- the gradient of ``<output, r>`` in the tokens, the router and the experts' weights on the first mesh,
+  against the one-device MoE's (an exchange behind ``lax.stop_gradient`` has the right values);
 - outputs off by less than :data:`ROUNDED` of the largest are told they are rounded (a bfloat16 exchange),
   not misplaced.
 
@@ -158,7 +160,53 @@ def _run(moe_layer: Callable, names: tuple[str, str], sizes: tuple[int, int], de
         )
     got = compiled(x, p)
     want = jax.jit(lambda x, p: moe.moe_mlp(x, p, k=K, capacity_factor=CF, n_groups=n))(x, p)
-    return got, want, compiled, mesh, seen, cap
+    return got, want, compiled, mesh, seen, cap, (x, p, body, specs)
+
+
+UNTILED = (
+    "its gradient not judged: JAX cannot differentiate an untiled lax.all_to_all whose split_axis and "
+    "concat_axis differ (its transpose expects other shapes), a tiled one it can"
+)
+"""What the pass message says when the answer's backward raises JAX's own error (JAX 0.12)."""
+
+
+def _judge_grads(mesh, names: tuple[str, str], run: tuple) -> str:
+    """The gradient of ``<layer(x), r>`` in ``x``, the router and the experts' weights against the
+    one-device MoE's: an exchange the backward cannot pass (``lax.stop_gradient``) keeps the values.
+    Returns what the pass message says of the gradient."""
+    x, p, body, specs = run
+    n = int(np.prod(list(mesh.shape.values())))
+    r = np.random.default_rng(36).standard_normal(x.shape).astype(np.float32)
+    layer = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(names))
+    ref = lambda x, p: moe.moe_mlp(x, p, k=K, capacity_factor=CF, n_groups=n)  # noqa: E731
+    once = _ONCE if jax.default_backend() == "cpu" else None
+
+    def grads(fn):
+        return jax.jit(jax.grad(lambda x, p: (fn(x, p) * r).sum(), (0, 1)), compiler_options=once)
+
+    what = f"jax.grad of moe_layer on the {names[0]} × {names[1]} mesh"
+    try:
+        got = grads(layer)(x, p)
+    except ValueError as err:
+        if "Expected cotangent type" in str(err):
+            return UNTILED  # JAX's own transpose of an untiled all_to_all, not the answer's
+        got = call_answer(what, grads(layer), x, p)  # raises again, as an ExerciseError with a hint
+    want = grads(ref)(x, p)
+    leaves = [("the tokens x", got[0], want[0])] + [
+        (f"params{jax.tree_util.keystr(path)}", g, w)
+        for (path, g), w in zip(
+            jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1]), strict=True
+        )
+    ]
+    wrong = [name for name, g, w in leaves if not close(g, w)]
+    if wrong:
+        fail(
+            f"the outputs are right, but jax.grad through moe_layer on the {names[0]} × {names[1]} mesh "
+            f"is not the one-device MoE's for {', '.join(wrong)}",
+            "keep the exchange differentiable: no lax.stop_gradient and no integer casts of the buffer or "
+            "the experts' outputs (lax.all_to_all's gradient is the all_to_all back, which JAX derives)",
+        )
+    return "and its gradient on the first"
 
 
 def _judge_bytes(compiled, mesh, names, cap: int) -> None:
@@ -232,6 +280,7 @@ def _expert_size(want: int, room: int) -> int:
 @judged_on(4, "fewer than 4 devices cannot hold a data axis and an expert axis of 2 or more each")
 def _check(moe_layer: Callable, devices: Sequence[Any]) -> bool:
     rng = np.random.default_rng(35)
+    graded = ""
     # on 4 to 7 devices the expert axis of the 2 × 2 meshes is 2, where a place sent to device j + 2's
     # slot is sent home: a 1 × 4 mesh as well gives an expert axis of 4
     wide = len(devices) < 8
@@ -239,7 +288,7 @@ def _check(moe_layer: Callable, devices: Sequence[Any]) -> bool:
         names, sizes = tuple(a for a, _ in axes), tuple(s for _, s in axes)
         sizes = (sizes[0], _expert_size(sizes[1], len(devices) // sizes[0]))  # 2 x 2 on 4 to 7
         with unaided("moe_layer", _FORBIDDEN, _HINT):
-            got, want, compiled, mesh, seen, cap = _run(moe_layer, names, sizes, devices, rng)
+            got, want, compiled, mesh, seen, cap, run = _run(moe_layer, names, sizes, devices, rng)
         if tuple(got.shape) != tuple(want.shape):
             fail(
                 f"moe_layer returned {tuple(got.shape)} per mesh; want {tuple(want.shape)}",
@@ -257,11 +306,14 @@ def _check(moe_layer: Callable, devices: Sequence[Any]) -> bool:
                 _LAYOUT_HINT,
             )
         _judge_bytes(compiled, mesh, names, cap)
+        if axes == _MESHES[0]:  # the gradient on the first mesh only: one more compile
+            with unaided("moe_layer", _FORBIDDEN, _HINT):
+                graded = _judge_grads(mesh, names, run)
     shown = f"2 × {_expert_size(4, len(devices) // 2)}" + (" mesh, a 1 × 4" if wide else "")
     return passed(
         f"equals the one-device MoE (a capacity that drops choices) on a data × expert = {shown} mesh and "
-        "a 2 × 2 mesh with other axis names; each device sends two all-to-alls' bytes on the expert axis "
-        "and nothing on the other"
+        f"a 2 × 2 mesh with other axis names ({graded}); each device sends two all-to-alls' bytes on "
+        "the expert axis and nothing on the other"
     )
 
 
