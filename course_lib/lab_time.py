@@ -15,10 +15,14 @@ one TPU v5e chip (:data:`TPU_LAB_RESULTS`) is the model's test on any machine: :
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
 
 from . import comms, costs
 
@@ -366,3 +370,65 @@ def repeat_steps(run: Any, state: Any, batch: Any, calls: int = 1):
         return metrics
 
     return call
+
+
+def critical_batch_figure(
+    batch: int,
+    stats: Any,
+    fabric: costs.Fabric,
+    precision: str,
+    *,
+    grows: Sequence[bool],
+    matmul_precision: str = "default",
+    ax: Any = None,
+    title: str = "",
+):
+    """Draw one strategy's roofline time ``r × b`` and communication time ``a + c × b`` against the
+    per-device batch ``b`` (both axes logarithmic), with the fabric's α and with α = 0: each pair crosses
+    at its critical batch ``b* = a / (r − c)`` (:func:`course_lib.costs.critical_batch`;
+    ``notebooks/08_lab.ipynb``, section 6.4). The batch axis spans 1/4 of the smallest of ``batch`` and
+    the finite b* to 4 times the largest.
+
+    Args:
+      batch: the per-device batch (images) the program was compiled for; drawn as a vertical line.
+      stats: the program's :class:`course_lib.measure.CompiledStats` (``flops_per_device``,
+        ``bytes_accessed``, ``transfers``).
+      fabric: the :class:`course_lib.chips.Fabric` whose chip and links give the times.
+      precision, matmul_precision: as :func:`course_lib.costs.step_time`.
+      grows: one bool per transfer, True where its bytes grow with the batch (:func:`grows_with_batch`).
+      ax: the matplotlib axes to draw on; None: a new figure.
+      title: the axes' title.
+
+    Returns:
+      The matplotlib ``Figure``. Its axes hold three lines, in µs per step: ``"roofline r·b"``,
+      ``"communication a + c·b"`` and ``"communication, α = 0"``, then one vertical line per finite,
+      nonzero b* (labelled ``"b* …"``) and one at ``batch`` (``"this run's batch"``).
+    """
+    no_alpha = dataclasses.replace(fabric, link=dataclasses.replace(fabric.link, latency_s=0.0))
+    args = (stats.flops_per_device, stats.bytes_accessed, stats.transfers)
+    kw = {"grows": grows, "matmul_precision": matmul_precision}
+    lines = {}
+    for name, fab in (("communication a + c·b", fabric), ("communication, α = 0", no_alpha)):
+        one = costs.scaled_step_time(1.0, *args, fab, precision, **kw)
+        two = costs.scaled_step_time(2.0, *args, fab, precision, **kw)
+        c = (two["comm_s"] - one["comm_s"]) / batch  # seconds per image of the growing collectives
+        b_star = costs.critical_batch(batch, *args, fab, precision, **kw)
+        lines[name] = (one["comm_s"] - c * batch, c, b_star)
+    r = one["roofline_s"] / batch  # seconds per image: the slower of compute and HBM
+    finite = [b for _, _, b in lines.values() if 0 < b < math.inf]
+    b = np.geomspace(min([batch, *finite]) / 4, 4 * max([batch, *finite]), 200)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.5, 4.2))
+    ax.plot(b, r * b * 1e6, color="tab:blue", label="roofline r·b")
+    for (name, (a, c, _)), style in zip(lines.items(), ("-", "--"), strict=True):
+        ax.plot(b, (a + c * b) * 1e6, color="tab:red", linestyle=style, label=name)
+    for (name, (_, _, b_star)), style in zip(lines.items(), (":", "-."), strict=True):
+        if 0 < b_star < math.inf:
+            what = "α = 0" if "α = 0" in name else "with α"
+            ax.axvline(b_star, color="grey", linestyle=style, label=f"b* {what}: {b_star:.1f}")
+    ax.axvline(batch, color="black", linewidth=0.8, label=f"this run's batch: {batch}")
+    ax.set(xscale="log", yscale="log", title=title)
+    ax.set(xlabel="per-device batch b (images, log scale)", ylabel="µs per step (log scale)")
+    ax.set_xlim(b[0], b[-1])
+    ax.legend(fontsize=8)
+    return ax.figure

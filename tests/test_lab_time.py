@@ -1,10 +1,12 @@
 """The lab's time model (course_lib.lab_time) and its roofline plot: the fabric chosen, which collectives grow
 with the batch, a row's columns from a compiled program's numbers, the narrow-matmul estimate."""
 
+import dataclasses
 import math
 import types
 
 import matplotlib
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import pytest
@@ -167,3 +169,34 @@ def test_describe_mfu_in_words():
     assert "fill 25%, 50%, 100% of a 128 x 128" in text
     gpu = lab_time.describe_mfu(row, 150e12, None, "NVIDIA H100", "gpu", "bfloat16", (32, 64, 128))
     assert "matrix unit" not in gpu and "bf16 peak" not in gpu
+
+
+def test_the_critical_batch_figure_draws_both_crossings():
+    fabric = costs.FABRICS["TPU v5e"]
+    no_alpha = dataclasses.replace(fabric, link=dataclasses.replace(fabric.link, latency_s=0.0))
+    gathers = [_collective("all-gather", ("data",), 8, (3, 3, 32, 64)) for _ in range(4)]
+    stats = types.SimpleNamespace(
+        flops_per_device=4e9, bytes_accessed=6e8, transfers=gathers + gathers[:1]
+    )
+    grows = [False] * 4 + [True]  # four parameters' gathers, one activation's
+    args = (stats.flops_per_device, stats.bytes_accessed, stats.transfers)
+    fig = lab_time.critical_batch_figure(16, stats, fabric, "bfloat16", grows=grows, title="E")
+    ax = fig.axes[0]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels[:3] == ["roofline r·b", "communication a + c·b", "communication, α = 0"]
+    assert labels[-1] == "this run's batch: 16" and ax.get_title() == "E"
+    b = ax.get_lines()[0].get_xdata()
+    roof, comm, comm0 = (ax.get_lines()[k].get_ydata() for k in range(3))
+    assert np.allclose(roof / b, roof[0] / b[0]) and comm[0] > comm0[0] > 0  # r·b; α: fixed part
+    assert np.allclose(np.diff(comm), np.diff(comm0))  # the same slope c
+    assert ax.get_xscale() == ax.get_yscale() == "log"
+    for name, fab, line in (("with α", fabric, comm), ("α = 0", no_alpha, comm0)):
+        b_star = costs.critical_batch(16, *args, fab, "bfloat16", grows=grows)
+        assert 0 < b_star < b[-1] and f"b* {name}: {b_star:.1f}" in labels
+        gap = np.interp(b_star, b, roof - line)  # the lines cross at b*
+        assert abs(gap) <= 1e-9 * np.interp(b_star, b, roof)
+    plt.close(fig)
+    silent = types.SimpleNamespace(flops_per_device=4e9, bytes_accessed=6e8, transfers=[])
+    fig = lab_time.critical_batch_figure(4, silent, fabric, "bfloat16", grows=[])  # one device
+    assert [line.get_label() for line in fig.axes[0].get_lines()][-1] == "this run's batch: 4"
+    plt.close(fig)

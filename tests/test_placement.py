@@ -1,4 +1,4 @@
-"""The grid of where each kind of array lives (course_lib.placement, notebooks/08_lab.ipynb section 2)."""
+"""The grid of where each kind of array lives (course_lib.placement, notebooks/08_lab.ipynb section 4.1)."""
 
 import matplotlib
 
