@@ -274,14 +274,14 @@ def _facts(programs: dict[str, dict], prefix: str) -> dict[str, Any]:
     gathered = {k: dtypes_of(get(prefix + k), "all-gather", [a]) if get(prefix + k) else None
                 for k, a in (("tp_sp", "model"), ("dp_cp", "context"))}  # fmt: skip
     return {
-        "programs with start/done pairs": _joined(n.removeprefix(prefix) for n, s in programs.items()
+        "programs with asynchronous collectives": _joined(n.removeprefix(prefix) for n, s in programs.items()
                                                   if s["async_starts"]),  # fmt: skip
         "pp_dp: collective-permutes over stage": None if perms is None else len(perms),
-        "pp_dp: of them start/done pairs": None if perms is None else sum(bool(c["async"]) for c in perms),
+        "pp_dp: of them asynchronous": None if perms is None else sum(bool(c["async"]) for c in perms),
         "tp_sp: all-gather dtypes over model": None if gathered["tp_sp"] is None else _joined(gathered["tp_sp"]),
         "dp_cp: all-gather dtypes over context": None if gathered["dp_cp"] is None else _joined(gathered["dp_cp"]),
         "ep_dp: all-to-alls over expert": None if a2a is None else len(a2a),
-        "ep_dp: of them start/done pairs": None if a2a is None else sum(bool(c["async"]) for c in a2a),
+        "ep_dp: of them asynchronous": None if a2a is None else sum(bool(c["async"]) for c in a2a),
         "ep_dp: of them in bf16 only": None if a2a is None else sum(c["dtypes"] == ["bf16"] for c in a2a),
         "ep_dp: all-to-all dtypes over expert": None if a2a is None else _joined({d for c in a2a for d in c["dtypes"]}),
         "dp: collectives": None if dp is None else _joined(c["op"] for c in dp["collectives"]),

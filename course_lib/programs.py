@@ -58,6 +58,9 @@ _CALLED = re.compile(
     r"|\bbranch_computations=\{([^}]*)\}"
 )
 _ASYNC_CALL = re.compile(r"\basync-start\(.*?\bcalls=%?([\w.\-]+)")
+# XLA:TPU's asynchronous collective fusions: one collective written in every fusion of its chain (the
+# start, its continuations, the done), each copy tagged with the chain's ``chain_id``
+_CHAIN = re.compile(r'\bchain_id="(\d+)"')
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s")
 
 
@@ -135,7 +138,8 @@ class CollectiveOp:
         a loop around it has no known trip count (XLA:TPU writes none).
       in_loop: it sits in a ``while`` loop (:func:`loop_computations`), whether or not the count is known.
       asynchronous: issued as an asynchronous pair (``all-reduce-start`` … ``all-reduce-done``, or inside
-        a computation an ``async-start`` calls): other work may run between its start and its end.
+        a computation an ``async-start`` calls, or an XLA:TPU asynchronous collective fusion): other work
+        may run between its start and its end.
     """
 
     op: str
@@ -256,7 +260,9 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
       mesh: the mesh the program runs on (a ``Mesh`` or its ``dict(mesh.shape)``), to name the axes.
 
     Returns:
-      One :class:`CollectiveOp` per instruction; an asynchronous ``-start``/``-done`` pair counts once.
+      One :class:`CollectiveOp` per instruction; an asynchronous ``-start``/``-done`` pair counts once,
+      and so does an XLA:TPU asynchronous collective fusion (the copies of one collective that share a
+      ``chain_id`` across its start, continuation and done fusions: the first, asynchronous).
       Groups not written out (every device) span every axis of size > 1.
 
     Raises:
@@ -266,7 +272,7 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
     runs, looped = computation_runs(hlo_text), loop_computations(hlo_text)
     done = _done_shapes(hlo_text)
     wrapped = set(_ASYNC_CALL.findall(hlo_text))
-    ops, computation = [], ""
+    ops, computation, chains = [], "", set()
     for line in hlo_text.splitlines():
         if line[:1] not in ("", " ", "\t") and line.rstrip().endswith("{"):
             computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
@@ -274,6 +280,11 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
         m = _INSTR.search(line) if _ANY_COLLECTIVE.search(line) else None
         if not m:
             continue
+        chain = _CHAIN.search(line)
+        if chain:
+            if (m.group("op"), chain.group(1)) in chains:
+                continue  # a later fusion of a chain already counted
+            chains.add((m.group("op"), chain.group(1)))
         groups = _groups(line)
         if shape_of_mesh is None:
             axes = None
@@ -303,7 +314,7 @@ def collective_ops(hlo_text: str, mesh: Any = None) -> list[CollectiveOp]:
                 computation,
                 runs.get(computation, 1),
                 computation in looped,
-                bool(m.group("start")) or computation in wrapped,
+                bool(m.group("start")) or computation in wrapped or bool(chain),
             )
         )
     return ops

@@ -96,8 +96,12 @@ def test_program_facts_from_the_committed_tpu_programs():
     facts = lm_lab.program_facts(tpu)
     assert list(facts.columns) == ["XLA:TPU"]
     t = facts["XLA:TPU"]
-    assert t["programs with start/done pairs"] == "pp_dp"
-    assert t["pp_dp: of them start/done pairs"] == t["pp_dp: collective-permutes over stage"] > 0
+    # the pipeline's start/done sends and the gathers XLA:TPU writes as asynchronous collective fusions
+    assert (
+        t["programs with asynchronous collectives"]
+        == "3d,dp_cp,fsdp_tp,pp_dp,tp_sp,tp_sp_partitioner"
+    )
+    assert t["pp_dp: of them asynchronous"] == t["pp_dp: collective-permutes over stage"] > 0
     assert t["ep_dp: all-to-alls over expert"] == 4 * CFG.n_layers
     assert t["ep_dp: of them in bf16 only"] == CFG.n_layers
     assert t["ep_dp: all-to-all dtypes over expert"] == "bf16,f32"

@@ -365,3 +365,19 @@ def test_traced_shapes_reads_layer_norm_inputs():
     assert programs.traced_shapes(tp, "multiply", "square") == [(4, 16, 32)] * 3
     assert programs.traced_shapes(sp, "multiply", "no_such_op") == []
     assert programs.traced_shapes("", "add", "square") == []
+
+
+def test_an_xla_tpu_collective_fusion_counts_once_and_asynchronous():
+    # XLA:TPU writes an asynchronous collective fusion's all-gather in every fusion of its chain (start,
+    # continuations, done), each copy tagged with one chain_id: one collective, issued asynchronously
+    from course_lib import aot
+
+    text = aot.hlo_text("lab08.fsdp.float32")
+    copies = [line for line in text.splitlines() if "chain_id=" in line and "all-gather(" in line]
+    chains = {line.split('chain_id="')[1].split('"')[0] for line in copies}
+    assert len(copies) == 12 and chains == {"0", "1", "2"}
+    gathers = [o for o in programs.collective_ops(text, {"data": 8}) if o.op == "all-gather"]
+    assert [o.asynchronous for o in gathers].count(True) == len(chains)
+    assert len(gathers) == len(chains) + 2  # and two synchronous gathers outside any chain
+    # one copy's bytes each: the three kernels [3,3,32,64], [3,3,64,64], [1024,128] in bfloat16
+    assert sorted(o.nbytes for o in gathers if o.asynchronous) == [36_864, 73_728, 262_144]
