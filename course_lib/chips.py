@@ -236,6 +236,15 @@ class Fabric:
         links = [named.get(a, self.link) for a in axes for a in a.split(",")] or [self.link]
         return min(links, key=lambda link: link.bytes_per_s)
 
+    def with_latency(self, latency_s: float) -> Fabric:
+        """This fabric with every link's α (``latency_s``, seconds per collective step) replaced, e.g. 0 to
+        keep only the bandwidth terms."""
+        named = tuple(
+            (a, dataclasses.replace(lk, latency_s=latency_s)) for a, lk in self.axis_links
+        )
+        link = dataclasses.replace(self.link, latency_s=latency_s)
+        return dataclasses.replace(self, link=link, axis_links=named)
+
     def with_axis(self, axis: str, link: Link) -> Fabric:
         """This fabric with ``axis`` on ``link`` (e.g. the data axis across nodes)."""
         named = dict(self.axis_links) | {axis: link}

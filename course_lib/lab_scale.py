@@ -8,7 +8,6 @@ compiled. Every figure is a model, never a measurement.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,10 +52,8 @@ def article_scale_steps(
     for name in fabric_names:
         fabric = costs.FABRICS[name]
         if latency_s is not None:
-            fabric = dataclasses.replace(
-                fabric, link=dataclasses.replace(fabric.link, latency_s=latency_s)
-            )
-        no_alpha = dataclasses.replace(fabric, link=dataclasses.replace(fabric.link, latency_s=0.0))
+            fabric = fabric.with_latency(latency_s)
+        no_alpha = fabric.with_latency(0.0)
         for key in keys:
             t = strategies.predict_comm(key, cfg.model, cfg.global_batch, n_devices, platform="gpu")
             step = costs.step_time(compute_flops, None, t, fabric, precision)

@@ -15,7 +15,6 @@ one TPU v5e chip (:data:`TPU_LAB_RESULTS`) is the model's test on any machine: :
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -404,7 +403,7 @@ def critical_batch_figure(
       ``"communication a + c·b"`` and ``"communication, α = 0"``, then one vertical line per finite,
       nonzero b* (labelled ``"b* …"``) and one at ``batch`` (``"this run's batch"``).
     """
-    no_alpha = dataclasses.replace(fabric, link=dataclasses.replace(fabric.link, latency_s=0.0))
+    no_alpha = fabric.with_latency(0.0)
     args = (stats.flops_per_device, stats.bytes_accessed, stats.transfers)
     kw = {"grows": grows, "matmul_precision": matmul_precision}
     lines = {}

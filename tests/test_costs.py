@@ -214,3 +214,13 @@ def test_comm_split_sums_to_the_step_times_communication():
     assert latency > 0 and bandwidth > 0
     assert math.isclose(latency + bandwidth, whole, rel_tol=1e-12)
     assert costs.comm_split([], ici) == (0.0, 0.0)
+
+
+def test_a_fabric_with_another_latency_changes_every_link_and_nothing_else():
+    from course_lib import chips
+
+    base = costs.FABRICS["H100"].with_axis("data", chips.LINKS["InfiniBand NDR"])
+    zero = base.with_latency(0.0)
+    assert zero.link.latency_s == 0.0 and dict(zero.axis_links)["data"].latency_s == 0.0
+    assert zero.link.bytes_per_s == base.link.bytes_per_s and zero.chip == base.chip
+    assert dict(zero.axis_links)["data"].bytes_per_s == dict(base.axis_links)["data"].bytes_per_s
